@@ -1,0 +1,335 @@
+"""Llama-family target model: RMSNorm, RoPE (with rope_scaling variants), grouped-query
+attention, SwiGLU, tied or untied embeddings.
+
+Module and parameter names mirror transformers' `LlamaForCausalLM` (`model.layers.0.
+self_attn.q_proj.weight`, ...) so a Hugging Face checkpoint loads with no renaming and
+transformers stays a drop-in oracle in the tests.
+
+Forward signature (shared by every decoding strategy):
+
+    input_ids  [B, T]       new tokens (right-padded when rows carry fewer)
+    positions  [B, T]       RoPE position of each new token (tree siblings share one)
+    kv_cache   KVCache|None committed context; new K/V are written, not committed
+    tree_mask  [B, T, T]    optional mask among the new tokens (True = attend)
+    logits_indices [B, K]   optional: only compute logits at these new-token indices
+ -> LlamaOutput(logits [B, T or K, V], hidden [B, T, D])
+
+`hidden` is the final-norm output (what the LM head sees), which is what ReDrafter and
+Lyanna drafters condition on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model_defs.kv_cache import KVCache, attention_mask
+from model_defs.rope import RopeConfig, RotaryEmbedding, apply_rope
+
+ARCHITECTURE = "LlamaForCausalLM"
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Architecture hyper-parameters, with HF `LlamaConfig` field names."""
+
+    vocab_size: int
+    """Rows of the embedding and the LM head."""
+    hidden_size: int
+    """Model width."""
+    intermediate_size: int
+    """SwiGLU inner width."""
+    num_hidden_layers: int
+    """Decoder layers."""
+    num_attention_heads: int
+    """Query heads."""
+    num_key_value_heads: int
+    """KV heads (< query heads: grouped-query attention)."""
+    head_dim: int
+    """Per-head width (usually hidden_size // num_attention_heads)."""
+    max_position_embeddings: int = 2048
+    """Longest context the model was trained for."""
+    rms_norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+    rope_scaling: dict[str, Any] | None = None
+    """HF `rope_scaling` dict (`rope_type` + parameters) or None."""
+    tie_word_embeddings: bool = False
+    """LM head shares the embedding matrix."""
+    attention_bias: bool = False
+    """Bias on q/k/v/o projections."""
+    mlp_bias: bool = False
+    """Bias on the MLP projections."""
+    bos_token_id: int | None = None
+    """Beginning-of-sequence token."""
+    eos_token_id: int | list[int] | None = None
+    """End-of-sequence token(s)."""
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    """Other HF config keys, kept so a round trip loses nothing."""
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        _ = self.rope  # validates rope_scaling early
+
+    @property
+    def rope(self) -> RopeConfig:
+        scaling = dict(self.rope_scaling or {})
+        rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
+        scaling.pop("rope_theta", None)
+        return RopeConfig(self.head_dim, self.rope_theta, rope_type, scaling)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        if self.eos_token_id is None:
+            return []
+        return [self.eos_token_id] if isinstance(self.eos_token_id, int) else list(self.eos_token_id)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> LlamaConfig:
+        """Build from a HF `config.json` dict (transformers 4 or 5 style)."""
+        archs = hf.get("architectures") or [ARCHITECTURE]
+        if hf.get("model_type", "llama") != "llama" or ARCHITECTURE not in archs:
+            raise ValueError(
+                f"unsupported architecture {archs} (model_type {hf.get('model_type')!r}); "
+                f"specpipe targets {ARCHITECTURE}"
+            )
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r}; Llama uses 'silu'")
+        rope = RopeConfig.from_hf(hf, head_dim=1)
+        heads = hf["num_attention_heads"]
+        known = {f for f in cls.__dataclass_fields__ if f != "extra"}
+        known |= {"rope_parameters", "architectures", "model_type", "hidden_act"}
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.theta,
+            rope_scaling=None if rope.rope_type == "default" else {"rope_type": rope.rope_type, **rope.params},
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            attention_bias=hf.get("attention_bias", False),
+            mlp_bias=hf.get("mlp_bias", False),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=hf.get("eos_token_id"),
+            extra={k: v for k, v in hf.items() if k not in known},
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """HF `config.json` dict (transformers 5 style, `rope_parameters`)."""
+        d = {k: v for k, v in asdict(self).items() if k not in ("extra", "rope_theta", "rope_scaling")}
+        d.update(self.extra)
+        d.update(self.rope.to_hf())
+        d.update(architectures=[ARCHITECTURE], model_type="llama", hidden_act="silu")
+        return d
+
+    def num_parameters(self) -> int:
+        return sum(s.numel() for s in expected_shapes(self).values())
+
+
+def expected_shapes(cfg: LlamaConfig) -> dict[str, torch.Size]:
+    """Tensor name -> shape of a complete checkpoint (HF names). With tied embeddings
+    `lm_head.weight` is absent."""
+    d, kv = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
+    q = cfg.num_attention_heads * cfg.head_dim
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (d,),
+            p + "post_attention_layernorm.weight": (d,),
+            p + "self_attn.q_proj.weight": (q, d),
+            p + "self_attn.k_proj.weight": (kv, d),
+            p + "self_attn.v_proj.weight": (kv, d),
+            p + "self_attn.o_proj.weight": (d, q),
+            p + "mlp.gate_proj.weight": (cfg.intermediate_size, d),
+            p + "mlp.up_proj.weight": (cfg.intermediate_size, d),
+            p + "mlp.down_proj.weight": (d, cfg.intermediate_size),
+        }
+        if cfg.attention_bias:
+            shapes |= {p + f"self_attn.{n}_proj.bias": (s,) for n, s in zip("qkvo", (q, kv, kv, d))}
+        if cfg.mlp_bias:
+            shapes |= {p + f"mlp.{n}_proj.bias": (s,) for n, s in (("gate", cfg.intermediate_size), ("up", cfg.intermediate_size), ("down", d))}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, d)
+    return {k: torch.Size(v) for k, v in shapes.items()}
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in fp32 and cast back (as transformers does)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention over the KV cache plus the new (possibly tree) tokens."""
+
+    def __init__(self, cfg: LlamaConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, D]
+        cos: torch.Tensor,  # [B, T, head_dim]
+        sin: torch.Tensor,  # [B, T, head_dim]
+        step: ForwardStep,
+    ) -> torch.Tensor:  # [B, T, D]
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if step.cache is not None:
+            k, v = step.cache.update(self.layer, step.slots, k, v, step.num_keys)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=step.mask, is_causal=step.mask is None, enable_gqa=self.num_kv_heads != self.num_heads
+        )  # [B, H, T, head_dim]
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        bias = cfg.mlp_bias
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: ForwardStep) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, step)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class ForwardStep(NamedTuple):
+    """Per-forward attention metadata, computed once and shared by all layers."""
+
+    cache: KVCache | None
+    slots: torch.Tensor | None  # [B, T] cache columns the new tokens are written to
+    num_keys: int  # key columns to read from the cache
+    mask: torch.Tensor | None  # [B, 1, T, S] bool; None = plain causal (no cache)
+
+
+class LlamaOutput(NamedTuple):
+    logits: torch.Tensor  # [B, T or K, V] (fp32)
+    hidden: torch.Tensor  # [B, T, D] final-norm hidden states
+
+
+class LlamaModel(nn.Module):
+    """Embedding + decoder stack + final norm (HF `model.*`)."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg.rope)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The target model. See the module docstring for the forward contract."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, T]
+        positions: torch.Tensor,  # [B, T]
+        kv_cache: KVCache | None = None,
+        tree_mask: torch.Tensor | None = None,  # [B, T, T] bool
+        logits_indices: torch.Tensor | None = None,  # [B, K]
+    ) -> LlamaOutput:
+        if input_ids.ndim != 2 or positions.shape != input_ids.shape:
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must be [B, T]")
+        num_new = input_ids.shape[1]
+        if kv_cache is None:
+            lengths = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+            mask = None if tree_mask is None else attention_mask(lengths, num_new, num_new, tree_mask)
+            step = ForwardStep(None, None, num_new, mask)
+        else:
+            slots, num_keys = kv_cache.prepare(num_new)
+            step = ForwardStep(kv_cache, slots, num_keys, attention_mask(kv_cache.lengths, num_new, num_keys, tree_mask))
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_emb(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, step)
+        hidden = self.model.norm(x)
+        head_in = hidden
+        if logits_indices is not None:
+            head_in = torch.gather(hidden, 1, logits_indices[..., None].expand(-1, -1, hidden.shape[-1]))
+        return LlamaOutput(self.lm_head(head_in).float(), hidden)
+
+    def new_kv_cache(self, batch_size: int, max_len: int) -> KVCache:
+        """An empty cache sized for this model, on its device and dtype."""
+        cfg, w = self.config, self.lm_head.weight
+        return KVCache(cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, cfg.head_dim, max_len, w.dtype, w.device)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+        """Load a HF `LlamaForCausalLM` directory (config.json + safetensors, sharded or not)."""
+        from model_defs.checkpoint import load_llama_checkpoint
+
+        cfg, tensors = load_llama_checkpoint(Path(path))
+        return cls.from_tensors(cfg, tensors, dtype)
+
+    @classmethod
+    def from_tensors(cls, cfg: LlamaConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> LlamaForCausalLM:
+        """Build from an already validated name -> tensor dict."""
+        with torch.device("meta"):
+            model = cls(cfg)
+        model.load_state_dict(tensors, strict=False, assign=True)
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        # buffers are not in checkpoints: recompute them on the real device
+        model.model.rotary_emb = RotaryEmbedding(cfg.rope)
+        return model.to(dtype).eval()
