@@ -57,7 +57,7 @@ def tensor_files(ckpt_dir: Path) -> dict[str, Path]:
     if not single.is_file():
         raise CheckpointError(f"{ckpt_dir}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
     with safe_open(str(single), framework="pt") as f:
-        return {name: single for name in f.keys()}
+        return dict.fromkeys(f.keys(), single)
 
 
 def load_tensors(files: dict[str, Path]) -> dict[str, torch.Tensor]:
@@ -76,9 +76,7 @@ def load_tensors(files: dict[str, Path]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def validate_tensors(
-    tensors: dict[str, torch.Tensor], files: dict[str, Path], expected: dict[str, torch.Size]
-) -> None:
+def validate_tensors(tensors: dict[str, torch.Tensor], files: dict[str, Path], expected: dict[str, torch.Size]) -> None:
     """Raise CheckpointError listing every missing, unexpected or mis-shaped tensor."""
     problems = []
     for name in sorted(expected.keys() - tensors.keys()):
@@ -95,14 +93,22 @@ def validate_tensors(
         raise CheckpointError("checkpoint does not match its config:\n  " + "\n  ".join(problems))
 
 
+def read_llama_config(ckpt_dir: Path) -> LlamaConfig:
+    """The `config.json` of a checkpoint directory, checked for a supported architecture."""
+    if not ckpt_dir.is_dir():
+        raise CheckpointError(f"{ckpt_dir}: checkpoint directory not found")
+    config_path = ckpt_dir / "config.json"
+    try:
+        return LlamaConfig.from_hf(read_json(config_path))
+    except KeyError as e:
+        raise CheckpointError(f"{config_path}: missing key {e}") from e
+    except ValueError as e:
+        raise CheckpointError(f"{config_path}: {e}") from e
+
+
 def load_llama_checkpoint(ckpt_dir: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     """Read and validate a HF `LlamaForCausalLM` directory."""
-    config_path = ckpt_dir / "config.json"
-    hf = read_json(config_path)
-    try:
-        cfg = LlamaConfig.from_hf(hf)
-    except (KeyError, ValueError) as e:
-        raise CheckpointError(f"{config_path}: {e}") from e
+    cfg = read_llama_config(ckpt_dir)
     files = {n: p for n, p in tensor_files(ckpt_dir).items() if not n.endswith(IGNORED_SUFFIXES)}
     tensors = load_tensors(files)
     if cfg.tie_word_embeddings and "lm_head.weight" in tensors:

@@ -69,9 +69,7 @@ class KVCache:
         self.lengths += num_tokens.to(self.lengths)
 
 
-def attention_mask(
-    lengths: torch.Tensor, num_new: int, num_keys: int, tree_mask: torch.Tensor | None
-) -> torch.Tensor:
+def attention_mask(lengths: torch.Tensor, num_new: int, num_keys: int, tree_mask: torch.Tensor | None) -> torch.Tensor:
     """Boolean mask `[B, 1, T, num_keys]` (True = attend) for `num_new` tokens written at
     columns `lengths[b] + t`; see the module docstring for `tree_mask` `[B, T, T]`."""
     device = lengths.device

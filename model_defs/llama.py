@@ -161,9 +161,12 @@ def expected_shapes(cfg: LlamaConfig) -> dict[str, torch.Size]:
             p + "mlp.down_proj.weight": (d, cfg.intermediate_size),
         }
         if cfg.attention_bias:
-            shapes |= {p + f"self_attn.{n}_proj.bias": (s,) for n, s in zip("qkvo", (q, kv, kv, d))}
+            shapes |= {p + f"self_attn.{n}_proj.bias": (s,) for n, s in zip("qkvo", (q, kv, kv, d), strict=True)}
         if cfg.mlp_bias:
-            shapes |= {p + f"mlp.{n}_proj.bias": (s,) for n, s in (("gate", cfg.intermediate_size), ("up", cfg.intermediate_size), ("down", d))}
+            shapes |= {
+                p + f"mlp.{n}_proj.bias": (s,)
+                for n, s in (("gate", cfg.intermediate_size), ("up", cfg.intermediate_size), ("down", d))
+            }
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, d)
     return {k: torch.Size(v) for k, v in shapes.items()}
@@ -210,8 +213,8 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if step.cache is not None:
-            k, v = step.cache.update(self.layer, step.slots, k, v, step.num_keys)
+        if step.write is not None:
+            k, v = step.write.cache.update(self.layer, step.write.slots, k, v, step.write.num_keys)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=step.mask, is_causal=step.mask is None, enable_gqa=self.num_kv_heads != self.num_heads
         )  # [B, H, T, head_dim]
@@ -245,13 +248,19 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class CacheWrite(NamedTuple):
+    """Where this forward's new K/V go in the cache and how much of it attention reads."""
+
+    cache: KVCache
+    slots: torch.Tensor  # [B, T] cache columns the new tokens are written to
+    num_keys: int  # key columns to read
+
+
 class ForwardStep(NamedTuple):
     """Per-forward attention metadata, computed once and shared by all layers."""
 
-    cache: KVCache | None
-    slots: torch.Tensor | None  # [B, T] cache columns the new tokens are written to
-    num_keys: int  # key columns to read from the cache
-    mask: torch.Tensor | None  # [B, 1, T, S] bool; None = plain causal (no cache)
+    write: CacheWrite | None  # None: no cache, attend to the new tokens only
+    mask: torch.Tensor | None  # [B, 1, T, S] bool; None = plain causal
 
 
 class LlamaOutput(NamedTuple):
@@ -290,15 +299,18 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor | None = None,  # [B, K]
     ) -> LlamaOutput:
         if input_ids.ndim != 2 or positions.shape != input_ids.shape:
-            raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must be [B, T]")
+            raise ValueError(
+                f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must be [B, T]"
+            )
         num_new = input_ids.shape[1]
         if kv_cache is None:
             lengths = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
             mask = None if tree_mask is None else attention_mask(lengths, num_new, num_new, tree_mask)
-            step = ForwardStep(None, None, num_new, mask)
+            step = ForwardStep(None, mask)
         else:
             slots, num_keys = kv_cache.prepare(num_new)
-            step = ForwardStep(kv_cache, slots, num_keys, attention_mask(kv_cache.lengths, num_new, num_keys, tree_mask))
+            mask = attention_mask(kv_cache.lengths, num_new, num_keys, tree_mask)
+            step = ForwardStep(CacheWrite(kv_cache, slots, num_keys), mask)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions, x.dtype)
         for layer in self.model.layers:
@@ -312,7 +324,9 @@ class LlamaForCausalLM(nn.Module):
     def new_kv_cache(self, batch_size: int, max_len: int) -> KVCache:
         """An empty cache sized for this model, on its device and dtype."""
         cfg, w = self.config, self.lm_head.weight
-        return KVCache(cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, cfg.head_dim, max_len, w.dtype, w.device)
+        return KVCache(
+            cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, cfg.head_dim, max_len, w.dtype, w.device
+        )
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:

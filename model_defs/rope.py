@@ -36,8 +36,7 @@ class RopeConfig:
     def __post_init__(self) -> None:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
-                f"rope_type {self.rope_type!r} is not supported; supported: "
-                f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+                f"rope_type {self.rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
         needed = {
             "default": (),

@@ -83,6 +83,22 @@ def read_texts(files: list[CorpusFile], root: Path, split: str) -> list[str]:
     return [(root / f.path).read_text(encoding="utf-8", errors="replace") for f in files if f.split == split]
 
 
+def heldout_prompts(count: int, root: Path | None = None) -> list[str]:
+    """`count` prompts of varied length cut from the held-out files (never trained on):
+    prompt i is 3 + 4*(i mod 5) lines of held-out file i mod n_files, starting at line
+    17*i mod the file's length. Deterministic wherever the manifest verifies."""
+    root = root or stdlib_root()
+    files = [f for f in load_manifest() if f.split == "test"]
+    verify_manifest(files, root)
+    texts = [(root / f.path).read_text(encoding="utf-8").splitlines(keepends=True) for f in files]
+    prompts = []
+    for i in range(count):
+        lines = texts[i % len(texts)]
+        start = (17 * i) % max(1, len(lines) - 20)
+        prompts.append("".join(lines[start : start + 3 + 4 * (i % 5)]))
+    return prompts
+
+
 def main() -> None:
     import argparse
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -21,10 +22,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
+from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from model_defs.llama import LlamaConfig, LlamaForCausalLM
 from training import corpus
+from training.model_card import write_model_card
 from training.tokenizer import EOT, save_hf_tokenizer, train_tokenizer
 
 
@@ -88,7 +91,7 @@ class TargetTrainConfig:
         )
 
 
-def tokenize(texts: list[str], tok, eot_id: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def tokenize(texts: list[str], tok: Tokenizer, eot_id: int) -> torch.Tensor:
     """Concatenate documents as `<eot> doc <eot> doc ...` -> `[N]` int64 ids."""
     ids: list[int] = []
     for enc in tok.encode_batch(texts, add_special_tokens=False):
@@ -115,7 +118,9 @@ def heldout_loss(model: LlamaForCausalLM, data: torch.Tensor, seq_len: int, max_
     total = 0.0
     for i in range(0, n, 16):
         logits = model(x[i : i + 16], torch.arange(seq_len).expand(len(x[i : i + 16]), -1)).logits
-        total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y[i : i + 16].reshape(-1), reduction="sum").item()
+        total += F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), y[i : i + 16].reshape(-1), reduction="sum"
+        ).item()
     model.train()
     return total / (n * seq_len)
 
@@ -130,6 +135,8 @@ def train(cfg: TargetTrainConfig, out: Path) -> dict[str, float]:
     out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(train_texts, cfg.vocab_size)
     eot_id = tok.token_to_id(EOT)
+    if eot_id is None:
+        raise RuntimeError(f"tokenizer lost its special token {EOT}")
     save_hf_tokenizer(tok, out, cfg.max_position_embeddings)
     train_ids, test_ids = tokenize(train_texts, tok, eot_id), tokenize(test_texts, tok, eot_id)
     print(f"corpus: {len(train_ids):,} train tokens, {len(test_ids):,} held-out tokens")
@@ -138,7 +145,11 @@ def train(cfg: TargetTrainConfig, out: Path) -> dict[str, float]:
     model = LlamaForCausalLM(mcfg)
     for name, p in model.named_parameters():  # GPT-2 style init
         if p.ndim == 2:
-            std = 0.02 / math.sqrt(2 * mcfg.num_hidden_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+            std = (
+                0.02 / math.sqrt(2 * mcfg.num_hidden_layers)
+                if name.endswith(("o_proj.weight", "down_proj.weight"))
+                else 0.02
+            )
             torch.nn.init.normal_(p, std=std)
     model.train()
     decay = [p for p in model.parameters() if p.ndim == 2]
@@ -168,7 +179,13 @@ def train(cfg: TargetTrainConfig, out: Path) -> dict[str, float]:
         opt.zero_grad(set_to_none=True)
         bar.set_postfix(loss=f"{loss.item():.3f}")
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-            log.append({"step": step + 1, "train_loss": loss.item(), "heldout_loss": heldout_loss(model, test_ids, cfg.seq_len)})
+            log.append(
+                {
+                    "step": step + 1,
+                    "train_loss": loss.item(),
+                    "heldout_loss": heldout_loss(model, test_ids, cfg.seq_len),
+                }
+            )
             tqdm.write(json.dumps(log[-1]))
     minutes = (time.time() - start) / 60
     final = log[-1]["heldout_loss"]
@@ -182,7 +199,9 @@ def train(cfg: TargetTrainConfig, out: Path) -> dict[str, float]:
         "parameters": sum(p.numel() for p in model.parameters()),
     }
     save_checkpoint(model, out)
-    (out / "training_log.json").write_text(json.dumps({"config": asdict(cfg), "metrics": metrics, "log": log}, indent=2) + "\n")
+    (out / "training_log.json").write_text(
+        json.dumps({"config": asdict(cfg), "metrics": metrics, "log": log}, indent=2) + "\n"
+    )
     return metrics
 
 
@@ -208,6 +227,7 @@ def main() -> None:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     metrics = train(cfg, args.out)
     print(json.dumps(metrics, indent=2))
+    print(f"model card: {write_model_card(args.out, 'python -m training.train_target ' + ' '.join(sys.argv[1:]))}")
 
 
 if __name__ == "__main__":

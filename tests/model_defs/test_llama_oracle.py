@@ -43,7 +43,12 @@ CONFIGS = {
         num_key_value_heads=2,
         attention_bias=True,
         mlp_bias=True,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16},
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
     ),
 }
 
@@ -117,7 +122,7 @@ def test_sharded_checkpoint_loads(tmp_path: Path) -> None:
 
 
 def test_logits_indices_select_positions(tmp_path: Path) -> None:
-    hf, path = make_hf_model(tmp_path, "mha-tied")
+    _, path = make_hf_model(tmp_path, "mha-tied")
     ours = LlamaForCausalLM.from_pretrained(path)
     ids = torch.randint(0, 97, (2, 7))
     with torch.no_grad():

@@ -1,0 +1,135 @@
+"""Build an engine directory from a Hugging Face Llama checkpoint.
+
+    python -m build.engine --checkpoint models/demo-target --output engines/demo
+
+Validates everything first (config, tensor names and shapes, tokenizer vocabulary) and
+writes into a temporary sibling directory that is renamed into place only when complete,
+so a failed build never leaves an engine directory behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from safetensors.torch import save_file
+from tokenizers import Tokenizer
+
+from model_defs.checkpoint import CheckpointError, load_llama_checkpoint, read_llama_config
+from model_defs.llama import ARCHITECTURE, LlamaConfig
+from runtime.engine_dir import DTYPES, TOKENIZER_FILE, BuildConfig, EngineConfig, rank_file
+
+
+class BuildError(ValueError):
+    """The inputs cannot make a valid engine; the message names the file and tensor."""
+
+
+def check_tokenizer(path: Path, cfg: LlamaConfig) -> None:
+    """The tokenizer must load and every token id it can produce must have an embedding
+    row (a larger embedding is fine: checkpoints often pad the vocabulary)."""
+    if not path.is_file():
+        raise BuildError(f"{path}: tokenizer file not found (pass --tokenizer)")
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception on malformed files
+        raise BuildError(f"{path}: cannot load tokenizer ({e})") from e
+    size = tok.get_vocab_size(with_added_tokens=True)
+    if size > cfg.vocab_size:
+        raise BuildError(
+            f"{path}: tokenizer has {size} tokens but the model's vocab_size is {cfg.vocab_size} "
+            "(tensor 'model.embed_tokens.weight'); tokenizer and weights do not belong together"
+        )
+    bad = [t for t in [*cfg.eos_token_ids, cfg.bos_token_id or 0] if not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise BuildError(f"config.json: special token ids {bad} are outside the vocabulary [0, {cfg.vocab_size})")
+
+
+def build_engine(
+    checkpoint: Path, output: Path, build: BuildConfig, tokenizer: Path | None = None, force: bool = False
+) -> Path:
+    """Validate `checkpoint` and write the engine dir `output`; returns `output`."""
+    if output.exists() and not force:
+        raise BuildError(f"{output}: already exists (pass --force to replace it)")
+    try:
+        cfg, tensors = load_llama_checkpoint(checkpoint)
+    except CheckpointError as e:
+        raise BuildError(str(e)) from e
+    tok_path = tokenizer or checkpoint / TOKENIZER_FILE
+    check_tokenizer(tok_path, cfg)
+    if build.max_seq_len > cfg.max_position_embeddings:
+        print(
+            f"warning: max_seq_len {build.max_seq_len} > max_position_embeddings {cfg.max_position_embeddings}; "
+            "quality beyond the trained context is not guaranteed",
+            file=sys.stderr,
+        )
+
+    output.parent.mkdir(parents=True, exist_ok=True)
+    partial = output.parent / f".{output.name}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    try:
+        weights = {k: v.to(build.torch_dtype).contiguous() for k, v in tensors.items()}
+        save_file(weights, str(partial / rank_file(0)), metadata={"format": "pt"})
+        shutil.copyfile(tok_path, partial / TOKENIZER_FILE)
+        model = cfg.to_hf() | {"dtype": build.dtype}  # the engine's dtype, not the checkpoint's
+        EngineConfig(ARCHITECTURE, model, build, source=str(checkpoint)).save(partial)
+        if output.exists():
+            shutil.rmtree(output)
+        partial.rename(output)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return output
+
+
+BUILD_HELP = {
+    "max_batch_size": "most requests decoded together (default: %(default)s)",
+    "max_input_len": "longest prompt in tokens (default: min(512, max_seq_len - 1))",
+    "max_seq_len": "longest prompt + output in tokens (default: the model's max_position_embeddings)",
+    "dtype": "float32 | bfloat16 | float16 (default: %(default)s; float32 is exact on CPU)",
+    "tp_size": "tensor-parallel ranks (default: %(default)s)",
+}
+
+
+def build_config_from_args(args: argparse.Namespace) -> BuildConfig:
+    """Fill the context-dependent defaults from the checkpoint's config."""
+    max_seq_len = args.max_seq_len or read_llama_config(args.checkpoint).max_position_embeddings
+    return BuildConfig(
+        max_batch_size=args.max_batch_size,
+        max_input_len=args.max_input_len or min(512, max_seq_len - 1),
+        max_seq_len=max_seq_len,
+        dtype=args.dtype,
+        tp_size=args.tp_size,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m build.engine", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--checkpoint", type=Path, required=True, help="HF LlamaForCausalLM directory (config.json + safetensors)"
+    )
+    ap.add_argument("--output", type=Path, required=True, help="engine directory to create, e.g. engines/demo")
+    ap.add_argument("--tokenizer", type=Path, help="tokenizer.json (default: the one in --checkpoint)")
+    ap.add_argument("--force", action="store_true", help="replace --output if it exists")
+    defaults = BuildConfig()
+    ap.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size, help=BUILD_HELP["max_batch_size"])
+    ap.add_argument("--max-input-len", type=int, help=BUILD_HELP["max_input_len"])
+    ap.add_argument("--max-seq-len", type=int, help=BUILD_HELP["max_seq_len"])
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default=defaults.dtype, help=BUILD_HELP["dtype"])
+    ap.add_argument("--tp-size", type=int, default=defaults.tp_size, help=BUILD_HELP["tp_size"])
+    args = ap.parse_args(argv)
+    try:
+        out = build_engine(args.checkpoint, args.output, build_config_from_args(args), args.tokenizer, args.force)
+    except ValueError as e:  # BuildError, CheckpointError and config validation
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"engine written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""Auto-regressive batched generation: the baseline every speculative method is compared
+with, and the reference its output must equal.
+
+    prefill (all prompts, right-padded, one forward) -> repeat: pick one token per row,
+    forward that token through the KV cache -> until every row hit EOS/stop or max_tokens
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime.engine import Engine
+from runtime.sampling import SamplingParams, next_token
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    output_ids: list[int]
+    """Generated tokens, without the stop token."""
+    finish_reason: str
+    """"stop" (EOS or a stop token) or "length" (max_tokens)."""
+    num_forwards: int
+    """Target forward passes this request took part in (prefill included)."""
+
+
+def check_request(engine: Engine, prompt: list[int], params: SamplingParams) -> None:
+    """Reject requests the engine was not built for, with the limit and the fix."""
+    build = engine.config.build
+    if not prompt:
+        raise ValueError("empty prompt: give at least one token")
+    if len(prompt) > build.max_input_len:
+        raise ValueError(
+            f"prompt has {len(prompt)} tokens > max_input_len {build.max_input_len}; "
+            "rebuild with a larger --max-input-len"
+        )
+    if len(prompt) + params.max_tokens > build.max_seq_len:
+        raise ValueError(
+            f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) > max_seq_len {build.max_seq_len}; "
+            "lower max_tokens or rebuild with a larger --max-seq-len"
+        )
+    vocab = engine.model.config.vocab_size
+    if min(prompt) < 0 or max(prompt) >= vocab:
+        raise ValueError(f"prompt token ids must be in [0, {vocab})")
+
+
+@torch.inference_mode()
+def generate_batch(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationResult]:
+    """Generate for up to `max_batch_size` prompts together."""
+    if len(prompts) != len(params):
+        raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+    if len(prompts) > engine.config.build.max_batch_size:
+        raise ValueError(f"{len(prompts)} prompts > max_batch_size {engine.config.build.max_batch_size}")
+    for prompt, p in zip(prompts, params, strict=True):
+        check_request(engine, prompt, p)
+    model, device = engine.model, engine.device
+    lens = torch.tensor([len(p) for p in prompts], device=device)
+    width = int(lens.max())
+    cache = model.new_kv_cache(len(prompts), width + max(p.max_tokens for p in params))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)  # [B, T] right-padded
+    for b, prompt in enumerate(prompts):
+        ids[b, : len(prompt)] = torch.tensor(prompt)
+    logits = model(
+        ids, torch.arange(width, device=device).expand(len(prompts), -1), cache, logits_indices=(lens - 1)[:, None]
+    ).logits[:, 0]
+    cache.commit(lens)
+
+    generators = [p.generator(device) for p in params]
+    stops = [set(p.stop_token_ids) | (set() if p.ignore_eos else set(engine.eos_token_ids)) for p in params]
+    results = [GenerationResult(list(prompt), [], "", 1) for prompt in prompts]
+    while True:
+        feed = []
+        for b, r in enumerate(results):
+            if r.finish_reason:
+                feed.append(0)  # finished rows ride along; their cache columns are never read
+                continue
+            token = next_token(logits[b], params[b], generators[b])
+            if token in stops[b]:
+                r.finish_reason = "stop"
+            else:
+                r.output_ids.append(token)
+                if len(r.output_ids) == params[b].max_tokens:
+                    r.finish_reason = "length"
+            feed.append(token)
+        if all(r.finish_reason for r in results):
+            return results
+        for r in results:
+            r.num_forwards += not r.finish_reason
+        tokens = torch.tensor(feed, device=device)[:, None]  # [B, 1]
+        logits = model(tokens, cache.lengths[:, None], cache).logits[:, -1]
+        cache.commit(torch.ones_like(cache.lengths))
+
+
+def generate(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationResult]:
+    """Generate for any number of prompts, `max_batch_size` at a time."""
+    size = engine.config.build.max_batch_size
+    results: list[GenerationResult] = []
+    for i in range(0, len(prompts), size):
+        results += generate_batch(engine, prompts[i : i + size], params[i : i + size])
+    return results

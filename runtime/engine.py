@@ -1,0 +1,48 @@
+"""A loaded engine: target model + tokenizer + build limits, from an engine directory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+
+from model_defs.checkpoint import validate_tensors
+from model_defs.llama import LlamaConfig, LlamaForCausalLM, expected_shapes
+from runtime.engine_dir import EngineConfig, rank_file
+
+
+@dataclass
+class Engine:
+    config: EngineConfig
+    model: LlamaForCausalLM
+    tokenizer: Tokenizer
+
+    @classmethod
+    def load(cls, engine_dir: str | Path, device: str = "cpu") -> Engine:
+        engine_dir = Path(engine_dir)
+        config = EngineConfig.load(engine_dir)
+        model_cfg = LlamaConfig.from_hf(config.model)
+        weights_path = engine_dir / rank_file(0)
+        tensors = load_file(str(weights_path), device=device)
+        validate_tensors(tensors, dict.fromkeys(tensors, weights_path), expected_shapes(model_cfg))
+        model = LlamaForCausalLM.from_tensors(model_cfg, tensors, config.build.torch_dtype).to(device)
+        tokenizer = Tokenizer.from_file(str(engine_dir / config.tokenizer))
+        return cls(config, model, tokenizer)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return self.model.config.eos_token_ids
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.lm_head.weight.device
+
+    def encode(self, text: str) -> list[int]:
+        """Prompt text -> ids, with the special tokens the tokenizer adds (BOS)."""
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)

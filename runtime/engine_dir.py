@@ -1,0 +1,100 @@
+"""The engine directory format, shared by `build/` (writes it) and `runtime/` (loads it).
+
+    engines/<name>/
+      config.json        EngineConfig below (format_version, architecture, model, build, ...)
+      rank0.safetensors  weights of rank 0 (HF tensor names, engine dtype) ... rank{tp-1}
+      tokenizer.json     Hugging Face `tokenizers` file
+
+It mirrors TensorRT-LLM's engine dir: one config with the architecture and the build
+settings, one weight file per tensor-parallel rank.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT_VERSION = 1
+CONFIG_FILE = "config.json"
+TOKENIZER_FILE = "tokenizer.json"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank}.safetensors"
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    """Limits and numerics fixed at build time (TensorRT-LLM `trtllm-build` equivalents)."""
+
+    max_batch_size: int = 8
+    """Most requests decoded together."""
+    max_input_len: int = 512
+    """Longest prompt, in tokens."""
+    max_seq_len: int = 1024
+    """Longest prompt + generated tokens."""
+    dtype: str = "float32"
+    """Weight and activation dtype: float32 | bfloat16 | float16."""
+    tp_size: int = 1
+    """Tensor-parallel ranks (one weight file each)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
+        for name in ("max_batch_size", "max_input_len", "max_seq_len", "tp_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_input_len >= self.max_seq_len:
+            raise ValueError(
+                f"max_seq_len {self.max_seq_len} <= max_input_len {self.max_input_len}: "
+                "raise --max-seq-len or lower --max-input-len (no room to generate)"
+            )
+        if self.tp_size != 1:
+            raise ValueError(f"tp_size {self.tp_size}: tensor parallelism is not supported yet; use --tp-size 1")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything `runtime/` needs to rebuild the engine from its directory."""
+
+    architecture: str
+    """Target architecture (`LlamaForCausalLM`)."""
+    model: dict[str, Any]
+    """The target's HF config dict."""
+    build: BuildConfig
+    """Build-time limits and dtype."""
+    source: str = ""
+    """Checkpoint directory the engine was built from (informational)."""
+    tokenizer: str = TOKENIZER_FILE
+    """Tokenizer file name inside the engine dir."""
+    format_version: int = FORMAT_VERSION
+    """Bumped on incompatible layout changes."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Sections later features add (drafter, ...)."""
+
+    def save(self, engine_dir: Path) -> None:
+        doc = asdict(self)
+        (engine_dir / CONFIG_FILE).write_text(json.dumps(doc, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, engine_dir: Path) -> EngineConfig:
+        path = engine_dir / CONFIG_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: not an engine directory (no {CONFIG_FILE}); build one with `make engine`")
+        doc = json.loads(path.read_text())
+        version = doc.get("format_version")
+        if version != FORMAT_VERSION:
+            raise ValueError(
+                f"{path}: engine format_version {version}, this runtime reads {FORMAT_VERSION}; rebuild the engine"
+            )
+        doc["build"] = BuildConfig(**doc["build"])
+        return cls(**doc)

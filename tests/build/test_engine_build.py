@@ -1,0 +1,157 @@
+"""Engine builder: a good checkpoint becomes a loadable engine; every kind of bad input
+fails with a message naming the file and tensor, and leaves no engine dir behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from build.engine import BuildError, build_engine, main
+from runtime.engine import Engine
+from runtime.engine_dir import BuildConfig
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL = BuildConfig(max_batch_size=2, max_input_len=32, max_seq_len=64)
+
+
+def copy_ckpt(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def edit_weights(ckpt: Path, edit) -> None:  # type: ignore[no-untyped-def]
+    path = ckpt / "model.safetensors"
+    tensors = load_file(str(path))
+    edit(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def expect_failure(ckpt: Path, out: Path, *needles: str, tokenizer: Path | None = None) -> None:
+    with pytest.raises(BuildError) as err:
+        build_engine(ckpt, out, SMALL, tokenizer=tokenizer)
+    for needle in needles:
+        assert needle in str(err.value)
+    assert not out.exists()
+    assert not any(p.name.startswith(f".{out.name}.partial") for p in out.parent.iterdir())
+
+
+def test_build_and_load_matches_transformers(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    out = build_engine(tiny_checkpoint, tmp_path / "eng", SMALL)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "rank0.safetensors", "tokenizer.json"]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["format_version"] == 1 and cfg["architecture"] == "LlamaForCausalLM"
+    assert cfg["build"] == {
+        "max_batch_size": 2,
+        "max_input_len": 32,
+        "max_seq_len": 64,
+        "dtype": "float32",
+        "tp_size": 1,
+    }
+    engine = Engine.load(out)
+    hf = transformers.LlamaForCausalLM.from_pretrained(tiny_checkpoint).eval()
+    ids = torch.tensor([engine.encode("def add(a, b):")])
+    with torch.no_grad():
+        ours = engine.model(ids, torch.arange(ids.shape[1])[None]).logits
+        assert (ours - hf(ids).logits).abs().max() <= 1e-4
+
+
+def test_bfloat16_engine_stores_bfloat16(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    out = build_engine(
+        tiny_checkpoint, tmp_path / "eng", BuildConfig(max_input_len=32, max_seq_len=64, dtype="bfloat16")
+    )
+    assert {t.dtype for t in load_file(str(out / "rank0.safetensors")).values()} == {torch.bfloat16}
+    assert Engine.load(out).model.lm_head.weight.dtype == torch.bfloat16
+
+
+def test_missing_directory(tmp_path: Path) -> None:
+    expect_failure(tmp_path / "nope", tmp_path / "eng", str(tmp_path / "nope"), "not found")
+
+
+def test_missing_tensor(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    ckpt = copy_ckpt(tiny_checkpoint, tmp_path / "ckpt")
+    edit_weights(ckpt, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    expect_failure(ckpt, tmp_path / "eng", "missing tensor 'model.layers.1.mlp.up_proj.weight'")
+
+
+def test_extra_tensor(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    ckpt = copy_ckpt(tiny_checkpoint, tmp_path / "ckpt")
+    edit_weights(ckpt, lambda t: t.update({"model.layers.2.mlp.up_proj.weight": torch.zeros(2, 2)}))
+    expect_failure(ckpt, tmp_path / "eng", "model.safetensors", "unexpected tensor 'model.layers.2.mlp.up_proj.weight'")
+
+
+def test_shape_mismatch(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    ckpt = copy_ckpt(tiny_checkpoint, tmp_path / "ckpt")
+    edit_weights(ckpt, lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": torch.zeros(32, 32)}))
+    expect_failure(
+        ckpt,
+        tmp_path / "eng",
+        "model.safetensors",
+        "'model.layers.0.self_attn.k_proj.weight' has shape [32, 32]",
+        "[16, 32]",
+    )
+
+
+def test_tokenizer_larger_than_vocab(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    ckpt = copy_ckpt(tiny_checkpoint, tmp_path / "ckpt")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["vocab_size"] = 200  # the tokenizer has ~290 tokens
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    edit_weights(ckpt, lambda t: t.update({k: v[:200] for k, v in t.items() if v.shape[0] == 320}))
+    expect_failure(ckpt, tmp_path / "eng", "tokenizer.json", "tokens but the model's vocab_size is 200")
+
+
+def test_unsupported_architecture(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    ckpt = copy_ckpt(tiny_checkpoint, tmp_path / "ckpt")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg.update(architectures=["MistralForCausalLM"], model_type="mistral")
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    expect_failure(ckpt, tmp_path / "eng", "config.json", "unsupported architecture", "MistralForCausalLM")
+
+
+def test_sharded_index_with_missing_shard(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    ckpt = copy_ckpt(tiny_checkpoint, tmp_path / "ckpt")
+    names = list(load_file(str(ckpt / "model.safetensors")))
+    index = {"weight_map": dict.fromkeys(names, "model-00001-of-00002.safetensors")}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    expect_failure(ckpt, tmp_path / "eng", "model-00001-of-00002.safetensors", "not found")
+
+
+def test_existing_output_needs_force(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    out = build_engine(tiny_checkpoint, tmp_path / "eng", SMALL)
+    with pytest.raises(BuildError, match="already exists"):
+        build_engine(tiny_checkpoint, out, SMALL)
+    assert build_engine(tiny_checkpoint, out, SMALL, force=True) == out
+
+
+def test_cli_reports_errors_with_exit_code(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--checkpoint", str(tmp_path / "nope"), "--output", str(tmp_path / "eng")]) == 2
+    assert "checkpoint directory not found" in capsys.readouterr().err
+
+
+def test_entry_point_wins_over_pypa_build(tmp_path: Path) -> None:
+    """PyPA's `build` is installed in this environment (requirements.txt); from the
+    repository root `python -m build.engine` must still be ours."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    pypa = subprocess.run(
+        [sys.executable, "-c", "import build; print(build.__file__)"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert pypa.returncode == 0 and "site-packages" in pypa.stdout, (
+        "PyPA build must be installed for this test to mean anything"
+    )
+    ours = subprocess.run(
+        [sys.executable, "-m", "build.engine", "--help"], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert ours.returncode == 0 and "--checkpoint" in ours.stdout

@@ -1,0 +1,76 @@
+"""Model card (README.md) for the bundled demo target, written from its training log so
+the numbers in it are the ones measured, never typed by hand."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from training import corpus
+
+
+def write_model_card(model_dir: Path, command: str) -> Path:
+    log = json.loads((model_dir / "training_log.json").read_text())
+    cfg, m = log["config"], log["metrics"]
+    files = corpus.load_manifest()
+    held = sum(f.split == "test" for f in files)
+    size_mb = sum(p.stat().st_size for p in model_dir.glob("*.safetensors")) / 1e6
+    curve = "\n".join(f"| {r['step']} | {r['train_loss']:.3f} | {r['heldout_loss']:.3f} |" for r in log["log"])
+    shape = (
+        f"{cfg['num_hidden_layers']} layers, width {cfg['hidden_size']}, SwiGLU {cfg['intermediate_size']}, "
+        f"{cfg['num_attention_heads']} query / {cfg['num_key_value_heads']} KV heads, tied embeddings"
+    )
+    rows = [
+        ("parameters", f"{m['parameters']:,} ({shape})"),
+        ("vocabulary", f"{cfg['vocab_size']} byte-level BPE tokens; `<\\|endoftext\\|>` (id 0) is BOS, EOS and pad"),
+        ("weights", f"bfloat16 safetensors, {size_mb:.1f} MB"),
+        (
+            "data",
+            f"{len(files)} non-test `.py` files of the standard library, listed with sha256 in "
+            f"`training/data/stdlib_manifest.json`; {held} files held out by path hash",
+        ),
+        (
+            "tokens",
+            f"{m['corpus_train_tokens']:,} train / {m['corpus_heldout_tokens']:,} held-out; "
+            f"{m['train_tokens']:,} seen in training "
+            f"(batch {cfg['batch_size']} x {cfg['seq_len']}, {cfg['steps']} steps)",
+        ),
+        (
+            "optimiser",
+            f"AdamW (lr {cfg['lr']}, cosine to {cfg['min_lr_ratio']}x, warm-up {cfg['warmup_steps']}, "
+            f"wd {cfg['weight_decay']}), bf16 autocast, seed {cfg['seed']}",
+        ),
+        ("held-out loss", f"{m['heldout_loss']:.3f} nats/token (perplexity {m['heldout_perplexity']:.1f})"),
+        ("training time", f"{m['train_minutes']:.1f} min on 2 CPU cores"),
+    ]
+    table = "\n".join(f"| {k} | {v} |" for k, v in rows)
+    python = json.loads(corpus.MANIFEST.read_text())["python"]
+    text = f"""# specpipe demo target
+
+A small Llama (`LlamaForCausalLM`, Hugging Face format) trained from scratch by
+`training/train_target.py` on the Python {python} standard library, so specpipe runs
+end to end with no downloads. It writes plausible-looking Python; it is a test bed for
+speculative decoding, not a useful code model.
+
+| | |
+|---|---|
+{table}
+
+Reproduce (`make model` runs exactly this):
+
+```
+{command}
+```
+
+| step | train loss | held-out loss |
+|---|---|---|
+{curve}
+"""
+    path = model_dir / "README.md"
+    path.write_text(text)
+    return path
+
+
+if __name__ == "__main__":
+    print(write_model_card(Path(sys.argv[1]), " ".join(sys.argv[2:]) or "make model"))
