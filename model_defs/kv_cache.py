@@ -68,6 +68,19 @@ class KVCache:
         """Keep the first `num_tokens[b]` tokens written by the last forward in row b."""
         self.lengths += num_tokens.to(self.lengths)
 
+    def commit_path(self, path: torch.Tensor, num_tokens: torch.Tensor) -> None:
+        """Keep an accepted tree path: new token `path[b, i]` (index among the last
+        forward's new tokens) moves to column `lengths[b] + i`, for i < num_tokens[b];
+        everything else the forward wrote is dropped. `path` `[B, P]` must be increasing
+        within a row (parents precede children in a packed tree), so no source column is
+        overwritten before it is read; entries past num_tokens[b] are ignored."""
+        rows = torch.arange(self.batch_size, device=path.device)[:, None]  # [B, 1]
+        src = self.lengths[:, None] + path  # [B, P]
+        dst = self.lengths[:, None] + torch.arange(path.shape[1], device=path.device)  # [B, P]
+        for cache in (*self.k, *self.v):
+            cache[rows, :, dst] = cache[rows, :, src]  # gather happens before the scatter
+        self.commit(num_tokens)
+
 
 def attention_mask(lengths: torch.Tensor, num_new: int, num_keys: int, tree_mask: torch.Tensor | None) -> torch.Tensor:
     """Boolean mask `[B, 1, T, num_keys]` (True = attend) for `num_new` tokens written at

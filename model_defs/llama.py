@@ -30,6 +30,7 @@ from torch import nn
 
 from model_defs.kv_cache import KVCache, attention_mask
 from model_defs.rope import RopeConfig, RotaryEmbedding, apply_rope
+from plugins.tree_attention import tree_attention
 
 ARCHITECTURE = "LlamaForCausalLM"
 
@@ -213,11 +214,14 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if step.write is not None:
+        if step.write is None:  # no cache (training, oracle tests): plain or explicitly masked attention
+            gqa = self.num_kv_heads != self.num_heads
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=step.mask, is_causal=step.mask is None, enable_gqa=gqa
+            )
+        else:
             k, v = step.write.cache.update(self.layer, step.write.slots, k, v, step.write.num_keys)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=step.mask, is_causal=step.mask is None, enable_gqa=self.num_kv_heads != self.num_heads
-        )  # [B, H, T, head_dim]
+            out = tree_attention(q, k, v, step.write.cache.lengths, step.tree_mask)  # [B, H, T, head_dim]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -260,7 +264,8 @@ class ForwardStep(NamedTuple):
     """Per-forward attention metadata, computed once and shared by all layers."""
 
     write: CacheWrite | None  # None: no cache, attend to the new tokens only
-    mask: torch.Tensor | None  # [B, 1, T, S] bool; None = plain causal
+    tree_mask: torch.Tensor | None  # [B, T, T] bool among the new tokens; None = causal
+    mask: torch.Tensor | None  # no-cache path: [B, 1, T, T] bool from tree_mask; None = causal
 
 
 class LlamaOutput(NamedTuple):
@@ -306,11 +311,10 @@ class LlamaForCausalLM(nn.Module):
         if kv_cache is None:
             lengths = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
             mask = None if tree_mask is None else attention_mask(lengths, num_new, num_new, tree_mask)
-            step = ForwardStep(None, mask)
+            step = ForwardStep(None, tree_mask, mask)
         else:
             slots, num_keys = kv_cache.prepare(num_new)
-            mask = attention_mask(kv_cache.lengths, num_new, num_keys, tree_mask)
-            step = ForwardStep(CacheWrite(kv_cache, slots, num_keys), mask)
+            step = ForwardStep(CacheWrite(kv_cache, slots, num_keys), tree_mask, None)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions, x.dtype)
         for layer in self.model.layers:

@@ -1,0 +1,103 @@
+"""Accepting a verified draft tree: which drafted tokens the target keeps, and its bonus.
+
+Terms (used the same way everywhere in specpipe):
+- *root*: node 0 of a packed tree, the bonus token of the previous step, emitted then
+  and processed (its KV written) in this step's verification forward;
+- *accepted* tokens: drafted tokens the target keeps, a path down from the root;
+- *bonus* token: one token the target itself picks at the last accepted node (on a
+  mismatch, a leaf, or after every child was rejected). A step always emits
+  `accepted + 1` tokens, so speculation never emits fewer than auto-regression.
+
+Greedy: walk down while some child equals the target's argmax. Exact by construction.
+
+Sampling: recursive rejection sampling over *point-mass* (deterministic) candidates —
+RSD (Jeon et al. 2024, Algorithm 1) with draft distributions that are deltas on the
+children, tried in their order. Child x is accepted with probability
+min(1, q(x)/p(x)) = q(x); on rejection the residual is q <- norm([q - δ_x]^+), i.e. x is
+zeroed out and q renormalised; if every child is rejected the bonus is drawn from the
+last residual. Because siblings are distinct tokens (dedup_prefix guarantees it), the
+emitted token at every level is distributed exactly as q, the target's distribution
+after temperature/top-k/top-p (`runtime.sampling.target_probs`). Apple's ReDrafter
+instead flips independent coins per beam and keeps the longest beam; its README notes
+that "might not give the exact distribution match", so it is not used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime.sampling import SamplingParams, sample, target_probs
+
+
+@dataclass
+class Acceptance:
+    path: list[int]
+    """Packed node indices kept, root first (their KV is compacted and committed)."""
+    tokens: list[int]
+    """Emitted this step: accepted drafted tokens, then the bonus token."""
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.path) - 1
+
+
+def children_lists(parents: list[int]) -> list[list[int]]:
+    """Children of every node in packed order (= the drafter's preference order)."""
+    children: list[list[int]] = [[] for _ in parents]
+    for node, parent in enumerate(parents):
+        if parent >= 0:
+            children[parent].append(node)
+    return children
+
+
+def accept_greedy(
+    tokens: list[int],  # [N] packed tree tokens of one request (root first)
+    parents: list[int],  # [N] parent index, -1 for the root
+    logits: torch.Tensor,  # [N, V] target logits at every node
+) -> Acceptance:
+    argmax = logits.argmax(dim=-1).tolist()
+    children = children_lists(parents)
+    node, path, out = 0, [0], []
+    while True:
+        want = argmax[node]
+        nxt = next((c for c in children[node] if tokens[c] == want), None)
+        if nxt is None:
+            return Acceptance(path, [*out, want])
+        path.append(nxt)
+        out.append(want)
+        node = nxt
+
+
+def accept_sampled(
+    tokens: list[int],  # [N]
+    parents: list[int],  # [N]
+    logits: torch.Tensor,  # [N, V]
+    params: SamplingParams,
+    generator: torch.Generator,
+) -> Acceptance:
+    children = children_lists(parents)
+    node, path, out = 0, [0], []
+    while True:
+        q = target_probs(logits[node], params)  # [V] target distribution at this node
+        for child in children[node]:
+            x = tokens[child]
+            if torch.rand((), generator=generator, device=q.device) < q[x]:
+                path.append(child)
+                out.append(x)
+                node = child
+                break
+            q[x] = 0.0  # residual norm([q - δ_x]^+)
+            q /= q.sum()
+        else:
+            return Acceptance(path, [*out, sample(q, generator)])
+
+
+def accept(
+    tokens: list[int], parents: list[int], logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> Acceptance:
+    """Greedy or sampled acceptance, as the request's sampling parameters ask."""
+    if params.greedy:
+        return accept_greedy(tokens, parents, logits)
+    return accept_sampled(tokens, parents, logits, params, generator)

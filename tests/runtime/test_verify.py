@@ -1,0 +1,95 @@
+"""Acceptance rules on hand-made trees: greedy walks the argmax path; recursive
+rejection sampling over point-mass candidates emits exactly the target's distribution.
+
+The toy target is a Markov chain over V=4 tokens (next-token logits depend only on the
+current token), so the exact law of the first two emitted tokens is Q[r, x1] * Q[x1, x2].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.sampling import SamplingParams, target_probs
+from runtime.verify import Acceptance, accept_greedy, accept_sampled, children_lists
+from tests.stats import passes_chi_square
+
+V = 4
+# Markov target: row t = logits of the token after t
+LOGITS = torch.tensor([[1.0, 0.2, -0.5, 0.3], [0.1, 1.2, 0.0, -1.0], [-0.3, 0.4, 0.9, 0.2], [0.5, -0.2, 0.1, 1.1]])
+# Packed tree, root token 0: children of the root are 2, 0, 1 (drafter order), then
+# node 1 (token 2) has children 3 and 2, node 2 (token 0) has child 1.
+TOKENS = [0, 2, 0, 1, 3, 2, 1]
+PARENTS = [-1, 0, 0, 0, 1, 1, 2]
+
+
+def node_logits() -> torch.Tensor:
+    return LOGITS[torch.tensor(TOKENS)]  # [N, V]
+
+
+def test_children_lists_keep_packed_order() -> None:
+    assert children_lists(PARENTS) == [[1, 2, 3], [4, 5], [6], [], [], [], []]
+
+
+def test_greedy_follows_argmax_path() -> None:
+    logits = node_logits()
+    # argmax after 0 is 0 -> node 2 (token 0); argmax after 0 again is 0, node 2 has only
+    # child token 1 -> stop with bonus 0.
+    acc = accept_greedy(TOKENS, PARENTS, logits)
+    assert acc.path == [0, 2] and acc.tokens == [0, 0]
+    # make the root prefer token 2 and token 2 prefer token 2: path root -> node1 -> node5
+    logits = logits.clone()
+    logits[0] = torch.tensor([0.0, 0.0, 5.0, 0.0])
+    logits[1] = torch.tensor([0.0, 0.0, 5.0, 0.0])
+    logits[5] = torch.tensor([0.0, 5.0, 0.0, 0.0])  # leaf: bonus is its argmax
+    acc = accept_greedy(TOKENS, PARENTS, logits)
+    assert acc.path == [0, 1, 5] and acc.tokens == [2, 2, 1]
+
+
+def accept_without_residual(
+    tokens: list[int], parents: list[int], logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
+) -> Acceptance:
+    """A plausible bug: try each child with probability q(x) but never update the
+    residual after a rejection (and draw the bonus from q itself)."""
+    children = children_lists(parents)
+    node, path, out = 0, [0], []
+    while True:
+        q = target_probs(logits[node], params)
+        for child in children[node]:
+            if torch.rand((), generator=gen) < q[tokens[child]]:
+                path.append(child)
+                out.append(tokens[child])
+                node = child
+                break
+        else:
+            return Acceptance(path, [*out, int(torch.multinomial(q, 1, generator=gen))])
+
+
+def first_two(params: SamplingParams, trials: int, seed: int, rule=accept_sampled) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Counts of the first two emitted tokens; when a step emits only one, the next
+    token comes from the target itself (what the next step's root would produce)."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = node_logits()
+    counts = torch.zeros(V, V)
+    for _ in range(trials):
+        out = rule(TOKENS, PARENTS, logits, params, gen).tokens
+        if len(out) == 1:
+            out.append(int(torch.multinomial(target_probs(LOGITS[out[0]], params), 1, generator=gen)))
+        counts[out[0], out[1]] += 1
+    return counts
+
+
+def exact_first_two(params: SamplingParams) -> torch.Tensor:
+    q = target_probs(LOGITS, params)  # [V, V] row = distribution after that token
+    return q[TOKENS[0]][:, None] * q  # P(x1, x2) = Q[root, x1] Q[x1, x2]
+
+
+def test_sampled_acceptance_is_exact() -> None:
+    for params, seed in [(SamplingParams(temperature=1.0), 0), (SamplingParams(temperature=0.7, top_k=3), 1)]:
+        assert passes_chi_square(first_two(params, trials=12000, seed=seed), exact_first_two(params))
+
+
+def test_the_chi_square_test_has_power() -> None:
+    """The same test, same sample size, rejects a rule that forgets the residual."""
+    params = SamplingParams(temperature=1.0)
+    counts = first_two(params, trials=12000, seed=0, rule=accept_without_residual)
+    assert not passes_chi_square(counts, exact_first_two(params))
