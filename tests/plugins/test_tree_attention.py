@@ -6,29 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_defs.llama import LlamaConfig, LlamaForCausalLM
 from plugins.beam_packing import pack, unpack
 from plugins.tree_attention import tree_attention
+from tests.tiny_models import tiny_target
 
 TOL = 1e-4
-
-
-def tiny_target(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=11,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-    )
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3)
-    return model
 
 
 @pytest.mark.parametrize(("width", "length", "context"), [(3, 4, 1), (4, 3, 7), (6, 5, 19), (1, 4, 5), (7, 2, 12)])
