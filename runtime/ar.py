@@ -7,23 +7,14 @@ with, and the reference its output must equal.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
+from model_defs.kv_cache import KVCache
 from runtime.engine import Engine
+from runtime.results import GenerationResult, stop_ids
 from runtime.sampling import SamplingParams, next_token
-
-
-@dataclass
-class GenerationResult:
-    prompt_ids: list[int]
-    output_ids: list[int]
-    """Generated tokens, without the stop token."""
-    finish_reason: str
-    """"stop" (EOS or a stop token) or "length" (max_tokens)."""
-    num_forwards: int
-    """Target forward passes this request took part in (prefill included)."""
 
 
 def check_request(engine: Engine, prompt: list[int], params: SamplingParams) -> None:
@@ -46,9 +37,16 @@ def check_request(engine: Engine, prompt: list[int], params: SamplingParams) -> 
         raise ValueError(f"prompt token ids must be in [0, {vocab})")
 
 
-@torch.inference_mode()
-def generate_batch(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationResult]:
-    """Generate for up to `max_batch_size` prompts together."""
+class Prefilled(NamedTuple):
+    cache: KVCache  # prompts committed
+    logits: torch.Tensor  # [B, V] target logits after each prompt's last token
+    hidden: torch.Tensor  # [B, D] target hidden state at each prompt's last token
+
+
+def prefill(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], extra_slots: int = 0) -> Prefilled:
+    """Validate a batch and run its prompts (right-padded) through the target in one
+    forward. The cache has room for every request's max_tokens plus `extra_slots`
+    uncommitted columns (a speculative step writes a whole tree before committing)."""
     if len(prompts) != len(params):
         raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
     if len(prompts) > engine.config.build.max_batch_size:
@@ -58,31 +56,32 @@ def generate_batch(engine: Engine, prompts: list[list[int]], params: list[Sampli
     model, device = engine.model, engine.device
     lens = torch.tensor([len(p) for p in prompts], device=device)
     width = int(lens.max())
-    cache = model.new_kv_cache(len(prompts), width + max(p.max_tokens for p in params))
+    cache = model.new_kv_cache(len(prompts), width + max(p.max_tokens for p in params) + extra_slots)
     ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)  # [B, T] right-padded
     for b, prompt in enumerate(prompts):
         ids[b, : len(prompt)] = torch.tensor(prompt)
-    logits = model(
-        ids, torch.arange(width, device=device).expand(len(prompts), -1), cache, logits_indices=(lens - 1)[:, None]
-    ).logits[:, 0]
+    positions = torch.arange(width, device=device).expand(len(prompts), -1)
+    out = model(ids, positions, cache, logits_indices=(lens - 1)[:, None])
     cache.commit(lens)
+    last_hidden = out.hidden[torch.arange(len(prompts), device=device), lens - 1]
+    return Prefilled(cache, out.logits[:, 0], last_hidden)
 
+
+@torch.inference_mode()
+def generate_batch(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationResult]:
+    """Generate for up to `max_batch_size` prompts together."""
+    model, device = engine.model, engine.device
+    cache, logits, _ = prefill(engine, prompts, params)
     generators = [p.generator(device) for p in params]
-    stops = [set(p.stop_token_ids) | (set() if p.ignore_eos else set(engine.eos_token_ids)) for p in params]
-    results = [GenerationResult(list(prompt), [], "", 1) for prompt in prompts]
+    stops = [stop_ids(p, engine.eos_token_ids) for p in params]
+    results = [GenerationResult(list(prompt), num_forwards=1) for prompt in prompts]
     while True:
         feed = []
         for b, r in enumerate(results):
-            if r.finish_reason:
-                feed.append(0)  # finished rows ride along; their cache columns are never read
-                continue
-            token = next_token(logits[b], params[b], generators[b])
-            if token in stops[b]:
-                r.finish_reason = "stop"
-            else:
-                r.output_ids.append(token)
-                if len(r.output_ids) == params[b].max_tokens:
-                    r.finish_reason = "length"
+            token = 0  # finished rows ride along; their cache columns are never read
+            if not r.finish_reason:
+                token = next_token(logits[b], params[b], generators[b])
+                r.extend([token], params[b], stops[b])
             feed.append(token)
         if all(r.finish_reason for r in results):
             return results

@@ -1,0 +1,43 @@
+"""What a request gets back, and the one place that decides when it is finished."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from runtime.sampling import SamplingParams
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    """Generated tokens, without the stop token."""
+    finish_reason: str = ""
+    """"stop" (EOS or a stop token), "length" (max_tokens) or "" while running."""
+    num_forwards: int = 0
+    """Target forward passes this request took part in (prefill included)."""
+    num_drafted: int = 0
+    """Draft tokens proposed to the target (distinct tree nodes, root excluded)."""
+    num_accepted: int = 0
+    """Draft tokens the target accepted."""
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Mean tokens emitted per decoding forward (bonus included); prefill excluded."""
+        return len(self.output_ids) / max(1, self.num_forwards - 1)
+
+    def extend(self, tokens: list[int], params: SamplingParams, stop_ids: set[int]) -> None:
+        """Append one step's emitted tokens, cutting at a stop token or max_tokens."""
+        for token in tokens:
+            if token in stop_ids:
+                self.finish_reason = "stop"
+                return
+            self.output_ids.append(token)
+            if len(self.output_ids) == params.max_tokens:
+                self.finish_reason = "length"
+                return
+
+
+def stop_ids(params: SamplingParams, eos_token_ids: list[int]) -> set[int]:
+    """Tokens that end this request."""
+    return set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
