@@ -59,7 +59,7 @@ def accept_greedy(
 ) -> Acceptance:
     argmax = logits.argmax(dim=-1).tolist()
     children = children_lists(parents)
-    node, path, out = 0, [0], []
+    node, path, out = 0, [0], list[int]()
     while True:
         want = argmax[node]
         nxt = next((c for c in children[node] if tokens[c] == want), None)
@@ -78,7 +78,7 @@ def accept_sampled(
     generator: torch.Generator,
 ) -> Acceptance:
     children = children_lists(parents)
-    node, path, out = 0, [0], []
+    node, path, out = 0, [0], list[int]()
     while True:
         q = target_probs(logits[node], params)  # [V] target distribution at this node
         for child in children[node]:

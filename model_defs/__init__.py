@@ -1,0 +1,1 @@
+"""Model definitions (nn.Modules) and checkpoint loading."""

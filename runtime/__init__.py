@@ -1,0 +1,1 @@
+"""The engine runtime: engine dirs, decoding strategies, sampling and verification."""

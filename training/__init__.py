@@ -1,0 +1,1 @@
+"""Corpus, tokenizer, target training and drafter distillation for the bundled demo models."""
