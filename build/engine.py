@@ -13,14 +13,18 @@ import argparse
 import os
 import shutil
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from model_defs.checkpoint import CheckpointError, load_llama_checkpoint, read_llama_config
 from model_defs.llama import ARCHITECTURE, LlamaConfig
-from runtime.engine_dir import DTYPES, TOKENIZER_FILE, BuildConfig, EngineConfig, rank_file
+from model_defs.redrafter import ReDrafter
+from runtime.engine_dir import DRAFTER_PREFIX, DTYPES, TOKENIZER_FILE, BuildConfig, DrafterSpec, EngineConfig, rank_file
+from runtime.redrafter import ReDrafterParams
 
 
 class BuildError(ValueError):
@@ -47,10 +51,35 @@ def check_tokenizer(path: Path, cfg: LlamaConfig) -> None:
         raise BuildError(f"config.json: special token ids {bad} are outside the vocabulary [0, {cfg.vocab_size})")
 
 
+def load_drafter(
+    path: Path, target: LlamaConfig, settings: dict[str, int]
+) -> tuple[DrafterSpec, dict[str, torch.Tensor]]:
+    """Load and check a ReDrafter checkpoint against the target it will draft for."""
+    try:
+        drafter = ReDrafter.from_pretrained(path)
+    except CheckpointError as e:
+        raise BuildError(str(e)) from e
+    cfg = drafter.config
+    for name, ours, theirs in (
+        ("vocab_size", cfg.vocab_size, target.vocab_size),
+        ("hidden_size", cfg.hidden_size, target.hidden_size),
+    ):
+        if ours != theirs:
+            raise BuildError(f"{path / 'config.json'}: drafter {name} {ours} != target {name} {theirs}; wrong target?")
+    spec = DrafterSpec("redrafter", cfg.to_json(), settings)
+    return spec, {DRAFTER_PREFIX + k: v for k, v in drafter.state_dict().items()}
+
+
 def build_engine(
-    checkpoint: Path, output: Path, build: BuildConfig, tokenizer: Path | None = None, force: bool = False
+    checkpoint: Path,
+    output: Path,
+    build: BuildConfig,
+    tokenizer: Path | None = None,
+    force: bool = False,
+    drafter: Path | None = None,
+    drafter_settings: dict[str, int] | None = None,
 ) -> Path:
-    """Validate `checkpoint` and write the engine dir `output`; returns `output`."""
+    """Validate `checkpoint` (and `drafter`) and write the engine dir `output`; returns `output`."""
     if output.exists() and not force:
         raise BuildError(f"{output}: already exists (pass --force to replace it)")
     try:
@@ -59,6 +88,10 @@ def build_engine(
         raise BuildError(str(e)) from e
     tok_path = tokenizer or checkpoint / TOKENIZER_FILE
     check_tokenizer(tok_path, cfg)
+    spec = None
+    if drafter is not None:
+        spec, drafter_tensors = load_drafter(drafter, cfg, drafter_settings or {})
+        tensors = tensors | drafter_tensors
     if build.max_seq_len > cfg.max_position_embeddings:
         print(
             f"warning: max_seq_len {build.max_seq_len} > max_position_embeddings {cfg.max_position_embeddings}; "
@@ -75,7 +108,7 @@ def build_engine(
         save_file(weights, str(partial / rank_file(0)), metadata={"format": "pt"})
         shutil.copyfile(tok_path, partial / TOKENIZER_FILE)
         model = cfg.to_hf() | {"dtype": build.dtype}  # the engine's dtype, not the checkpoint's
-        EngineConfig(ARCHITECTURE, model, build, source=str(checkpoint)).save(partial)
+        EngineConfig(ARCHITECTURE, model, build, source=str(checkpoint), drafter=spec).save(partial)
         if output.exists():
             shutil.rmtree(output)
         partial.rename(output)
@@ -121,9 +154,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-seq-len", type=int, help=BUILD_HELP["max_seq_len"])
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=defaults.dtype, help=BUILD_HELP["dtype"])
     ap.add_argument("--tp-size", type=int, default=defaults.tp_size, help=BUILD_HELP["tp_size"])
+    drafting = ap.add_argument_group("speculative decoding")
+    drafting.add_argument(
+        "--drafter", type=Path, help="ReDrafter drafter directory (Apple's config.json + model.safetensors)"
+    )
+    drafting.add_argument("--beam-width", type=int, default=4, help="default beams per step (W) (default: %(default)s)")
+    drafting.add_argument(
+        "--beam-length", type=int, default=4, help="default draft tokens per beam (L) (default: %(default)s)"
+    )
     args = ap.parse_args(argv)
     try:
-        out = build_engine(args.checkpoint, args.output, build_config_from_args(args), args.tokenizer, args.force)
+        settings = asdict(ReDrafterParams(args.beam_width, args.beam_length))
+        out = build_engine(
+            args.checkpoint,
+            args.output,
+            build_config_from_args(args),
+            args.tokenizer,
+            args.force,
+            args.drafter,
+            settings,
+        )
     except ValueError as e:  # BuildError, CheckpointError and config validation
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -223,6 +223,11 @@ class ReDrafter(nn.Module):
         files = tensor_files(ckpt_dir)
         tensors = load_tensors(files)
         validate_tensors(tensors, files, expected_shapes(cfg))
+        return cls.from_tensors(cfg, tensors, dtype)
+
+    @classmethod
+    def from_tensors(cls, cfg: ReDrafterConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> ReDrafter:
+        """Build from an already validated name -> tensor dict (Apple's names)."""
         with torch.device("meta"):
             model = cls(cfg)
         model.load_state_dict(tensors, strict=True, assign=True)

@@ -9,9 +9,10 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
+from model_defs import redrafter
 from model_defs.checkpoint import validate_tensors
 from model_defs.llama import LlamaConfig, LlamaForCausalLM, expected_shapes
-from runtime.engine_dir import EngineConfig, rank_file
+from runtime.engine_dir import DRAFTER_PREFIX, EngineConfig, rank_file
 
 
 @dataclass
@@ -19,6 +20,7 @@ class Engine:
     config: EngineConfig
     model: LlamaForCausalLM
     tokenizer: Tokenizer
+    drafter: redrafter.ReDrafter | None = None
 
     @classmethod
     def load(cls, engine_dir: str | Path, device: str = "cpu") -> Engine:
@@ -26,11 +28,24 @@ class Engine:
         config = EngineConfig.load(engine_dir)
         model_cfg = LlamaConfig.from_hf(config.model)
         weights_path = engine_dir / rank_file(0)
-        tensors = load_file(str(weights_path), device=device)
+        everything = load_file(str(weights_path), device=device)
+        tensors = {k: v for k, v in everything.items() if not k.startswith(DRAFTER_PREFIX)}
         validate_tensors(tensors, dict.fromkeys(tensors, weights_path), expected_shapes(model_cfg))
         model = LlamaForCausalLM.from_tensors(model_cfg, tensors, config.build.torch_dtype).to(device)
         tokenizer = Tokenizer.from_file(str(engine_dir / config.tokenizer))
-        return cls(config, model, tokenizer)
+        drafter = None
+        if config.drafter is not None:
+            drafter_tensors = {
+                k.removeprefix(DRAFTER_PREFIX): v for k, v in everything.items() if k.startswith(DRAFTER_PREFIX)
+            }
+            drafter_cfg = redrafter.ReDrafterConfig.from_json(config.drafter.config)
+            validate_tensors(
+                drafter_tensors, dict.fromkeys(drafter_tensors, weights_path), redrafter.expected_shapes(drafter_cfg)
+            )
+            drafter = redrafter.ReDrafter.from_tensors(drafter_cfg, drafter_tensors, config.build.torch_dtype).to(
+                device
+            )
+        return cls(config, model, tokenizer, drafter)
 
     @property
     def eos_token_ids(self) -> list[int]:

@@ -62,6 +62,27 @@ class BuildConfig:
         return DTYPES[self.dtype]
 
 
+DRAFTER_KINDS = ("redrafter",)
+DRAFTER_PREFIX = "drafter."
+"""Drafter tensors live in the rank files under this prefix (TensorRT-LLM's convention)."""
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """The drafter an engine carries, and the default effort of its method."""
+
+    kind: str
+    """Drafting method the weights belong to: "redrafter"."""
+    config: dict[str, Any]
+    """The drafter's own config.json (Apple's keys for ReDrafter)."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    """Default method settings, overridable per run (ReDrafter: beam_width, beam_length)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in DRAFTER_KINDS:
+            raise ValueError(f"drafter kind {self.kind!r} is not one of {DRAFTER_KINDS}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything `runtime/` needs to rebuild the engine from its directory."""
@@ -76,10 +97,10 @@ class EngineConfig:
     """Checkpoint directory the engine was built from (informational)."""
     tokenizer: str = TOKENIZER_FILE
     """Tokenizer file name inside the engine dir."""
+    drafter: DrafterSpec | None = None
+    """The speculative drafter, if the engine has one."""
     format_version: int = FORMAT_VERSION
     """Bumped on incompatible layout changes."""
-    extra: dict[str, Any] = field(default_factory=dict)
-    """Sections later features add (drafter, ...)."""
 
     def save(self, engine_dir: Path) -> None:
         doc = asdict(self)
@@ -97,4 +118,6 @@ class EngineConfig:
                 f"{path}: engine format_version {version}, this runtime reads {FORMAT_VERSION}; rebuild the engine"
             )
         doc["build"] = BuildConfig(**doc["build"])
+        if doc.get("drafter"):
+            doc["drafter"] = DrafterSpec(**doc["drafter"])
         return cls(**doc)

@@ -1,9 +1,12 @@
-"""Generate text from an engine directory (auto-regressive decoding).
+"""Generate text from an engine directory.
 
     python -m runtime.generate --engine engines/demo --prompt "def fib(n):" --max-tokens 64
+    python -m runtime.generate --engine engines/demo-redrafter --method redrafter --beam-width 4 ...
 
 Several --prompt flags are decoded together as one batch. Temperature 0 (the default)
-is greedy decoding; --temperature/--top-k/--top-p/--seed sample.
+is greedy decoding; --temperature/--top-k/--top-p/--seed sample. Speculative methods
+emit exactly what auto-regressive decoding would (greedy) or the same distribution
+(sampling); they only change how many target forwards it takes.
 """
 
 from __future__ import annotations
@@ -14,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from runtime.ar import generate
 from runtime.engine import Engine
+from runtime.methods import METHODS, generate
 from runtime.sampling import SamplingParams
 
 
@@ -32,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=None, help="sampling seed; request i uses seed + i")
     ap.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     ap.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
+    ap.add_argument("--method", choices=METHODS, help="decoding method (default: the engine's drafter, else ar)")
+    ap.add_argument("--beam-width", type=int, help="ReDrafter beams per step W (default: the engine's)")
+    ap.add_argument("--beam-length", type=int, help="ReDrafter draft tokens per beam L (default: the engine's)")
     args = ap.parse_args(argv)
     try:
         engine = Engine.load(args.engine)
@@ -47,7 +53,10 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(len(args.prompt))
         ]
         start = time.perf_counter()
-        results = generate(engine, [engine.encode(p) for p in args.prompt], params)
+        prompts = [engine.encode(p) for p in args.prompt]
+        results = generate(
+            engine, prompts, params, args.method, beam_width=args.beam_width, beam_length=args.beam_length
+        )
         seconds = time.perf_counter() - start
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -61,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
                         "text": engine.decode(r.output_ids),
                         "output_ids": r.output_ids,
                         "finish_reason": r.finish_reason,
+                        "tokens_per_step": r.tokens_per_step,
+                        "num_drafted": r.num_drafted,
+                        "num_accepted": r.num_accepted,
                     }
                 )
             )
@@ -68,8 +80,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--- prompt: {prompt!r} ({len(r.output_ids)} tokens, {r.finish_reason})")
             print(prompt + engine.decode(r.output_ids), flush=True)
     total = sum(len(r.output_ids) for r in results)
+    steps = sum(r.num_forwards - 1 for r in results)
     print(
-        f"# {len(results)} prompt(s), {total} tokens in {seconds:.2f} s ({total / seconds:.1f} tokens/s)",
+        f"# {len(results)} prompt(s), {total} tokens in {seconds:.2f} s ({total / seconds:.1f} tokens/s), "
+        f"{total / max(1, steps):.2f} tokens per target forward",
         file=sys.stderr,
     )
     return 0
