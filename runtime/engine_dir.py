@@ -12,7 +12,7 @@ settings, one weight file per tensor-parallel rank.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +117,9 @@ class EngineConfig:
             raise ValueError(
                 f"{path}: engine format_version {version}, this runtime reads {FORMAT_VERSION}; rebuild the engine"
             )
+        unknown = doc.keys() - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"{path}: unknown keys {sorted(unknown)}; rebuild the engine with this version")
         doc["build"] = BuildConfig(**doc["build"])
         if doc.get("drafter"):
             doc["drafter"] = DrafterSpec(**doc["drafter"])

@@ -24,7 +24,7 @@ from runtime.beam_search import beam_search
 from runtime.engine import Engine
 from runtime.results import GenerationResult, stop_ids
 from runtime.sampling import SamplingParams, next_token
-from runtime.verify import accept
+from runtime.verify import DraftTree, accept
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,19 @@ class ReDrafterParams:
         return self.beam_width * (self.beam_length + 1)
 
 
+def node_log_probs(
+    step_log_probs: torch.Tensor,  # [B, W, L, V] beam search's draft distribution at every step
+    unpack_index: torch.Tensor,  # [B, W, L+1] packed node of (beam, depth)
+    num_nodes: int,
+) -> torch.Tensor:  # [B, num_nodes, V]; row of the root is zero (it was not drawn)
+    """The draft distribution each packed node was drawn from. Beams sharing a node share
+    its prefix, hence (the drafter being deterministic) the same distribution."""
+    b, w, length, v = step_log_probs.shape
+    out = step_log_probs.new_zeros(b, w * (length + 1), v)
+    index = unpack_index[:, :, 1:].reshape(b, w * length, 1).expand(-1, -1, v)
+    return out.scatter_(1, index, step_log_probs.reshape(b, w * length, v))[:, :num_nodes]
+
+
 @torch.inference_mode()
 def generate_batch(
     engine: Engine, drafter: ReDrafter, prompts: list[list[int]], params: list[SamplingParams], spec: ReDrafterParams
@@ -60,16 +73,19 @@ def generate_batch(
         r.extend([bonus[b]], params[b], stops[b])
     rows = torch.arange(len(prompts), device=device)
     while not all(r.finish_reason for r in results):
-        beams = beam_search(
+        drafts = beam_search(
             drafter,
             model.model.embed_tokens,
             hidden,
             torch.tensor(bonus, device=device),
             spec.beam_width,
             spec.beam_length,
-        ).beams
-        tree = pack(beams)
+        )
+        tree = pack(drafts.beams)
         n = int(tree.num_nodes.max())  # nodes are packed first: trim the common padding
+        node_dists = (
+            None if all(p.greedy for p in params) else node_log_probs(drafts.step_log_probs, tree.unpack_index, n)
+        )
         out = model(
             tree.tokens[:, :n], cache.lengths[:, None] + tree.depths[:, :n], cache, tree_mask=tree.tree_mask[:, :n, :n]
         )
@@ -80,13 +96,12 @@ def generate_batch(
             if r.finish_reason:
                 continue  # finished rows ride along and commit nothing
             num = int(tree.num_nodes[b])
-            acc = accept(
+            draft = DraftTree(
                 tree.tokens[b, :num].tolist(),
                 tree.parents[b, :num].tolist(),
-                out.logits[b, :num],
-                params[b],
-                generators[b],
+                None if node_dists is None else node_dists[b, :num],
             )
+            acc = accept(draft, out.logits[b, :num], params[b], generators[b])
             r.extend(acc.tokens, params[b], stops[b])
             r.num_forwards += 1
             r.num_drafted += num - 1

@@ -32,6 +32,19 @@ from runtime.sampling import SamplingParams, sample, target_probs
 
 
 @dataclass
+class DraftTree:
+    """One request's packed draft tree (root first, parents before children)."""
+
+    tokens: list[int]
+    """[N] token of every node; node 0 is the root (the previous bonus token)."""
+    parents: list[int]
+    """[N] parent node index, -1 for the root."""
+    draft_log_probs: torch.Tensor | None = None
+    """[N, V] draft log-distribution each node was drawn from (row 0 unused); None when
+    the acceptance rule does not need it (greedy, point-mass candidates)."""
+
+
+@dataclass
 class Acceptance:
     path: list[int]
     """Packed node indices kept, root first (their KV is compacted and committed)."""
@@ -52,13 +65,10 @@ def children_lists(parents: list[int]) -> list[list[int]]:
     return children
 
 
-def accept_greedy(
-    tokens: list[int],  # [N] packed tree tokens of one request (root first)
-    parents: list[int],  # [N] parent index, -1 for the root
-    logits: torch.Tensor,  # [N, V] target logits at every node
-) -> Acceptance:
-    argmax = logits.argmax(dim=-1).tolist()
-    children = children_lists(parents)
+def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> Acceptance:
+    """logits `[N, V]`: target logits at every node."""
+    tokens, argmax = tree.tokens, logits.argmax(dim=-1).tolist()
+    children = children_lists(tree.parents)
     node, path, out = 0, [0], list[int]()
     while True:
         want = argmax[node]
@@ -71,13 +81,10 @@ def accept_greedy(
 
 
 def accept_sampled(
-    tokens: list[int],  # [N]
-    parents: list[int],  # [N]
-    logits: torch.Tensor,  # [N, V]
-    params: SamplingParams,
-    generator: torch.Generator,
+    tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
 ) -> Acceptance:
-    children = children_lists(parents)
+    """logits `[N, V]`: target logits at every node."""
+    tokens, children = tree.tokens, children_lists(tree.parents)
     node, path, out = 0, [0], list[int]()
     while True:
         q = target_probs(logits[node], params)  # [V] target distribution at this node
@@ -94,10 +101,8 @@ def accept_sampled(
             return Acceptance(path, [*out, sample(q, generator)])
 
 
-def accept(
-    tokens: list[int], parents: list[int], logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
-) -> Acceptance:
+def accept(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> Acceptance:
     """Greedy or sampled acceptance, as the request's sampling parameters ask."""
     if params.greedy:
-        return accept_greedy(tokens, parents, logits)
-    return accept_sampled(tokens, parents, logits, params, generator)
+        return accept_greedy(tree, logits)
+    return accept_sampled(tree, logits, params, generator)

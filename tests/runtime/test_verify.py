@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from runtime.sampling import SamplingParams, target_probs
-from runtime.verify import Acceptance, accept_greedy, accept_sampled, children_lists
+from runtime.verify import Acceptance, DraftTree, accept_greedy, accept_sampled, children_lists
 from tests.stats import passes_chi_square
 
 V = 4
@@ -20,6 +20,7 @@ LOGITS = torch.tensor([[1.0, 0.2, -0.5, 0.3], [0.1, 1.2, 0.0, -1.0], [-0.3, 0.4,
 # node 1 (token 2) has children 3 and 2, node 2 (token 0) has child 1.
 TOKENS = [0, 2, 0, 1, 3, 2, 1]
 PARENTS = [-1, 0, 0, 0, 1, 1, 2]
+TREE = DraftTree(TOKENS, PARENTS)
 
 
 def node_logits() -> torch.Tensor:
@@ -34,23 +35,23 @@ def test_greedy_follows_argmax_path() -> None:
     logits = node_logits()
     # argmax after 0 is 0 -> node 2 (token 0); argmax after 0 again is 0, node 2 has only
     # child token 1 -> stop with bonus 0.
-    acc = accept_greedy(TOKENS, PARENTS, logits)
+    acc = accept_greedy(TREE, logits)
     assert acc.path == [0, 2] and acc.tokens == [0, 0]
     # make the root prefer token 2 and token 2 prefer token 2: path root -> node1 -> node5
     logits = logits.clone()
     logits[0] = torch.tensor([0.0, 0.0, 5.0, 0.0])
     logits[1] = torch.tensor([0.0, 0.0, 5.0, 0.0])
     logits[5] = torch.tensor([0.0, 5.0, 0.0, 0.0])  # leaf: bonus is its argmax
-    acc = accept_greedy(TOKENS, PARENTS, logits)
+    acc = accept_greedy(TREE, logits)
     assert acc.path == [0, 1, 5] and acc.tokens == [2, 2, 1]
 
 
 def accept_without_residual(
-    tokens: list[int], parents: list[int], logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
+    tree: DraftTree, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
 ) -> Acceptance:
     """A plausible bug: try each child with probability q(x) but never update the
     residual after a rejection (and draw the bonus from q itself)."""
-    children = children_lists(parents)
+    tokens, children = tree.tokens, children_lists(tree.parents)
     node, path, out = 0, [0], []
     while True:
         q = target_probs(logits[node], params)
@@ -71,7 +72,7 @@ def first_two(params: SamplingParams, trials: int, seed: int, rule=accept_sample
     logits = node_logits()
     counts = torch.zeros(V, V)
     for _ in range(trials):
-        out = rule(TOKENS, PARENTS, logits, params, gen).tokens
+        out = rule(TREE, logits, params, gen).tokens
         if len(out) == 1:
             out.append(int(torch.multinomial(target_probs(LOGITS[out[0]], params), 1, generator=gen)))
         counts[out[0], out[1]] += 1
