@@ -1,0 +1,123 @@
+"""ReDrafter under sampling is exactly lossless (statistical test on a toy model).
+
+A tiny-vocabulary (V=4) random target and a random drafter that disagrees with it; the
+first three tokens emitted by the production loop (prefill token + one or two
+speculative steps) are counted over 20,000 seeded requests and compared by chi-square
+(p = 0.001) with the exactly computed target law q(x1) q(x2|x1) q(x3|x1,x2) (64 cells,
+~300 expected per cell). The same test must reject Apple's per-beam rule (independent
+coin flips per beam, keep the longest): that is the test of the test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models
+
+from model_defs.llama import ARCHITECTURE, LlamaForCausalLM
+from model_defs.redrafter import ReDrafter, ReDrafterConfig
+from runtime import redrafter
+from runtime.engine import Engine
+from runtime.engine_dir import BuildConfig, EngineConfig
+from runtime.sampling import SamplingParams, sample, target_probs
+from runtime.verify import Acceptance, DraftTree, children_lists
+from tests.stats import passes_chi_square
+from tests.tiny_models import tiny_target
+
+V = 4
+PROMPT = [1, 3, 2]
+TRIALS = 20000
+SPEC = redrafter.ReDrafterParams(beam_width=3, beam_length=2)
+
+
+def toy_engine() -> tuple[Engine, ReDrafter]:
+    target = tiny_target(seed=7, vocab_size=V)
+    build = BuildConfig(max_batch_size=TRIALS, max_input_len=8, max_seq_len=16)
+    engine = Engine(EngineConfig(ARCHITECTURE, target.config.to_hf(), build), target, Tokenizer(models.BPE()))
+    torch.manual_seed(11)
+    drafter = ReDrafter(ReDrafterConfig(vocab_size=V, hidden_size=32, exit_dim=64, num_draft_layers=1, rnn=True)).eval()
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.normal_(0, 0.4)  # confident and often wrong: acceptance rules are exercised hard
+    return engine, drafter
+
+
+def exact_first_three(target: LlamaForCausalLM, params: SamplingParams) -> torch.Tensor:
+    """P(x1, x2, x3) under the target, `[V, V, V]`, by enumerating prefixes."""
+
+    def q(prefix: list[int]) -> torch.Tensor:
+        ids = torch.tensor([prefix])
+        with torch.no_grad():
+            return target_probs(target(ids, torch.arange(len(prefix))[None]).logits[0, -1], params)
+
+    law = torch.zeros(V, V, V)
+    q1 = q(PROMPT)
+    for a in range(V):
+        q2 = q([*PROMPT, a])
+        for b in range(V):
+            law[a, b] = q1[a] * q2[b] * q([*PROMPT, a, b])
+    return law
+
+
+def emitted_first_three(engine: Engine, drafter: ReDrafter, params: SamplingParams) -> torch.Tensor:
+    per_request = [
+        SamplingParams(max_tokens=3, temperature=params.temperature, top_k=params.top_k, seed=i) for i in range(TRIALS)
+    ]
+    results = redrafter.generate_batch(engine, drafter, [PROMPT] * TRIALS, per_request, SPEC)
+    counts = torch.zeros(V, V, V)
+    for r in results:
+        counts[tuple(r.output_ids)] += 1
+    assert sum(r.num_accepted for r in results) > TRIALS // 4, "drafts must get accepted for the test to mean anything"
+    return counts
+
+
+@pytest.mark.parametrize(
+    "params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=3)], ids=["t1", "t0.8-k3"]
+)
+def test_sampled_redrafter_follows_target_distribution(params: SamplingParams) -> None:
+    engine, drafter = toy_engine()
+    counts = emitted_first_three(engine, drafter, params)
+    assert passes_chi_square(counts, exact_first_three(engine.model, params))
+
+
+def apple_per_beam_accept(
+    tree: DraftTree, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
+) -> Acceptance:
+    """Apple's ml-recurrent-drafter rule: every beam flips its own coins min(1, q/p) per
+    token, the beam with the longest accepted prefix wins, the bonus comes from
+    norm([q - p]^+) at its first rejection (or q after a full accept)."""
+    assert tree.draft_log_probs is not None
+    children = children_lists(tree.parents)
+    leaves = [n for n in range(len(tree.tokens)) if not children[n]]
+    best: list[int] = []
+    best_len, best_reject = -1, -1
+    for leaf in leaves:
+        path = [leaf]
+        while tree.parents[path[-1]] >= 0:
+            path.append(tree.parents[path[-1]])
+        path = path[::-1]  # root ... leaf
+        accepted = 0
+        for node in path[1:]:
+            q = target_probs(logits[tree.parents[node]], params)
+            p = tree.draft_log_probs[node].exp()
+            x = tree.tokens[node]
+            if torch.rand((), generator=gen) >= min(1.0, float(q[x] / p[x])):
+                break
+            accepted += 1
+        if accepted > best_len:
+            best, best_len = path, accepted
+            best_reject = path[accepted + 1] if accepted + 1 < len(path) else -1
+    kept = best[: best_len + 1]
+    q = target_probs(logits[kept[-1]], params)
+    if best_reject >= 0:
+        q = (q - tree.draft_log_probs[best_reject].exp()).clamp(min=0)
+        q /= q.sum()
+    return Acceptance(kept, [tree.tokens[n] for n in kept[1:]] + [sample(q, gen)])
+
+
+def test_apple_per_beam_rule_fails_the_same_test(monkeypatch: pytest.MonkeyPatch) -> None:
+    params = SamplingParams(temperature=1.0)
+    engine, drafter = toy_engine()
+    monkeypatch.setattr(redrafter, "accept", apple_per_beam_accept)
+    counts = emitted_first_three(engine, drafter, params)
+    assert not passes_chi_square(counts, exact_first_three(engine.model, params))
