@@ -105,7 +105,7 @@ def generate_batch(
             r.extend(acc.tokens, params[b], stops[b])
             r.num_forwards += 1
             r.num_drafted += num - 1
-            r.num_accepted += acc.num_accepted
+            r.accepted_per_step.append(acc.num_accepted)
             paths[b, : len(acc.path)] = torch.tensor(acc.path)
             keep[b], last[b], bonus[b] = len(acc.path), acc.path[-1], acc.tokens[-1]
         cache.commit_path(paths, keep)

@@ -18,8 +18,12 @@ class GenerationResult:
     """Target forward passes this request took part in (prefill included)."""
     num_drafted: int = 0
     """Draft tokens proposed to the target (distinct tree nodes, root excluded)."""
-    num_accepted: int = 0
-    """Draft tokens the target accepted."""
+    accepted_per_step: list[int] = field(default_factory=list)
+    """Draft tokens accepted at each speculative step (acceptance histograms)."""
+
+    @property
+    def num_accepted(self) -> int:
+        return sum(self.accepted_per_step)
 
     @property
     def tokens_per_step(self) -> float:

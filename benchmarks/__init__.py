@@ -1,0 +1,1 @@
+"""Benchmarks: speed and acceptance reports (JSON + markdown)."""
