@@ -21,8 +21,10 @@ import itertools
 import json
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -47,7 +49,7 @@ class SweepRow:
     speedup: float
 
 
-def timed(fn, *args) -> tuple[list[GenerationResult], float]:  # type: ignore[no-untyped-def]
+def timed(fn: Callable[..., list[GenerationResult]], *args: Any) -> tuple[list[GenerationResult], float]:
     start = time.perf_counter()
     out = fn(*args)
     return out, time.perf_counter() - start
