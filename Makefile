@@ -4,17 +4,19 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat requirements.txt constraints.txt | cksum | cut -d' ' -f1)
 MODEL  ?= models/demo-target
+DRAFTER ?= models/demo-redrafter
 ENGINE ?= engines/demo
+SPEC_ENGINE ?= engines/demo-redrafter
 PYTEST_ARGS ?=
 
 DEMO_PROMPTS := --prompt "def fibonacci(n):" \
 	--prompt "$$(printf 'class Stack:\n    def __init__(self):')" \
 	--prompt "$$(printf 'import os\n\n\ndef list_python_files(path):')"
 
-.PHONY: help setup engine demo test test-slow lint format model clean
+.PHONY: help setup engine demo test test-slow lint format model drafter bench-redrafter clean
 
 help:  ## list targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 14
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 18
 
 setup: $(STAMP)  ## create .venv and install pinned requirements (once)
 
@@ -26,10 +28,16 @@ $(STAMP): requirements.txt constraints.txt
 $(ENGINE)/config.json: $(STAMP) $(MODEL)/config.json $(MODEL)/model.safetensors $(MODEL)/tokenizer.json
 	$(BIN)/python -m build.engine --checkpoint $(MODEL) --output $(ENGINE) --force
 
-engine: $(ENGINE)/config.json  ## build $(ENGINE) from the bundled model $(MODEL)
+$(SPEC_ENGINE)/config.json: $(STAMP) $(MODEL)/model.safetensors $(DRAFTER)/config.json $(DRAFTER)/model.safetensors
+	$(BIN)/python -m build.engine --checkpoint $(MODEL) --drafter $(DRAFTER) --output $(SPEC_ENGINE) --force
 
-demo: engine  ## set up, build the demo engine and generate from a few prompts (never trains)
-	$(BIN)/python -m runtime.generate --engine $(ENGINE) $(DEMO_PROMPTS) --max-tokens 64
+engine: $(ENGINE)/config.json $(SPEC_ENGINE)/config.json  ## build $(ENGINE) (target only) and $(SPEC_ENGINE) (+ ReDrafter)
+
+demo: engine  ## set up, build the demo engines, generate with ReDrafter and auto-regressively (never trains)
+	@echo "== ReDrafter (speculative, lossless) =="
+	$(BIN)/python -m runtime.generate --engine $(SPEC_ENGINE) $(DEMO_PROMPTS) --max-tokens 64
+	@echo "== auto-regressive baseline: same tokens, one target forward per token =="
+	$(BIN)/python -m runtime.generate --engine $(SPEC_ENGINE) --method ar $(DEMO_PROMPTS) --max-tokens 64
 
 # pytest exits 5 when no test is collected; that is not a failure of the suite.
 test: setup  ## default test suite (no slow tests)
@@ -47,8 +55,14 @@ format: setup  ## apply ruff fixes and formatting
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-model: setup  ## re-train the bundled demo model (~30 min on 2 CPU cores)
+model: setup  ## re-train the bundled demo target (~30 min on 2 CPU cores)
 	$(BIN)/python -m training.train_target --out $(MODEL)
+
+drafter: setup  ## re-train the demo ReDrafter drafter by distillation from $(MODEL)
+	$(BIN)/python -m training.train_redrafter --target $(MODEL) --out $(DRAFTER)
+
+bench-redrafter: engine  ## W x L x T sweep: tau, acceptance, compression, speedup -> benchmarks/results/
+	$(BIN)/python -m benchmarks.redrafter_sweep --engine $(SPEC_ENGINE)
 
 clean:  ## remove built engines and caches (keeps .venv)
 	rm -rf engines work_dirs .pytest_cache .mypy_cache .ruff_cache

@@ -74,3 +74,58 @@ Reproduce (`make model` runs exactly this):
 
 if __name__ == "__main__":
     print(write_model_card(Path(sys.argv[1]), " ".join(sys.argv[2:]) or "make model"))
+
+
+def write_drafter_card(drafter_dir: Path, command: str) -> Path:
+    """README.md for a distilled ReDrafter drafter, from its training log."""
+    log = json.loads((drafter_dir / "training_log.json").read_text())
+    cfg, m = log["config"], log["metrics"]
+    drafter_cfg = json.loads((drafter_dir / "config.json").read_text())
+    size_mb = sum(p.stat().st_size for p in drafter_dir.glob("*.safetensors")) / 1e6
+    agreement = ", ".join(f"{a:.3f}" for a in m["heldout_top1_agreement"])
+    curve = "\n".join(
+        f"| {r['epoch']} | {r['heldout_loss']:.3f} | {', '.join(f'{a:.3f}' for a in r['heldout_top1_agreement'])} |"
+        for r in log["log"]
+    )
+    rows = [
+        ("target", f"`{log['target']}`"),
+        (
+            "architecture",
+            f"Apple ReDrafter drafter (`{drafter_cfg['model_type']}`): RNN state over the target's embeddings, "
+            f"{drafter_cfg['num_draft_layers']} residual blocks of width {drafter_cfg['exit_dim']}, "
+            f"rnn={drafter_cfg['rnn']}",
+        ),
+        ("parameters", f"{m['parameters']:,} (bfloat16 safetensors, {size_mb:.1f} MB)"),
+        (
+            "data",
+            f"the target's greedy continuations ({cfg['gen_tokens']} tokens) of {cfg['train_sequences']} random "
+            f"training-corpus windows: {m['train_examples']:,} examples of {cfg['draft_len']} draft positions; "
+            f"held out: {m['heldout_examples']:,} examples from the held-out files",
+        ),
+        ("loss", "cross-entropy against the target's greedy tokens at every draft position (sequence-level KD)"),
+        ("held-out top-1 agreement per draft position", agreement),
+        ("time", f"{m['data_minutes']:.1f} min data generation + {m['train_minutes']:.1f} min training on 2 CPU cores"),
+    ]
+    table = "\n".join(f"| {k} | {v} |" for k, v in rows)
+    text = f"""# specpipe demo ReDrafter drafter
+
+Distilled from the demo target by `training/train_redrafter.py`; saved with Apple's
+`ml-recurrent-drafter` config keys and tensor names.
+
+| | |
+|---|---|
+{table}
+
+Reproduce (`make drafter` runs exactly this):
+
+```
+{command}
+```
+
+| epoch | held-out loss | held-out top-1 agreement per position |
+|---|---|---|
+{curve}
+"""
+    path = drafter_dir / "README.md"
+    path.write_text(text)
+    return path

@@ -22,12 +22,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from model_defs.llama import LlamaForCausalLM
 from model_defs.redrafter import ReDrafter, ReDrafterConfig
 from training import corpus
 from training.distill_data import DistillData, corpus_windows, make_distill_data
+from training.model_card import write_drafter_card
 from training.train_target import tokenize
 
 
@@ -97,8 +99,6 @@ def evaluate(drafter: ReDrafter, embed: torch.nn.Embedding, data: DistillData) -
 
 def train(cfg: DrafterTrainConfig, target_dir: Path, out: Path) -> dict[str, object]:
     torch.manual_seed(cfg.seed)
-    from tokenizers import Tokenizer
-
     target = LlamaForCausalLM.from_pretrained(target_dir)
     tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
     eot = target.config.eos_token_ids[0]
@@ -177,7 +177,7 @@ def main() -> None:
     cfg = DrafterTrainConfig(**{f.name: getattr(args, f.name) for f in fields(DrafterTrainConfig)})
     metrics = train(cfg, args.target, args.out)
     print(json.dumps(metrics, indent=2))
-    print("command: python -m training.train_redrafter " + " ".join(sys.argv[1:]))
+    print(f"model card: {write_drafter_card(args.out, 'python -m training.train_redrafter ' + ' '.join(sys.argv[1:]))}")
 
 
 if __name__ == "__main__":
