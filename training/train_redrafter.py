@@ -17,7 +17,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -28,6 +28,7 @@ from tqdm import tqdm
 from model_defs.llama import LlamaForCausalLM
 from model_defs.redrafter import ReDrafter, ReDrafterConfig
 from training import corpus
+from training.cli import add_dataclass_args, dataclass_from_args
 from training.distill_data import DistillData, corpus_windows, make_distill_data
 from training.model_card import write_drafter_card
 from training.train_target import tokenize
@@ -171,10 +172,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", type=Path, default=Path("models/demo-target"), help="HF target directory")
     ap.add_argument("--out", type=Path, default=Path("models/demo-redrafter"), help="drafter output directory")
-    for f in fields(DrafterTrainConfig):
-        ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+    add_dataclass_args(ap, DrafterTrainConfig)
     args = ap.parse_args()
-    cfg = DrafterTrainConfig(**{f.name: getattr(args, f.name) for f in fields(DrafterTrainConfig)})
+    cfg = dataclass_from_args(DrafterTrainConfig, args)
     metrics = train(cfg, args.target, args.out)
     print(json.dumps(metrics, indent=2))
     print(f"model card: {write_drafter_card(args.out, 'python -m training.train_redrafter ' + ' '.join(sys.argv[1:]))}")

@@ -16,7 +16,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from model_defs.llama import LlamaConfig, LlamaForCausalLM
 from training import corpus
+from training.cli import add_dataclass_args, dataclass_from_args
 from training.model_card import write_model_card
 from training.tokenizer import EOT, save_hf_tokenizer, train_tokenizer
 
@@ -220,11 +221,9 @@ def save_checkpoint(model: LlamaForCausalLM, out: Path, dtype: torch.dtype = tor
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("models/demo-target"), help="output HF model directory")
-    for f in fields(TargetTrainConfig):
-        ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+    add_dataclass_args(ap, TargetTrainConfig)
     args = ap.parse_args()
-    cfg = TargetTrainConfig(**{f.name: getattr(args, f.name) for f in fields(TargetTrainConfig)})
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    cfg = dataclass_from_args(TargetTrainConfig, args)
     metrics = train(cfg, args.out)
     print(json.dumps(metrics, indent=2))
     print(f"model card: {write_model_card(args.out, 'python -m training.train_target ' + ' '.join(sys.argv[1:]))}")
