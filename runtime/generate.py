@@ -81,9 +81,10 @@ def main(argv: list[str] | None = None) -> int:
             print(prompt + engine.decode(r.output_ids), flush=True)
     total = sum(len(r.output_ids) for r in results)
     steps = sum(r.num_forwards - 1 for r in results)
+    decoded = sum(len(r.output_ids) - 1 for r in results)  # tokens after the prefill's first one
     print(
         f"# {len(results)} prompt(s), {total} tokens in {seconds:.2f} s ({total / seconds:.1f} tokens/s), "
-        f"{total / max(1, steps):.2f} tokens per target forward",
+        f"{decoded / max(1, steps):.2f} tokens per decoding forward",
         file=sys.stderr,
     )
     return 0

@@ -27,8 +27,9 @@ class GenerationResult:
 
     @property
     def tokens_per_step(self) -> float:
-        """Mean tokens emitted per decoding forward (bonus included); prefill excluded."""
-        return len(self.output_ids) / max(1, self.num_forwards - 1)
+        """Mean tokens emitted per decoding forward (bonus included), not counting the
+        prefill forward and the token it emits: exactly 1.0 for auto-regression."""
+        return (len(self.output_ids) - 1) / max(1, self.num_forwards - 1)
 
     def extend(self, tokens: list[int], params: SamplingParams, stop_ids: set[int]) -> None:
         """Append one step's emitted tokens, cutting at a stop token or max_tokens."""
