@@ -106,6 +106,8 @@ def generate_batch(
             r.num_forwards += 1
             r.num_drafted += num - 1
             r.accepted_per_step.append(acc.num_accepted)
+            if r.finish_reason:
+                continue  # commit nothing: a finished row's cache must not grow past its budget
             paths[b, : len(acc.path)] = torch.tensor(acc.path)
             keep[b], last[b], bonus[b] = len(acc.path), acc.path[-1], acc.tokens[-1]
         cache.commit_path(paths, keep)

@@ -49,6 +49,16 @@ def test_batched_greedy_equals_target(
     assert sum(steps) / len(steps) > 0.3, "the trained drafter should get drafts accepted"
 
 
+def test_mixed_lengths_in_one_batch(engine: Engine, prompts: list[list[int]], reference: list[list[int]]) -> None:
+    """Rows finish at different steps (and may accept past max_tokens); the others go on."""
+    assert engine.drafter is not None
+    lengths = [3, 32, 9, 1, 17, 32, 5, 26]
+    params = [SamplingParams(max_tokens=n) for n in lengths]
+    results = redrafter.generate_batch(engine, engine.drafter, prompts[:8], params, redrafter.ReDrafterParams(8, 5))
+    for i, r in enumerate(results):
+        assert r.output_ids == reference[i][: lengths[i]]
+
+
 def test_one_by_one_greedy_equals_target(engine: Engine, prompts: list[list[int]], reference: list[list[int]]) -> None:
     assert engine.drafter is not None
     spec = redrafter.ReDrafterParams(4, 4)
