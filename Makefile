@@ -25,10 +25,12 @@ $(STAMP): requirements.txt constraints.txt
 	$(BIN)/pip install --quiet --disable-pip-version-check -r requirements.txt -c constraints.txt
 	rm -f $(VENV)/.installed-* && touch $@
 
-$(ENGINE)/config.json: $(STAMP) $(MODEL)/config.json $(MODEL)/model.safetensors $(MODEL)/tokenizer.json
+BUILDER := build/engine.py runtime/engine_dir.py
+
+$(ENGINE)/config.json: $(STAMP) $(BUILDER) $(MODEL)/config.json $(MODEL)/model.safetensors $(MODEL)/tokenizer.json
 	$(BIN)/python -m build.engine --checkpoint $(MODEL) --output $(ENGINE) --force
 
-$(SPEC_ENGINE)/config.json: $(STAMP) $(MODEL)/model.safetensors $(DRAFTER)/config.json $(DRAFTER)/model.safetensors
+$(SPEC_ENGINE)/config.json: $(STAMP) $(BUILDER) $(MODEL)/model.safetensors $(DRAFTER)/config.json $(DRAFTER)/model.safetensors
 	$(BIN)/python -m build.engine --checkpoint $(MODEL) --drafter $(DRAFTER) --output $(SPEC_ENGINE) --force
 
 engine: $(ENGINE)/config.json $(SPEC_ENGINE)/config.json  ## build $(ENGINE) (target only) and $(SPEC_ENGINE) (+ ReDrafter)

@@ -104,7 +104,10 @@ def build_engine(
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir()
     try:
-        weights = {k: v.to(build.torch_dtype).contiguous() for k, v in tensors.items()}
+        weights = {
+            k: v.to(build.drafter_torch_dtype if k.startswith(DRAFTER_PREFIX) else build.torch_dtype).contiguous()
+            for k, v in tensors.items()
+        }
         save_file(weights, str(partial / rank_file(0)), metadata={"format": "pt"})
         shutil.copyfile(tok_path, partial / TOKENIZER_FILE)
         model = cfg.to_hf() | {"dtype": build.dtype}  # the engine's dtype, not the checkpoint's
@@ -123,6 +126,7 @@ BUILD_HELP = {
     "max_seq_len": "longest prompt + output in tokens (default: the model's max_position_embeddings)",
     "dtype": "float32 | bfloat16 | float16 (default: %(default)s; float32 is exact on CPU)",
     "tp_size": "tensor-parallel ranks (default: %(default)s)",
+    "drafter_dtype": "drafter dtype; never changes the output, only the proposals (default: %(default)s)",
 }
 
 
@@ -135,6 +139,7 @@ def build_config_from_args(args: argparse.Namespace) -> BuildConfig:
         max_seq_len=max_seq_len,
         dtype=args.dtype,
         tp_size=args.tp_size,
+        drafter_dtype=args.drafter_dtype,
     )
 
 
@@ -157,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     drafting = ap.add_argument_group("speculative decoding")
     drafting.add_argument(
         "--drafter", type=Path, help="ReDrafter drafter directory (Apple's config.json + model.safetensors)"
+    )
+    drafting.add_argument(
+        "--drafter-dtype", choices=sorted(DTYPES), default=defaults.drafter_dtype, help=BUILD_HELP["drafter_dtype"]
     )
     drafting.add_argument("--beam-width", type=int, default=4, help="default beams per step (W) (default: %(default)s)")
     drafting.add_argument(

@@ -42,9 +42,9 @@ class Engine:
             validate_tensors(
                 drafter_tensors, dict.fromkeys(drafter_tensors, weights_path), redrafter.expected_shapes(drafter_cfg)
             )
-            drafter = redrafter.ReDrafter.from_tensors(drafter_cfg, drafter_tensors, config.build.torch_dtype).to(
-                device
-            )
+            drafter = redrafter.ReDrafter.from_tensors(
+                drafter_cfg, drafter_tensors, config.build.drafter_torch_dtype
+            ).to(device)
         return cls(config, model, tokenizer, drafter)
 
     @property

@@ -39,13 +39,17 @@ class BuildConfig:
     max_seq_len: int = 1024
     """Longest prompt + generated tokens."""
     dtype: str = "float32"
-    """Weight and activation dtype: float32 | bfloat16 | float16."""
+    """Target weight and activation dtype: float32 | bfloat16 | float16."""
+    drafter_dtype: str = "bfloat16"
+    """Drafter dtype. Its precision only changes which tokens are proposed, never what is
+    emitted, and bf16 makes drafting ~4x cheaper on CPU (small-batch GEMMs)."""
     tp_size: int = 1
     """Tensor-parallel ranks (one weight file each)."""
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
+        for name in ("dtype", "drafter_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"{name} {getattr(self, name)!r} is not one of {sorted(DTYPES)}")
         for name in ("max_batch_size", "max_input_len", "max_seq_len", "tp_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -60,6 +64,10 @@ class BuildConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def drafter_torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.drafter_dtype]
 
 
 DRAFTER_KINDS = ("redrafter",)

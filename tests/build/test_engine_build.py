@@ -16,6 +16,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from build.engine import BuildError, build_engine, main
+from model_defs.redrafter import ReDrafter, ReDrafterConfig
 from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig
 
@@ -55,7 +56,9 @@ def test_build_and_load_matches_transformers(tiny_checkpoint: Path, tmp_path: Pa
         "max_seq_len": 64,
         "dtype": "float32",
         "tp_size": 1,
+        "drafter_dtype": "bfloat16",
     }
+    assert cfg["drafter"] is None
     engine = Engine.load(out)
     hf = transformers.LlamaForCausalLM.from_pretrained(tiny_checkpoint).eval()
     ids = torch.tensor([engine.encode("def add(a, b):")])
@@ -155,3 +158,31 @@ def test_entry_point_wins_over_pypa_build(tmp_path: Path) -> None:
         [sys.executable, "-m", "build.engine", "--help"], cwd=REPO, env=env, capture_output=True, text=True
     )
     assert ours.returncode == 0 and "--checkpoint" in ours.stdout
+
+
+def save_drafter(path: Path, vocab_size: int, hidden_size: int) -> Path:
+    cfg = ReDrafterConfig(vocab_size=vocab_size, hidden_size=hidden_size, exit_dim=48, num_draft_layers=1, rnn=True)
+    ReDrafter(cfg).save_pretrained(path)
+    return path
+
+
+def test_engine_with_drafter(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    drafter = save_drafter(tmp_path / "drafter", vocab_size=320, hidden_size=32)
+    settings = {"beam_width": 3, "beam_length": 2}
+    out = build_engine(tiny_checkpoint, tmp_path / "eng", SMALL, drafter=drafter, drafter_settings=settings)
+    weights = load_file(str(out / "rank0.safetensors"))
+    drafter_names = {k for k in weights if k.startswith("drafter.")}
+    assert "drafter.rnn_w.weight" in drafter_names and "drafter.lm_head.1.weight" in drafter_names
+    assert {weights[k].dtype for k in drafter_names} == {torch.bfloat16}
+    assert {weights[k].dtype for k in weights.keys() - drafter_names} == {torch.float32}
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["drafter"]["kind"] == "redrafter" and cfg["drafter"]["settings"] == settings
+    engine = Engine.load(out)
+    assert engine.drafter is not None and engine.drafter.config.exit_dim == 48
+
+
+def test_drafter_for_another_target_is_refused(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    drafter = save_drafter(tmp_path / "drafter", vocab_size=321, hidden_size=32)
+    with pytest.raises(BuildError, match=r"drafter/config.json: drafter vocab_size 321 != target vocab_size 320"):
+        build_engine(tiny_checkpoint, tmp_path / "eng", SMALL, drafter=drafter)
+    assert not (tmp_path / "eng").exists()
