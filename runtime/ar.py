@@ -7,6 +7,7 @@ with, and the reference its output must equal.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -92,10 +93,20 @@ def generate_batch(engine: Engine, prompts: list[list[int]], params: list[Sampli
         cache.commit(torch.ones_like(cache.lengths))
 
 
-def generate(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationResult]:
-    """Generate for any number of prompts, `max_batch_size` at a time."""
+def in_batches(
+    engine: Engine,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    run: Callable[[list[list[int]], list[SamplingParams]], list[GenerationResult]],
+) -> list[GenerationResult]:
+    """Apply a batch decoder to any number of prompts, `max_batch_size` at a time."""
     size = engine.config.build.max_batch_size
     results: list[GenerationResult] = []
     for i in range(0, len(prompts), size):
-        results += generate_batch(engine, prompts[i : i + size], params[i : i + size])
+        results += run(prompts[i : i + size], params[i : i + size])
     return results
+
+
+def generate(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationResult]:
+    """Generate for any number of prompts, `max_batch_size` at a time."""
+    return in_batches(engine, prompts, params, lambda p, s: generate_batch(engine, p, s))

@@ -19,7 +19,7 @@ import torch
 
 from model_defs.redrafter import ReDrafter
 from plugins.beam_packing import pack
-from runtime.ar import prefill
+from runtime.ar import in_batches, prefill
 from runtime.beam_search import beam_search
 from runtime.engine import Engine
 from runtime.results import GenerationResult, stop_ids
@@ -119,8 +119,4 @@ def generate(
     engine: Engine, drafter: ReDrafter, prompts: list[list[int]], params: list[SamplingParams], spec: ReDrafterParams
 ) -> list[GenerationResult]:
     """Any number of prompts, `max_batch_size` at a time."""
-    size = engine.config.build.max_batch_size
-    results: list[GenerationResult] = []
-    for i in range(0, len(prompts), size):
-        results += generate_batch(engine, drafter, prompts[i : i + size], params[i : i + size], spec)
-    return results
+    return in_batches(engine, prompts, params, lambda p, s: generate_batch(engine, drafter, p, s, spec))
