@@ -4,8 +4,11 @@ A tiny-vocabulary (V=4) random target and a random drafter that disagrees with i
 first three tokens emitted by the production loop (prefill token + one or two
 speculative steps) are counted over 20,000 seeded requests and compared by chi-square
 (p = 0.001) with the exactly computed target law q(x1) q(x2|x1) q(x3|x1,x2) (64 cells,
-~300 expected per cell). The same test must reject Apple's per-beam rule (independent
-coin flips per beam, keep the longest): that is the test of the test.
+~300 expected per cell). Power: the noncentral chi-square needs lambda = n * sum((p-q)^2/q)
+~ 66 to reject with probability 0.9 at df 63, i.e. moving ~0.5% of probability mass
+between two average cells is caught nine times in ten. The same test must reject
+Apple's per-beam rule (independent coin flips per beam, keep the longest): that is the
+test of the test (it scores ~38,700 against a critical value of ~103.5).
 """
 
 from __future__ import annotations
