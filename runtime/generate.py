@@ -35,12 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=None, help="sampling seed; request i uses seed + i")
     ap.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     ap.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
+    ap.add_argument("--device", default="cpu", help="torch device to run on, e.g. cuda (default: %(default)s)")
     ap.add_argument("--method", choices=METHODS, help="decoding method (default: the engine's drafter, else ar)")
     ap.add_argument("--beam-width", type=int, help="ReDrafter beams per step W (default: the engine's)")
     ap.add_argument("--beam-length", type=int, help="ReDrafter draft tokens per beam L (default: the engine's)")
     args = ap.parse_args(argv)
     try:
-        engine = Engine.load(args.engine)
+        engine = Engine.load(args.engine, device=args.device)
         params = [
             SamplingParams(
                 max_tokens=args.max_tokens,
