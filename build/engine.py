@@ -124,7 +124,7 @@ BUILD_HELP = {
     "max_batch_size": "most requests decoded together (default: %(default)s)",
     "max_input_len": "longest prompt in tokens (default: min(512, max_seq_len - 1))",
     "max_seq_len": "longest prompt + output in tokens (default: the model's max_position_embeddings)",
-    "dtype": "float32 | bfloat16 | float16 (default: %(default)s; float32 is exact on CPU)",
+    "dtype": "target dtype: float32 | bfloat16 | float16 (default: %(default)s: matches transformers fp32 to 1e-4)",
     "tp_size": "tensor-parallel ranks (default: %(default)s)",
     "drafter_dtype": "drafter dtype; never changes the output, only the proposals (default: %(default)s)",
 }
