@@ -166,9 +166,15 @@ def main(argv: list[str] | None = None) -> int:
     drafting.add_argument(
         "--drafter-dtype", choices=sorted(DTYPES), default=defaults.drafter_dtype, help=BUILD_HELP["drafter_dtype"]
     )
-    drafting.add_argument("--beam-width", type=int, default=4, help="default beams per step (W) (default: %(default)s)")
+    spec = ReDrafterParams()
     drafting.add_argument(
-        "--beam-length", type=int, default=4, help="default draft tokens per beam (L) (default: %(default)s)"
+        "--beam-width", type=int, default=spec.beam_width, help="default beams per step (W) (default: %(default)s)"
+    )
+    drafting.add_argument(
+        "--beam-length",
+        type=int,
+        default=spec.beam_length,
+        help="default draft tokens per beam (L) (default: %(default)s)",
     )
     args = ap.parse_args(argv)
     try:

@@ -28,16 +28,17 @@ class Engine:
         config = EngineConfig.load(engine_dir)
         model_cfg = LlamaConfig.from_hf(config.model)
         weights_path = engine_dir / rank_file(0)
-        everything = load_file(str(weights_path), device=device)
-        tensors = {k: v for k, v in everything.items() if not k.startswith(DRAFTER_PREFIX)}
+        tensors, drafter_tensors = {}, {}
+        for name, tensor in load_file(str(weights_path), device=device).items():
+            if name.startswith(DRAFTER_PREFIX):
+                drafter_tensors[name.removeprefix(DRAFTER_PREFIX)] = tensor
+            else:
+                tensors[name] = tensor
         validate_tensors(tensors, dict.fromkeys(tensors, weights_path), expected_shapes(model_cfg))
         model = LlamaForCausalLM.from_tensors(model_cfg, tensors, config.build.torch_dtype).to(device)
         tokenizer = Tokenizer.from_file(str(engine_dir / config.tokenizer))
         drafter = None
         if config.drafter is not None:
-            drafter_tensors = {
-                k.removeprefix(DRAFTER_PREFIX): v for k, v in everything.items() if k.startswith(DRAFTER_PREFIX)
-            }
             drafter_cfg = redrafter.ReDrafterConfig.from_json(config.drafter.config)
             validate_tensors(
                 drafter_tensors, dict.fromkeys(drafter_tensors, weights_path), redrafter.expected_shapes(drafter_cfg)

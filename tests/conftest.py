@@ -10,9 +10,6 @@ import transformers
 
 from training.tokenizer import save_hf_tokenizer, train_tokenizer
 
-REPO = Path(__file__).resolve().parents[1]
-DEMO_TARGET = REPO / "models" / "demo-target"
-
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
