@@ -7,10 +7,11 @@ transformers stays a drop-in oracle in the tests.
 
 Forward signature (shared by every decoding strategy):
 
-    input_ids  [B, T]       new tokens (right-padded when rows carry fewer)
+    input_ids  [B, T]       new tokens
     positions  [B, T]       RoPE position of each new token (tree siblings share one)
-    kv_cache   KVCache|None committed context; new K/V are written, not committed
-    tree_mask  [B, T, T]    optional mask among the new tokens (True = attend)
+    paged      PagedBatch   optional: B = 1 flat batch of many requests' new tokens over
+                            the paged KV cache (their K/V are written to the cache)
+    tree_mask  [B, T, T]    without a cache: optional mask among the tokens (True = attend)
     logits_indices [B, K]   optional: only compute logits at these new-token indices
  -> LlamaOutput(logits [B, T or K, V], hidden [B, T, D])
 
@@ -28,9 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_defs.kv_cache import KVCache, attention_mask
+from model_defs.paged_kv_cache import PagedBatch, PagedKVCache
 from model_defs.rope import RopeConfig, RotaryEmbedding, apply_rope
-from plugins.tree_attention import tree_attention
 
 ARCHITECTURE = "LlamaForCausalLM"
 
@@ -207,21 +207,14 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [B, T, D]
         cos: torch.Tensor,  # [B, T, head_dim]
         sin: torch.Tensor,  # [B, T, head_dim]
-        step: ForwardStep,
+        attend: Attend,
     ) -> torch.Tensor:  # [B, T, D]
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if step.write is None:  # no cache (training, oracle tests): plain or explicitly masked attention
-            gqa = self.num_kv_heads != self.num_heads
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=step.mask, is_causal=step.mask is None, enable_gqa=gqa
-            )
-        else:
-            k, v = step.write.cache.update(self.layer, step.write.slots, k, v, step.write.num_keys)
-            out = tree_attention(q, k, v, step.write.cache.lengths, step.tree_mask)  # [B, H, T, head_dim]
+        out = attend(self.layer, q, k, v)  # [B, H, T, head_dim]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -247,25 +240,24 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: ForwardStep) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, step)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class CacheWrite(NamedTuple):
-    """Where this forward's new K/V go in the cache and how much of it attention reads."""
+class DenseAttention(NamedTuple):
+    """No cache (training, oracle tests): the tokens attend among themselves, causally or
+    under an explicit `[B, 1, T, T]` mask."""
 
-    cache: KVCache
-    slots: torch.Tensor  # [B, T] cache columns the new tokens are written to
-    num_keys: int  # key columns to read
+    mask: torch.Tensor | None
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        gqa = q.shape[1] != k.shape[1]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, is_causal=self.mask is None, enable_gqa=gqa)
 
 
-class ForwardStep(NamedTuple):
-    """Per-forward attention metadata, computed once and shared by all layers."""
-
-    write: CacheWrite | None  # None: no cache, attend to the new tokens only
-    tree_mask: torch.Tensor | None  # [B, T, T] bool among the new tokens; None = causal
-    mask: torch.Tensor | None  # no-cache path: [B, 1, T, T] bool from tree_mask; None = causal
+Attend = DenseAttention | PagedBatch
+"""How a layer's attention runs: `attend(layer, q, k, v) -> out`, all `[B, heads, T, D]`."""
 
 
 class LlamaOutput(NamedTuple):
@@ -299,7 +291,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [B, T]
         positions: torch.Tensor,  # [B, T]
-        kv_cache: KVCache | None = None,
+        paged: PagedBatch | None = None,
         tree_mask: torch.Tensor | None = None,  # [B, T, T] bool
         logits_indices: torch.Tensor | None = None,  # [B, K]
     ) -> LlamaOutput:
@@ -307,29 +299,28 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(
                 f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must be [B, T]"
             )
-        num_new = input_ids.shape[1]
-        if kv_cache is None:
-            lengths = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
-            mask = None if tree_mask is None else attention_mask(lengths, num_new, num_new, tree_mask)
-            step = ForwardStep(None, tree_mask, mask)
+        attend: Attend
+        if paged is None:
+            attend = DenseAttention(None if tree_mask is None else tree_mask[:, None])
+        elif input_ids.shape[0] != 1 or tree_mask is not None:
+            raise ValueError("a paged forward takes one flat batch [1, N]; tree masks live in its attention groups")
         else:
-            slots, num_keys = kv_cache.prepare(num_new)
-            step = ForwardStep(CacheWrite(kv_cache, slots, num_keys), tree_mask, None)
+            attend = paged
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions, x.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, step)
+            x = layer(x, cos, sin, attend)
         hidden = self.model.norm(x)
         head_in = hidden
         if logits_indices is not None:
             head_in = torch.gather(hidden, 1, logits_indices[..., None].expand(-1, -1, hidden.shape[-1]))
         return LlamaOutput(self.lm_head(head_in).float(), hidden)
 
-    def new_kv_cache(self, batch_size: int, max_len: int) -> KVCache:
-        """An empty cache sized for this model, on its device and dtype."""
+    def new_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
+        """An empty paged cache sized for this model, on its device and dtype."""
         cfg, w = self.config, self.lm_head.weight
-        return KVCache(
-            cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, cfg.head_dim, max_len, w.dtype, w.device
+        return PagedKVCache(
+            cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, w.dtype, w.device
         )
 
     @classmethod

@@ -1,11 +1,13 @@
-"""`specpipe::tree_attention`: attention of N new (tree) tokens over the cached context.
+"""`specpipe::tree_attention`: attention of new (tree) tokens over a paged KV cache.
 
-A new token sees the whole committed context of its row (`context_lens[b]` columns) and,
-among the new tokens, exactly what `tree_mask` allows (its ancestors and itself for a
-packed draft tree; a lower triangle for a plain causal chunk). The new tokens' K/V must
-already be written at columns `[context_lens[b], context_lens[b] + N)` of the cache.
+One call serves a group of G requests. Request g's new tokens are rows
+`query_index[g]` of the flat query tensor; it reads the cache slots `key_slots[g]` (its
+committed context in block-table order, then its new tokens, whose K/V are already
+written) under `mask[g]`: a new token sees the whole context and, among the new tokens,
+its ancestors and itself (a packed draft tree) or the tokens before it (a prefill chunk).
+Rows of different requests never see each other: the batch mask is block-diagonal.
 
-The reference below builds the dense `[B, 1, N, S]` mask and calls
+The reference below gathers the slots into padded `[G, H_kv, S, D]` keys and calls
 `scaled_dot_product_attention`; it is the CPU path and the oracle for faster kernels.
 """
 
@@ -14,28 +16,45 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from model_defs.kv_cache import attention_mask
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, query_index: torch.Tensor, key_slots: torch.Tensor, mask: torch.Tensor) -> None:
+    if q.ndim != 3 or k_cache.ndim != 3 or q.shape[-1] != k_cache.shape[-1]:
+        raise ValueError(f"q {tuple(q.shape)} must be [N, H, D] and the cache {tuple(k_cache.shape)} [slots, H_kv, D]")
+    if q.shape[1] % k_cache.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads is not a multiple of {k_cache.shape[1]} KV heads")
+    g, t = query_index.shape
+    if key_slots.shape[0] != g or mask.shape != (g, t, key_slots.shape[1]) or mask.dtype != torch.bool:
+        raise ValueError(
+            f"query_index {tuple(query_index.shape)}, key_slots {tuple(key_slots.shape)} and bool mask "
+            f"{tuple(mask.shape)} must be [G, T], [G, S] and [G, T, S]"
+        )
 
 
 @torch.library.custom_op("specpipe::tree_attention", mutates_args=())
 def tree_attention(
-    q: torch.Tensor,  # [B, H, N, D]
-    k: torch.Tensor,  # [B, H_kv, S, D] cache, new tokens included
-    v: torch.Tensor,  # [B, H_kv, S, D]
-    context_lens: torch.Tensor,  # [B] committed tokens per row
-    tree_mask: torch.Tensor | None,  # [B, N, N] bool; None = causal among the new tokens
-) -> torch.Tensor:  # [B, H, N, D]
-    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must be [B, H, T, D]")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"{q.shape[1]} query heads is not a multiple of {k.shape[1]} KV heads")
-    mask = attention_mask(context_lens, q.shape[2], k.shape[2], tree_mask)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
-    return out.contiguous()
+    q: torch.Tensor,  # [N, H, D] queries of the whole flat batch
+    k_cache: torch.Tensor,  # [num_slots, H_kv, D] one layer's keys, new tokens included
+    v_cache: torch.Tensor,  # [num_slots, H_kv, D]
+    query_index: torch.Tensor,  # [G, T] int64 rows of q per request (padding: any row)
+    key_slots: torch.Tensor,  # [G, S] int64 slots per request (padding: any slot)
+    mask: torch.Tensor,  # [G, T, S] bool, True = attend; every row needs one True
+) -> torch.Tensor:  # [G, T, H, D]
+    _check(q, k_cache, query_index, key_slots, mask)
+    qg = q[query_index].transpose(1, 2)  # [G, H, T, D]
+    kg = k_cache[key_slots].transpose(1, 2)  # [G, H_kv, S, D]
+    vg = v_cache[key_slots].transpose(1, 2)
+    out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask[:, None], enable_gqa=qg.shape[1] != kg.shape[1])
+    return out.transpose(1, 2).contiguous()
 
 
 @tree_attention.register_fake
 def _(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_lens: torch.Tensor, tree_mask: torch.Tensor | None
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_index: torch.Tensor,
+    key_slots: torch.Tensor,
+    mask: torch.Tensor,
 ) -> torch.Tensor:
-    return torch.empty_like(q)
+    _check(q, k_cache, query_index, key_slots, mask)
+    return q.new_empty(*query_index.shape, *q.shape[1:])

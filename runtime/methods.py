@@ -1,28 +1,16 @@
-"""Choosing a decoding method for a run: auto-regressive or a speculative method the
-engine carries a drafter for, with the engine's default settings overridable per run."""
+"""Running a list of prompts to completion with one decoding method: the entry point of
+the CLI, the benchmarks and the tests (servers drive `LLMEngine` step by step instead)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
-from runtime import ar, redrafter
 from runtime.engine import Engine
+from runtime.llm_engine import METHODS, LLMEngine, RuntimeConfig
 from runtime.results import GenerationResult
 from runtime.sampling import SamplingParams
 
-METHODS = ("ar", "redrafter")
-
-
-def default_method(engine: Engine) -> str:
-    return engine.config.drafter.kind if engine.config.drafter else "ar"
-
-
-def redrafter_params(engine: Engine, overrides: dict[str, Any]) -> redrafter.ReDrafterParams:
-    """The engine's built-in W/L, with any non-None override applied."""
-    assert engine.config.drafter is not None
-    spec = redrafter.ReDrafterParams(**engine.config.drafter.settings)
-    return replace(spec, **{k: v for k, v in overrides.items() if v is not None})
+__all__ = ["METHODS", "generate"]
 
 
 def generate(
@@ -30,14 +18,9 @@ def generate(
     prompts: list[list[int]],
     params: list[SamplingParams],
     method: str | None = None,
+    config: RuntimeConfig | None = None,
     **overrides: Any,
 ) -> list[GenerationResult]:
-    """Run `method` (default: the engine's drafter, else auto-regressive)."""
-    method = method or default_method(engine)
-    if method == "ar":
-        return ar.generate(engine, prompts, params)
-    if method == "redrafter":
-        if engine.drafter is None:
-            raise ValueError("this engine has no ReDrafter drafter; rebuild it with --drafter, or use --method ar")
-        return redrafter.generate(engine, engine.drafter, prompts, params, redrafter_params(engine, overrides))
-    raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
+    """Run `method` (default: the engine's drafter, else auto-regressive) with in-flight
+    batching of up to max_batch_size requests."""
+    return LLMEngine(engine, config).generate(prompts, params, method, **overrides)

@@ -24,7 +24,7 @@ that "might not give the exact distribution match", so it is not used.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,7 +33,8 @@ from runtime.sampling import SamplingParams, sample, target_probs
 
 @dataclass
 class DraftTree:
-    """One request's packed draft tree (root first, parents before children)."""
+    """One request's packed draft tree (root first, parents before children). An
+    auto-regressive step is the one-node tree `[root]`: verifying it is sampling the next token."""
 
     tokens: list[int]
     """[N] token of every node; node 0 is the root (the previous bonus token)."""
@@ -42,6 +43,28 @@ class DraftTree:
     draft_log_probs: torch.Tensor | None = None
     """[N, V] draft log-distribution each node was drawn from (row 0 unused); None when
     the acceptance rule does not need it (greedy, point-mass candidates)."""
+    depths: list[int] = field(default_factory=list)
+    """[N] distance from the root (RoPE position = context length + depth); derived from parents if empty."""
+    mask: torch.Tensor | None = None
+    """[N, N] bool ancestor-or-self mask for verification; derived from parents if None."""
+    first_beam: list[int] = field(default_factory=list)
+    """[N] first (best) drafted beam through each node; empty when not drafted as beams.
+    Lets load-aware speculation tell what a narrower tree would have accepted."""
+
+    def __post_init__(self) -> None:
+        if not self.depths:
+            for parent in self.parents:
+                self.depths.append(0 if parent < 0 else self.depths[parent] + 1)
+        if self.mask is None:
+            mask = torch.eye(len(self.tokens), dtype=torch.bool)
+            for node, parent in enumerate(self.parents):
+                if parent >= 0:
+                    mask[node] |= mask[parent]
+            self.mask = mask
+
+    @classmethod
+    def root(cls, token: int) -> DraftTree:
+        return cls([token], [-1], depths=[0], mask=torch.ones(1, 1, dtype=torch.bool))
 
 
 @dataclass

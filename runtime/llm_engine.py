@@ -1,0 +1,352 @@
+"""The in-flight batching engine: requests join and leave the batch at every step, each
+with its own prompt, sampling settings and decoding method.
+
+One `step()`:
+1. drop cancelled requests (their KV blocks are freed now);
+2. pick this step's drafting width (`runtime/speculation_policy.py`, load-aware);
+3. schedule prefill chunks and decoding steps under the token budget (`runtime/scheduler.py`);
+4. **draft**: one tree per decoding request (ReDrafter beams, or the root alone for an
+   auto-regressive step);
+5. **pack + verify**: all prefill chunks and trees in one flat target forward over the
+   paged cache with a block-diagonal tree mask (`runtime/step_batch.py`);
+6. **accept** (`runtime/verify.py`), **compact** the accepted path's KV to consecutive
+   positions and free the rest of the tree's blocks, **stream** the emitted tokens.
+
+Lossless whatever the batch, the width chosen or the preemptions: every emitted token
+comes from `verify.accept` on the target's own logits.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from runtime.attention_batch import Segment, build_groups, write_slots
+from runtime.block_manager import BlockManager
+from runtime.engine import Engine
+from runtime.kv_budget import KVBudget, kv_cache_blocks
+from runtime.model_runner import ModelRunner, StepBroadcast, StepInput
+from runtime.redrafter import ReDrafterParams, draft_trees, max_tree_nodes
+from runtime.request import Callback, Request
+from runtime.results import GenerationResult, stop_ids
+from runtime.sampling import SamplingParams, next_token
+from runtime.scheduler import Scheduler, ScheduledWork
+from runtime.speculation_policy import SpeculationPolicy, StepStats
+from runtime.step_batch import assemble
+from runtime.verify import DraftTree, accept
+
+log = logging.getLogger(__name__)
+
+METHODS = ("ar", "redrafter")
+SPECULATION_MODES = ("load-aware", "fixed")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Serving-time limits (TensorRT-LLM executor / vLLM engine-argument equivalents)."""
+
+    max_batch_size: int | None = None
+    """Most running requests; default (None): the engine's build limit."""
+    max_num_tokens: int = 512
+    """Most new tokens in one forward (prefill chunks + draft trees), the step's token budget."""
+    max_draft_tokens: int = 64
+    """Most drafted tokens a request may ask for per step (beam_width * beam_length)."""
+    block_size: int = 16
+    """Tokens per KV-cache block."""
+    kv: KVBudget = KVBudget()
+    """How much memory the KV cache gets."""
+    max_queue_size: int = 256
+    """Most waiting requests; more are refused at once (QueueFullError)."""
+    speculation: str = "load-aware"
+    """"load-aware": choose the drafting width per step from the batch and measured step
+    costs (down to none); "fixed": always draft the request's own width."""
+
+    def __post_init__(self) -> None:
+        if self.speculation not in SPECULATION_MODES:
+            raise ValueError(f"speculation {self.speculation!r} is not one of {SPECULATION_MODES}")
+        for name in ("max_num_tokens", "max_draft_tokens", "block_size", "max_queue_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_num_tokens <= self.max_draft_tokens:
+            raise ValueError(
+                f"max_num_tokens {self.max_num_tokens} must exceed max_draft_tokens {self.max_draft_tokens}: "
+                "one full draft tree has to fit in a step"
+            )
+
+
+def check_request(engine: Engine, prompt: list[int], params: SamplingParams) -> None:
+    """Reject requests the engine was not built for, with the limit and the fix."""
+    build = engine.config.build
+    if not prompt:
+        raise ValueError("empty prompt: give at least one token")
+    if len(prompt) > build.max_input_len:
+        raise ValueError(
+            f"prompt has {len(prompt)} tokens > max_input_len {build.max_input_len}; "
+            "rebuild with a larger --max-input-len"
+        )
+    if len(prompt) + params.max_tokens > build.max_seq_len:
+        raise ValueError(
+            f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) > max_seq_len {build.max_seq_len}; "
+            "lower max_tokens or rebuild with a larger --max-seq-len"
+        )
+    vocab = engine.model.config.vocab_size
+    if min(prompt) < 0 or max(prompt) >= vocab:
+        raise ValueError(f"prompt token ids must be in [0, {vocab})")
+
+
+class LLMEngine:
+    """Owns the paged KV cache, the scheduler and the model runner of one loaded engine."""
+
+    def __init__(self, engine: Engine, config: RuntimeConfig | None = None, broadcast: StepBroadcast | None = None):
+        self.engine = engine
+        self.config = config = config or RuntimeConfig()
+        build = engine.config.build
+        self.max_batch_size = config.max_batch_size or build.max_batch_size
+        if self.max_batch_size > build.max_batch_size:
+            raise ValueError(
+                f"max_batch_size {self.max_batch_size} > the engine's build limit {build.max_batch_size}; "
+                "rebuild with a larger --max-batch-size"
+            )
+        num_blocks = kv_cache_blocks(engine, config.kv, config.block_size, self.max_batch_size, config.max_draft_tokens)
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        cache = engine.model.new_kv_cache(num_blocks, config.block_size)
+        self.runner = ModelRunner(engine.model, cache, broadcast)
+        self.scheduler = Scheduler(self.blocks, self.max_batch_size, config.max_num_tokens, config.max_queue_size)
+        settings = engine.config.drafter.settings if engine.config.drafter else {}
+        self.policy = SpeculationPolicy(
+            adaptive=config.speculation == "load-aware", length=settings.get("beam_length", ReDrafterParams.beam_length)
+        )
+        self._ids = itertools.count()
+        self._requests: dict[str, Request] = {}
+        if self.policy.adaptive and engine.drafter is not None:
+            self._calibrate()
+
+    def _calibrate(self) -> None:
+        """Seed the load-aware cost fits with a few timed forwards and beam searches (like
+        vLLM's profiling run). The forwards write into free blocks only."""
+        device, d = self.engine.device, self.engine.model.config.hidden_size
+        capacity = self.blocks.num_blocks * self.blocks.block_size
+        for n in (1, 16, 64, 256):
+            n = min(n, self.config.max_num_tokens, capacity)
+            segment = Segment(0, 0, torch.arange(n))
+            step = StepInput(
+                torch.zeros(n, dtype=torch.long, device=device),
+                torch.arange(n, device=device),
+                write_slots([segment]).to(device),
+                build_groups([segment], device),
+                torch.arange(n, device=device),
+            )
+            for _ in range(2):
+                start = time.perf_counter()
+                self.runner.execute(step)
+                self.policy.forward_cost.add(n, time.perf_counter() - start)
+        drafter, embed = self.engine.drafter, self.engine.model.model.embed_tokens
+        assert drafter is not None
+        for rows in (1, 8, 32):
+            hidden = torch.zeros(rows, d, dtype=self.engine.model.lm_head.weight.dtype, device=device)
+            for _ in range(2):
+                start = time.perf_counter()
+                draft_trees(drafter, embed, hidden, [0] * rows, 1, self.policy.length, False)
+                self.policy.draft_cost.add(rows, time.perf_counter() - start)
+
+    # ---- requests -------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        method: str | None = None,
+        callback: Callback | None = None,
+        request_id: str | None = None,
+        **overrides: Any,
+    ) -> Request:
+        """Queue a request. Raises ValueError for a request the engine cannot serve and
+        QueueFullError when the waiting queue is full (nothing is queued then)."""
+        check_request(self.engine, prompt, params)
+        method = method or self.default_method
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        request = Request(request_id, list(prompt), params, method, self._spec(method, overrides), callback)
+        request.generator = params.generator(self.engine.device)
+        request.stop_ids = stop_ids(params, self.engine.eos_token_ids)
+        self.scheduler.add(request)
+        self._requests[request_id] = request
+        return request
+
+    @property
+    def default_method(self) -> str:
+        drafter = self.engine.config.drafter
+        return drafter.kind if drafter else "ar"
+
+    def _spec(self, method: str, overrides: dict[str, Any]) -> ReDrafterParams | None:
+        if method == "ar":
+            return None
+        if method != "redrafter":
+            raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
+        if self.engine.drafter is None or self.engine.config.drafter is None:
+            raise ValueError("this engine has no ReDrafter drafter; rebuild it with --drafter, or use method ar")
+        spec = ReDrafterParams(**self.engine.config.drafter.settings)
+        spec = replace(spec, **{k: v for k, v in overrides.items() if v is not None})
+        if spec.beam_width * spec.beam_length > self.config.max_draft_tokens:
+            raise ValueError(
+                f"beam_width {spec.beam_width} x beam_length {spec.beam_length} drafts more than "
+                f"max_draft_tokens {self.config.max_draft_tokens} per step"
+            )
+        return spec
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request; its KV blocks are freed and its final event ("cancelled") sent at the next step."""
+        request = self._requests.get(request_id)
+        if request is not None:
+            request.cancel_requested = True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- one step ---------------------------------------------------------------------
+
+    def step(self) -> list[Request]:
+        """Run one scheduling + forward step; returns the requests that finished in it."""
+        finished = self._drop_cancelled()
+        decoding = [r for r in self.scheduler.running if not r.in_prefill and r.spec is not None]
+        width = self.policy.width(len(self.scheduler.running), [r.spec.beam_width for r in decoding])
+        work = self.scheduler.schedule(
+            lambda r: 0 if r.spec is None else min(width, r.spec.beam_width),
+            lambda r, w: 1 if w == 0 else max_tree_nodes(w, r.spec.beam_length),
+        )
+        if not work:
+            return finished
+        try:
+            start = time.perf_counter()
+            trees = self._draft(work)
+            drafted = time.perf_counter()
+            batch = assemble(work, trees, self.blocks, self.engine.device)
+            out = self.runner.execute(batch.step)
+            logits, hidden = out.logits[0], out.hidden[0]
+            done = time.perf_counter()
+        except Exception as e:  # a failed forward fails its requests, never the engine
+            log.exception("step failed")
+            for item in work:
+                finished.append(self._finish(item.request, "error", f"{type(e).__name__}: {e}"))
+            return finished
+        stats = StepStats(len(batch.step.tokens), drafted - start, done - drafted)
+        for item, span in zip(work, batch.spans, strict=True):
+            request = item.request
+            if item.prefill:
+                self._after_prefill(request, item.num_new, logits, hidden, span.logits_start, span.start)
+            else:
+                tree = trees[request.request_id]
+                rows = logits[span.logits_start : span.logits_start + len(tree.tokens)]
+                self._after_decode(
+                    request, tree, rows, hidden, span.start, batch.slots[request.request_id], item.width, stats
+                )
+            if request.finished:
+                finished.append(self._finish(request, request.result.finish_reason))
+        self.policy.observe(stats)
+        return finished
+
+    def _draft(self, work: list[ScheduledWork]) -> dict[str, DraftTree]:
+        """Trees for the decoding requests: ReDrafter beams grouped by (width, length),
+        the root alone for auto-regressive steps."""
+        trees: dict[str, DraftTree] = {}
+        groups: dict[tuple[int, int], list[Request]] = {}
+        for item in work:
+            if item.prefill:
+                continue
+            request = item.request
+            if item.width == 0:
+                trees[request.request_id] = DraftTree.root(request.tokens[-1])
+            else:
+                groups.setdefault((item.width, request.spec.beam_length), []).append(request)
+        drafter, embed = self.engine.drafter, self.engine.model.model.embed_tokens
+        for (width, length), requests in groups.items():
+            assert drafter is not None
+            hidden = torch.stack([r.hidden for r in requests])  # type: ignore[misc]
+            bonus = [r.tokens[-1] for r in requests]
+            for r, tree in zip(requests, draft_trees(drafter, embed, hidden, bonus, width, length, False), strict=True):
+                trees[r.request_id] = tree
+        return trees
+
+    def _after_prefill(
+        self, request: Request, num_new: int, logits: torch.Tensor, hidden: torch.Tensor, logits_row: int, start: int
+    ) -> None:
+        request.num_computed += num_new
+        if request.in_prefill:
+            return
+        request.hidden = hidden[start + num_new - 1]
+        if not request.result.output_ids:  # a fresh prompt (not a recompute): its first token
+            request.result.num_forwards = 1
+            token = next_token(logits[logits_row], request.params, request.generator)  # type: ignore[arg-type]
+            self._notify(request, request.emit([token]))
+
+    def _after_decode(
+        self,
+        request: Request,
+        tree: DraftTree,
+        logits: torch.Tensor,  # [N, V] at the tree's nodes
+        hidden: torch.Tensor,
+        start: int,
+        slots: torch.Tensor,  # [context + N] slots of the request's positions
+        width: int,
+        stats: StepStats,
+    ) -> None:
+        acc = accept(tree, logits, request.params, request.generator)  # type: ignore[arg-type]
+        context = request.num_computed
+        moved = [(context + p, context + i) for i, p in enumerate(acc.path) if p != i]
+        if moved:  # accepted path -> consecutive positions
+            src, dst = zip(*moved, strict=True)
+            self.runner.move(slots[list(src)], slots[list(dst)])
+        request.num_computed = context + len(acc.path)
+        self.blocks.truncate(request.request_id, request.num_computed)  # rejected nodes' blocks
+        request.hidden = hidden[start + acc.path[-1]]
+        result = request.result
+        result.num_forwards += 1
+        result.num_drafted += len(tree.tokens) - 1
+        result.accepted_per_step.append(acc.num_accepted)
+        if tree.first_beam:
+            stats.record(width, len(tree.tokens), [tree.first_beam[node] for node in acc.path[1:]])
+        self._notify(request, request.emit(acc.tokens))
+
+    def _notify(self, request: Request, tokens: list[int], error: str | None = None) -> None:
+        try:
+            request.notify(tokens, error)
+        except Exception:  # a broken consumer must not take the engine (or other requests) down
+            log.exception("callback of request %s failed; cancelling it", request.request_id)
+            request.callback = None
+            request.cancel_requested = True
+
+    def _finish(self, request: Request, reason: str, error: str | None = None) -> Request:
+        """Take the request out, free its blocks, send its final event."""
+        self.scheduler.remove(request)
+        self._requests.pop(request.request_id, None)
+        if request.result.finish_reason != reason:  # "length"/"stop" went out with the last tokens
+            request.result.finish_reason = reason
+            self._notify(request, [], error)
+        return request
+
+    def _drop_cancelled(self) -> list[Request]:
+        cancelled = [r for r in self._requests.values() if r.cancel_requested and not r.finished]
+        return [self._finish(r, "cancelled") for r in cancelled]
+
+    # ---- blocking helpers -----------------------------------------------------------
+
+    def generate(
+        self, prompts: list[list[int]], params: list[SamplingParams], method: str | None = None, **overrides: Any
+    ) -> list[GenerationResult]:
+        """Submit all prompts (as fast as the waiting queue takes them), run to completion;
+        results in prompt order."""
+        if len(prompts) != len(params):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        pending = list(zip(prompts, params, strict=True))
+        requests = []
+        while pending or self.has_unfinished():
+            while pending and len(self.scheduler.waiting) < self.config.max_queue_size:
+                requests.append(self.add_request(*pending.pop(0), method, **overrides))
+            self.step()
+        return [r.result for r in requests]

@@ -1,0 +1,104 @@
+"""One request's life in the in-flight batch: what it asked for, where it stands, and the
+events its caller receives.
+
+    waiting --admit--> running (prefill chunks ... then one decoding step per engine step)
+       ^                  |
+       +---preempted------+   (KV blocks taken back; recomputed when readmitted)
+    running --> finished: "length" | "stop" | "cancelled" | "error"
+
+Token bookkeeping: `tokens = prompt + output`. Once decoding, the last output token is
+*pending*: emitted to the caller but not yet run through the target (it is the root of
+the next draft tree, or the next auto-regressive input), so `num_computed` (tokens with
+K/V in the cache) is `len(tokens) - 1`. A preempted request recomputes `tokens[:-1]`
+and carries on from its pending token, so its output is unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from runtime.results import GenerationResult
+
+FINISH_REASONS = ("length", "stop", "cancelled", "error")
+
+
+@dataclass(frozen=True)
+class RequestEvent:
+    """What a streaming callback receives after every step the request emitted in, and
+    once more, with `finish_reason` set, when it ends."""
+
+    request_id: str
+    tokens: list[int]
+    """Tokens emitted this step (several under speculation; may be empty on the final event)."""
+    finish_reason: str | None = None
+    """None while running; then one of FINISH_REASONS."""
+    error: str | None = None
+    """What went wrong, when finish_reason is "error"."""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+Callback = Callable[[RequestEvent], None]
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: list[int]
+    params: Any  # runtime.sampling.SamplingParams (Any: avoids an import cycle in type checking only)
+    method: str
+    """"ar" or a speculative method the engine carries ("redrafter")."""
+    spec: Any = None
+    """Method parameters (ReDrafterParams) or None for ar."""
+    callback: Callback | None = None
+    arrival: float = field(default_factory=time.perf_counter)
+    result: GenerationResult = field(init=False)
+    generator: torch.Generator | None = None
+    stop_ids: set[int] = field(default_factory=set)
+    num_computed: int = 0
+    """Tokens whose K/V are committed in the cache."""
+    hidden: torch.Tensor | None = None
+    """[D] target final-norm hidden state at the last computed token (the drafter's input)."""
+    num_preemptions: int = 0
+    cancel_requested: bool = False
+
+    def __post_init__(self) -> None:
+        self.result = GenerationResult(list(self.prompt))
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.result.output_ids
+
+    @property
+    def prefill_target(self) -> int:
+        """Tokens to have in the cache before decoding: the prompt, or after a preemption
+        everything but the pending token."""
+        return len(self.prompt) + max(0, len(self.result.output_ids) - 1)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < self.prefill_target
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.result.finish_reason)
+
+    def emit(self, tokens: list[int]) -> list[int]:
+        """Record tokens produced by the target (cut at stop / max_tokens); returns those
+        actually appended, which is what the caller is sent."""
+        before = len(self.result.output_ids)
+        self.result.extend(tokens, self.params, self.stop_ids)
+        return self.result.output_ids[before:]
+
+    def notify(self, tokens: list[int], error: str | None = None) -> None:
+        """Send one event; the final one once the request has a finish reason."""
+        if self.callback is not None:
+            reason = self.result.finish_reason or None
+            self.callback(RequestEvent(self.request_id, tokens, reason, error))

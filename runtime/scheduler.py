@@ -1,0 +1,128 @@
+"""Token-budget scheduling in the style of vLLM v1: every step is one target forward over
+a flat batch that mixes prefill chunks of new requests with decoding steps (draft trees)
+of running ones. There are no prefill/decode phases; a step is bounded by
+`max_batch_size` running requests and `max_num_tokens` new tokens.
+
+Order of service each step:
+1. running requests, oldest first: a decoding step (a tree of up to `1 + W * L` nodes,
+   shrunk to fit the token budget, down to a single auto-regressive token) or the next
+   chunk of an unfinished prefill;
+2. waiting requests, oldest first, while a batch slot, budget and KV blocks remain.
+
+KV pressure: a running request that cannot get blocks for its step takes them from the
+most recently admitted running request, which is *preempted*: its blocks are freed and it
+goes back to the head of the waiting queue, to be recomputed from its tokens when
+readmitted. Requests are never failed or dropped for lack of KV.
+
+The waiting queue is bounded; `add` refuses a request at once when it is full.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from runtime.block_manager import BlockManager
+from runtime.request import Request
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at `max_queue_size`: the request was not accepted."""
+
+
+@dataclass
+class ScheduledWork:
+    request: Request
+    num_new: int
+    """Prefill: tokens of this chunk. Decode: most tree nodes this step may write."""
+    width: int = 0
+    """Decode: beams to draft (0 = auto-regressive). Unused for prefill."""
+    prefill: bool = True
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_batch_size: int, max_num_tokens: int, max_queue_size: int) -> None:
+        self.blocks = blocks
+        self.max_batch_size, self.max_num_tokens, self.max_queue_size = max_batch_size, max_num_tokens, max_queue_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._lock = threading.Lock()  # add() may be called from other threads (servers)
+
+    def add(self, request: Request) -> None:
+        with self._lock:
+            if len(self.waiting) >= self.max_queue_size:
+                raise QueueFullError(
+                    f"request {request.request_id!r} refused: {len(self.waiting)} requests already waiting "
+                    f"(max_queue_size {self.max_queue_size}); retry later or raise max_queue_size"
+                )
+            self.waiting.append(request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def remove(self, request: Request) -> None:
+        """Take a finished or cancelled request out and free its blocks."""
+        with self._lock:
+            if request in self.running:
+                self.running.remove(request)
+            elif request in self.waiting:
+                self.waiting.remove(request)
+        self.blocks.free(request.request_id)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.blocks.free(request.request_id)
+        request.num_computed = 0
+        request.hidden = None
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        with self._lock:
+            self.waiting.appendleft(request)
+
+    def _fit(self, request: Request, num_tokens: int) -> bool:
+        """Get blocks for `num_tokens` positions, preempting later requests if needed.
+        False when `request` itself had to be preempted."""
+        while not self.blocks.ensure(request.request_id, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is request:
+                return False
+        return True
+
+    def schedule(self, width_for: Callable[[Request], int], nodes_for: Callable[[Request, int], int]) -> list[ScheduledWork]:
+        """This step's work. `width_for(r)` is the drafting width wanted for a decoding
+        request, `nodes_for(r, w)` the most tree nodes that width can produce."""
+        budget = self.max_num_tokens
+        work: list[ScheduledWork] = []
+        for request in list(self.running):
+            if request not in self.running:  # preempted by an earlier request this step
+                continue
+            if request.in_prefill:
+                n = min(request.prefill_target - request.num_computed, budget)
+                item = ScheduledWork(request, n)
+            else:
+                width = width_for(request)
+                while width > 0 and nodes_for(request, width) > budget:
+                    width //= 2
+                n = nodes_for(request, width)
+                item = ScheduledWork(request, n, width, prefill=False)
+            if n == 0 or n > budget:
+                continue
+            if self._fit(request, request.num_computed + n):
+                work.append(item)
+                budget -= n
+        while self.waiting and len(self.running) < self.max_batch_size and budget > 0:
+            request = self.waiting[0]
+            n = min(request.prefill_target - request.num_computed, budget)
+            if not self.blocks.ensure(request.request_id, request.num_computed + n):
+                break  # new work never preempts running requests
+            with self._lock:
+                self.waiting.popleft()
+            self.running.append(request)
+            work.append(ScheduledWork(request, n))
+            budget -= n
+        return work

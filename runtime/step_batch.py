@@ -1,0 +1,76 @@
+"""Packing one step's scheduled work into the flat batch of a single target forward.
+
+Every request contributes consecutive new tokens: a prefill chunk (causal) or a draft
+tree (packed order, RoPE position = context + depth, ancestor mask). Logits are computed
+only where they are used: every tree node, and the last token of a chunk that completes
+a fresh prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime.attention_batch import Segment, build_groups, write_slots
+from runtime.block_manager import BlockManager
+from runtime.model_runner import StepInput
+from runtime.scheduler import ScheduledWork
+from runtime.verify import DraftTree
+
+
+@dataclass
+class Span:
+    start: int
+    """First new token of the request in the flat batch."""
+    logits_start: int
+    """First logits row of the request (-1: none)."""
+
+
+@dataclass
+class Batch:
+    step: StepInput
+    spans: list[Span]
+    """One per scheduled item, in order."""
+    slots: dict[str, torch.Tensor]
+    """[context + num_new] slots of every request's positions (for compaction)."""
+
+
+def assemble(
+    work: list[ScheduledWork], trees: dict[str, DraftTree], blocks: BlockManager, device: torch.device
+) -> Batch:
+    tokens: list[int] = []
+    positions: list[int] = []
+    logit_rows: list[int] = []
+    segments: list[Segment] = []
+    spans: list[Span] = []
+    slots: dict[str, torch.Tensor] = {}
+    for item in work:
+        request, start, context = item.request, len(tokens), item.request.num_computed
+        logits_start, mask = -1, None
+        if item.prefill:
+            chunk = request.tokens[context : context + item.num_new]
+            tokens += chunk
+            positions += range(context, context + len(chunk))
+            if context + len(chunk) == request.prefill_target and not request.result.output_ids:
+                logits_start = len(logit_rows)
+                logit_rows.append(start + len(chunk) - 1)
+        else:
+            tree = trees[request.request_id]
+            tokens += tree.tokens
+            positions += [context + d for d in tree.depths]
+            logits_start = len(logit_rows)
+            logit_rows += range(start, start + len(tree.tokens))
+            mask = tree.mask
+        seq_slots = blocks.slots(request.request_id, 0, len(tokens) - start + context)
+        slots[request.request_id] = seq_slots
+        segments.append(Segment(start, context, seq_slots, mask))
+        spans.append(Span(start, logits_start))
+    step = StepInput(
+        torch.tensor(tokens, device=device),
+        torch.tensor(positions, device=device),
+        write_slots(segments).to(device),
+        build_groups(segments, device),
+        torch.tensor(logit_rows, dtype=torch.long, device=device),
+    )
+    return Batch(step, spans, slots)
