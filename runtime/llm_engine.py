@@ -214,7 +214,7 @@ class LLMEngine:
     def step(self) -> list[Request]:
         """Run one scheduling + forward step; returns the requests that finished in it."""
         finished = self._drop_cancelled()
-        decoding = [r for r in self.scheduler.running if not r.in_prefill and r.spec is not None]
+        decoding = [r for r in self.scheduler.running.values() if not r.in_prefill and r.spec is not None]
         width = self.policy.width(len(self.scheduler.running), [r.spec.beam_width for r in decoding])
         work = self.scheduler.schedule(
             lambda r: 0 if r.spec is None else min(width, r.spec.beam_width),
@@ -269,7 +269,9 @@ class LLMEngine:
             assert drafter is not None
             hidden = torch.stack([r.hidden for r in requests])  # type: ignore[misc]
             bonus = [r.tokens[-1] for r in requests]
-            for r, tree in zip(requests, draft_trees(drafter, embed, hidden, bonus, width, length, False), strict=True):
+            with_dists = any(not r.params.greedy for r in requests)  # per-node draft laws, for rules that use them
+            drafted = draft_trees(drafter, embed, hidden, bonus, width, length, with_dists)
+            for r, tree in zip(requests, drafted, strict=True):
                 trees[r.request_id] = tree
         return trees
 

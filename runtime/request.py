@@ -48,7 +48,7 @@ class RequestEvent:
 Callback = Callable[[RequestEvent], None]
 
 
-@dataclass
+@dataclass(eq=False)  # identity: requests are compared and hashed as themselves
 class Request:
     request_id: str
     prompt: list[int]

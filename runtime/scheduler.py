@@ -47,7 +47,7 @@ class Scheduler:
         self.blocks = blocks
         self.max_batch_size, self.max_num_tokens, self.max_queue_size = max_batch_size, max_num_tokens, max_queue_size
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.running: dict[str, Request] = {}  # by id, in admission order
         self.num_preemptions = 0
         self._lock = threading.Lock()  # add() may be called from other threads (servers)
 
@@ -67,14 +67,12 @@ class Scheduler:
     def remove(self, request: Request) -> None:
         """Take a finished or cancelled request out and free its blocks."""
         with self._lock:
-            if request in self.running:
-                self.running.remove(request)
-            elif request in self.waiting:
+            if self.running.pop(request.request_id, None) is None and request in self.waiting:
                 self.waiting.remove(request)
         self.blocks.free(request.request_id)
 
     def _preempt(self, request: Request) -> None:
-        self.running.remove(request)
+        del self.running[request.request_id]
         self.blocks.free(request.request_id)
         request.num_computed = 0
         request.hidden = None
@@ -87,19 +85,21 @@ class Scheduler:
         """Get blocks for `num_tokens` positions, preempting later requests if needed.
         False when `request` itself had to be preempted."""
         while not self.blocks.ensure(request.request_id, num_tokens):
-            victim = self.running[-1]
+            victim = next(reversed(self.running.values()))
             self._preempt(victim)
             if victim is request:
                 return False
         return True
 
-    def schedule(self, width_for: Callable[[Request], int], nodes_for: Callable[[Request, int], int]) -> list[ScheduledWork]:
+    def schedule(
+        self, width_for: Callable[[Request], int], nodes_for: Callable[[Request, int], int]
+    ) -> list[ScheduledWork]:
         """This step's work. `width_for(r)` is the drafting width wanted for a decoding
         request, `nodes_for(r, w)` the most tree nodes that width can produce."""
         budget = self.max_num_tokens
         work: list[ScheduledWork] = []
-        for request in list(self.running):
-            if request not in self.running:  # preempted by an earlier request this step
+        for request in list(self.running.values()):
+            if request.request_id not in self.running:  # preempted by an earlier request this step
                 continue
             if request.in_prefill:
                 n = min(request.prefill_target - request.num_computed, budget)
@@ -122,7 +122,7 @@ class Scheduler:
                 break  # new work never preempts running requests
             with self._lock:
                 self.waiting.popleft()
-            self.running.append(request)
+            self.running[request.request_id] = request
             work.append(ScheduledWork(request, n))
             budget -= n
         return work

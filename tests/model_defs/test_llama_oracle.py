@@ -14,6 +14,7 @@ import transformers
 
 from model_defs.llama import LlamaForCausalLM
 from model_defs.rope import RopeConfig
+from tests.paged import Chunk, PagedModel
 
 TOL = 1e-4
 
@@ -96,20 +97,19 @@ def test_prefill_decode_and_mask_match_transformers(tmp_path: Path, name: str) -
         masked = ours(ids, positions, tree_mask=causal)
         assert (masked.logits - ref_logits).abs().max() <= TOL
 
-        cache = ours.new_kv_cache(batch_size=2, max_len=32)
+        # token by token through the paged cache, both rows in one flat forward per step
+        paged = PagedModel(ours, num_blocks=32, block_size=4)
         steps = []
         for t in range(21):
-            out = ours(ids[:, t : t + 1], positions[:, t : t + 1], kv_cache=cache)
-            cache.commit(torch.ones(2, dtype=torch.long))
-            steps.append(out.logits)
+            outs = paged.forward([Chunk(f"r{b}", t, ids[b, t : t + 1], positions[b, t : t + 1]) for b in range(2)])
+            steps.append(torch.stack([o.logits for o in outs]))
         assert (torch.cat(steps, dim=1) - ref_logits).abs().max() <= TOL
 
         # prefill a prefix through the cache, then a 5-token chunk with an explicit causal mask
-        cache = ours.new_kv_cache(batch_size=2, max_len=32)
-        ours(ids[:, :16], positions[:, :16], kv_cache=cache)
-        cache.commit(torch.full((2,), 16))
-        chunk = ours(ids[:, 16:], positions[:, 16:], kv_cache=cache, tree_mask=causal[:, :5, :5].contiguous())
-        assert (chunk.logits - ref_logits[:, 16:]).abs().max() <= TOL
+        paged = PagedModel(ours, num_blocks=32, block_size=4)
+        paged.forward([Chunk(f"r{b}", 0, ids[b, :16], positions[b, :16]) for b in range(2)])
+        outs = paged.forward([Chunk(f"r{b}", 16, ids[b, 16:], positions[b, 16:], causal[b, :5, :5]) for b in range(2)])
+        assert (torch.stack([o.logits for o in outs]) - ref_logits[:, 16:]).abs().max() <= TOL
 
 
 def test_sharded_checkpoint_loads(tmp_path: Path) -> None:

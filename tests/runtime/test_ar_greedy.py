@@ -11,14 +11,19 @@ import torch
 import transformers
 
 from build.engine import build_engine
-from runtime.ar import generate
+from runtime import methods
 from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig
+from runtime.results import GenerationResult
 from runtime.sampling import SamplingParams
 from training.corpus import heldout_prompts
 
 DEMO_TARGET = Path(__file__).resolve().parents[2] / "models" / "demo-target"
 MAX_NEW = 24
+
+
+def generate(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationResult]:
+    return methods.generate(engine, prompts, params, "ar")
 
 
 @pytest.fixture(scope="module")

@@ -19,9 +19,10 @@ from tokenizers import Tokenizer, models
 
 from model_defs.llama import ARCHITECTURE, LlamaForCausalLM
 from model_defs.redrafter import ReDrafter, ReDrafterConfig
-from runtime import redrafter
+from runtime import llm_engine, methods
 from runtime.engine import Engine
-from runtime.engine_dir import BuildConfig, EngineConfig
+from runtime.engine_dir import BuildConfig, DrafterSpec, EngineConfig
+from runtime.llm_engine import RuntimeConfig
 from runtime.sampling import SamplingParams, sample, target_probs
 from runtime.verify import Acceptance, DraftTree, children_lists
 from tests.stats import passes_chi_square
@@ -30,19 +31,22 @@ from tests.tiny_models import tiny_target
 V = 4
 PROMPT = [1, 3, 2]
 TRIALS = 20000
-SPEC = redrafter.ReDrafterParams(beam_width=3, beam_length=2)
+SPEC = {"beam_width": 3, "beam_length": 2}
+# all trials in flight at once, every step drafting the full tree
+CONFIG = RuntimeConfig(max_num_tokens=8 * TRIALS, max_queue_size=TRIALS, speculation="fixed")
 
 
-def toy_engine() -> tuple[Engine, ReDrafter]:
+def toy_engine() -> Engine:
     target = tiny_target(seed=7, vocab_size=V)
-    build = BuildConfig(max_batch_size=TRIALS, max_input_len=8, max_seq_len=16)
-    engine = Engine(EngineConfig(ARCHITECTURE, target.config.to_hf(), build), target, Tokenizer(models.BPE()))
     torch.manual_seed(11)
     drafter = ReDrafter(ReDrafterConfig(vocab_size=V, hidden_size=32, exit_dim=64, num_draft_layers=1, rnn=True)).eval()
     with torch.no_grad():
         for p in drafter.parameters():
             p.normal_(0, 0.4)  # confident and often wrong: acceptance rules are exercised hard
-    return engine, drafter
+    build = BuildConfig(max_batch_size=TRIALS, max_input_len=8, max_seq_len=16)
+    spec = DrafterSpec("redrafter", drafter.config.to_json(), SPEC)
+    config = EngineConfig(ARCHITECTURE, target.config.to_hf(), build, drafter=spec)
+    return Engine(config, target, Tokenizer(models.BPE()), drafter)
 
 
 def exact_first_three(target: LlamaForCausalLM, params: SamplingParams) -> torch.Tensor:
@@ -62,11 +66,11 @@ def exact_first_three(target: LlamaForCausalLM, params: SamplingParams) -> torch
     return law
 
 
-def emitted_first_three(engine: Engine, drafter: ReDrafter, params: SamplingParams) -> torch.Tensor:
+def emitted_first_three(engine: Engine, params: SamplingParams) -> torch.Tensor:
     per_request = [
         SamplingParams(max_tokens=3, temperature=params.temperature, top_k=params.top_k, seed=i) for i in range(TRIALS)
     ]
-    results = redrafter.generate_batch(engine, drafter, [PROMPT] * TRIALS, per_request, SPEC)
+    results = methods.generate(engine, [PROMPT] * TRIALS, per_request, "redrafter", CONFIG)
     counts = torch.zeros(V, V, V)
     for r in results:
         counts[tuple(r.output_ids)] += 1
@@ -78,8 +82,8 @@ def emitted_first_three(engine: Engine, drafter: ReDrafter, params: SamplingPara
     "params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=3)], ids=["t1", "t0.8-k3"]
 )
 def test_sampled_redrafter_follows_target_distribution(params: SamplingParams) -> None:
-    engine, drafter = toy_engine()
-    counts = emitted_first_three(engine, drafter, params)
+    engine = toy_engine()
+    counts = emitted_first_three(engine, params)
     assert passes_chi_square(counts, exact_first_three(engine.model, params))
 
 
@@ -120,7 +124,7 @@ def apple_per_beam_accept(
 
 def test_apple_per_beam_rule_fails_the_same_test(monkeypatch: pytest.MonkeyPatch) -> None:
     params = SamplingParams(temperature=1.0)
-    engine, drafter = toy_engine()
-    monkeypatch.setattr(redrafter, "accept", apple_per_beam_accept)
-    counts = emitted_first_three(engine, drafter, params)
+    engine = toy_engine()
+    monkeypatch.setattr(llm_engine, "accept", apple_per_beam_accept)
+    counts = emitted_first_three(engine, params)
     assert not passes_chi_square(counts, exact_first_three(engine.model, params))
