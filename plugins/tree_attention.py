@@ -17,7 +17,9 @@ import torch
 import torch.nn.functional as F
 
 
-def _check(q: torch.Tensor, k_cache: torch.Tensor, query_index: torch.Tensor, key_slots: torch.Tensor, mask: torch.Tensor) -> None:
+def _check(
+    q: torch.Tensor, k_cache: torch.Tensor, query_index: torch.Tensor, key_slots: torch.Tensor, mask: torch.Tensor
+) -> None:
     if q.ndim != 3 or k_cache.ndim != 3 or q.shape[-1] != k_cache.shape[-1]:
         raise ValueError(f"q {tuple(q.shape)} must be [N, H, D] and the cache {tuple(k_cache.shape)} [slots, H_kv, D]")
     if q.shape[1] % k_cache.shape[1]:
