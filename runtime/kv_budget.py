@@ -38,12 +38,14 @@ def free_memory_bytes(device: torch.device) -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo; set max_tokens_in_kv_cache instead")
 
 
-def kv_cache_blocks(engine: Engine, budget: KVBudget, block_size: int, max_batch_size: int, max_draft_tokens: int) -> int:
+def kv_cache_blocks(
+    engine: Engine, budget: KVBudget, block_size: int, max_batch_size: int, max_draft_tokens: int
+) -> int:
     """Blocks to allocate; at least enough for one request of max_seq_len plus a full
     draft tree, so preemption can always make progress."""
     cfg = engine.model.config
     per_token = PagedKVCache.bytes_per_token(
-        cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, engine.model.lm_head.weight.dtype
+        cfg.num_hidden_layers, engine.model.num_local_kv_heads, cfg.head_dim, engine.model.lm_head.weight.dtype
     )
     longest = engine.config.build.max_seq_len + max_draft_tokens + 1
     limits = []
@@ -51,8 +53,8 @@ def kv_cache_blocks(engine: Engine, budget: KVBudget, block_size: int, max_batch
         limits.append(budget.max_tokens)
     if budget.free_mem_fraction is not None:
         limits.append(int(free_memory_bytes(engine.device) * budget.free_mem_fraction) // per_token)
-    tokens = min(limits) if limits else max_batch_size * longest
     need = -(-longest // block_size)
+    tokens = min(limits) if limits else max_batch_size * need * block_size
     if tokens // block_size < need:
         raise ValueError(
             f"KV cache of {tokens} tokens ({tokens * per_token / 2**20:.1f} MiB) cannot hold one request of "

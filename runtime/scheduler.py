@@ -49,6 +49,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}  # by id, in admission order
         self.num_preemptions = 0
+        self.num_decode_preemptions = 0
+        """Preemptions of requests that had emitted tokens (their whole context is recomputed)."""
         self._lock = threading.Lock()  # add() may be called from other threads (servers)
 
     def add(self, request: Request) -> None:
@@ -78,6 +80,7 @@ class Scheduler:
         request.hidden = None
         request.num_preemptions += 1
         self.num_preemptions += 1
+        self.num_decode_preemptions += bool(request.result.output_ids)
         with self._lock:
             self.waiting.appendleft(request)
 

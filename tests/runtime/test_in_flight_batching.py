@@ -1,0 +1,179 @@
+"""In-flight batching on the bundled demo models: requests with different prompts, methods,
+temperatures and lengths join at different steps; greedy outputs equal each request's
+solo output token for token, also when KV pressure forces preemptions; cancellation and
+completion return every KV block; a full queue refuses at once; streaming callbacks see
+every token once and one final event."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from build.engine import build_engine
+from runtime.engine import Engine
+from runtime.engine_dir import BuildConfig
+from runtime.kv_budget import KVBudget
+from runtime.llm_engine import LLMEngine, RuntimeConfig
+from runtime.request import RequestEvent
+from runtime.sampling import SamplingParams
+from runtime.scheduler import QueueFullError
+from training.corpus import heldout_prompts
+
+MODELS = Path(__file__).resolve().parents[2] / "models"
+BUILD = BuildConfig(max_batch_size=8, max_input_len=512, max_seq_len=640)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    out = tmp_path_factory.mktemp("engines") / "demo-redrafter"
+    return Engine.load(build_engine(MODELS / "demo-target", out, BUILD, drafter=MODELS / "demo-redrafter"))
+
+
+@pytest.fixture(scope="module")
+def prompts(engine: Engine) -> list[list[int]]:
+    return [engine.encode(t) for t in heldout_prompts(12)]
+
+
+# (method, temperature, max_tokens, arrival step, overrides) per request
+MIX = [
+    ("redrafter", 0.0, 24, 0, {}),
+    ("ar", 0.0, 17, 0, {}),
+    ("redrafter", 0.9, 20, 1, {}),
+    ("redrafter", 0.0, 31, 2, {"beam_width": 2, "beam_length": 5}),
+    ("ar", 0.7, 12, 2, {}),
+    ("redrafter", 0.0, 9, 3, {"beam_width": 8, "beam_length": 3}),
+    ("ar", 0.0, 28, 5, {}),
+    ("redrafter", 0.0, 22, 5, {}),
+    ("redrafter", 0.0, 16, 6, {}),
+    ("ar", 0.0, 20, 9, {}),
+    ("redrafter", 1.0, 14, 9, {}),
+    ("redrafter", 0.0, 26, 12, {"beam_width": 1, "beam_length": 2}),
+]
+
+
+def params_of(i: int) -> SamplingParams:
+    _, temperature, max_tokens, _, _ = MIX[i]
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=100 + i)
+
+
+def solo(engine: Engine, prompt: list[int], i: int) -> list[int]:
+    method, _, _, _, overrides = MIX[i]
+    result = LLMEngine(engine, RuntimeConfig(max_batch_size=1)).generate([prompt], [params_of(i)], method, **overrides)
+    return result[0].output_ids
+
+
+def run_mix(engine: LLMEngine, prompts: list[list[int]]) -> tuple[dict[int, list[int]], dict[int, list[RequestEvent]]]:
+    """Submit MIX[i] at its arrival step, step until all finish; outputs and events by index."""
+    events: dict[int, list[RequestEvent]] = {i: [] for i in range(len(MIX))}
+    requests = {}
+    step = 0
+    while len(requests) < len(MIX) or engine.has_unfinished():
+        for i, (method, _, _, arrival, overrides) in enumerate(MIX):
+            if arrival == step:
+                requests[i] = engine.add_request(
+                    prompts[i], params_of(i), method, callback=events[i].append, request_id=f"mix-{i}", **overrides
+                )
+        engine.step()
+        step += 1
+    return {i: r.result.output_ids for i, r in requests.items()}, events
+
+
+@pytest.fixture(scope="module")
+def solo_outputs(engine: Engine, prompts: list[list[int]]) -> dict[int, list[int]]:
+    return {i: solo(engine, prompts[i], i) for i, (_, t, _, _, _) in enumerate(MIX) if t == 0}
+
+
+@pytest.mark.parametrize("speculation", ["load-aware", "fixed"])
+def test_mixed_arrivals_equal_solo_runs(
+    engine: Engine, prompts: list[list[int]], solo_outputs: dict[int, list[int]], speculation: str
+) -> None:
+    llm = LLMEngine(engine, RuntimeConfig(max_num_tokens=160, speculation=speculation))
+    outputs, events = run_mix(llm, prompts)
+    for i, expected in solo_outputs.items():
+        assert outputs[i] == expected, f"greedy request {i} ({MIX[i][0]}) diverged from its solo run"
+    for i, evs in events.items():
+        assert [t for e in evs for t in e.tokens] == outputs[i], "streamed tokens = final output"
+        assert [e.finished for e in evs].count(True) == 1 and evs[-1].finished
+        assert evs[-1].finish_reason in ("length", "stop")
+    assert any(len(e.tokens) > 1 for evs in events.values() for e in evs), "speculation emits several per step"
+    assert llm.blocks.num_used == 0
+
+
+def test_kv_pressure_preempts_and_loses_nothing(
+    engine: Engine, prompts: list[list[int]], solo_outputs: dict[int, list[int]]
+) -> None:
+    """A cache of 1.5 max-length requests for 8 running ones: requests get preempted and
+    recomputed, every one still completes with its solo output."""
+    budget = KVBudget(max_tokens=1000)
+    llm = LLMEngine(engine, RuntimeConfig(max_num_tokens=160, kv=budget, speculation="fixed"))
+    outputs, events = run_mix(llm, prompts)
+    assert llm.scheduler.num_preemptions > 0, "the budget must force preemption for this test to mean anything"
+    for i, expected in solo_outputs.items():
+        assert outputs[i] == expected, f"request {i} changed under preemption"
+    assert all(evs[-1].finish_reason in ("length", "stop") for evs in events.values())
+    assert llm.blocks.num_used == 0
+
+
+def test_preempted_decoding_requests_resume_exactly(engine: Engine, prompts: list[list[int]]) -> None:
+    """Eight requests growing to 150 tokens each in a cache of 720 tokens: requests are
+    preempted in the middle of decoding, recompute their context and continue with the
+    same tokens as when run alone."""
+    short = [p[:40] for p in prompts[:8]]
+    params = [SamplingParams(max_tokens=110, ignore_eos=True)] * 8
+    methods = ["redrafter", "ar"] * 4
+    llm = LLMEngine(engine, RuntimeConfig(kv=KVBudget(max_tokens=720), speculation="fixed"))
+    requests = [llm.add_request(p, s, m) for p, s, m in zip(short, params, methods, strict=True)]
+    while llm.has_unfinished():
+        llm.step()
+    assert llm.scheduler.num_decode_preemptions > 0
+    for p, s, m, r in zip(short, params, methods, requests, strict=True):
+        assert r.result.output_ids == LLMEngine(engine).generate([p], [s], m)[0].output_ids
+    assert llm.blocks.num_used == 0
+
+
+def test_cancellation_frees_blocks_and_sends_final_event(engine: Engine, prompts: list[list[int]]) -> None:
+    llm = LLMEngine(engine, RuntimeConfig(speculation="fixed"))
+    events: list[RequestEvent] = []
+    cancelled = llm.add_request(prompts[0], SamplingParams(max_tokens=200, ignore_eos=True), callback=events.append)
+    other = llm.add_request(prompts[1], SamplingParams(max_tokens=40, ignore_eos=True))
+    for _ in range(4):
+        llm.step()
+    assert llm.blocks.table(cancelled.request_id), "running request holds blocks"
+    held = len(llm.blocks.table(cancelled.request_id))
+    used = llm.blocks.num_used
+    llm.cancel(cancelled.request_id)
+    llm.step()
+    assert not llm.blocks.table(cancelled.request_id)
+    assert llm.blocks.num_used <= used - held + len(llm.blocks.table(other.request_id))
+    assert events[-1].finish_reason == "cancelled" and sum(e.finished for e in events) == 1
+    assert 0 < len(cancelled.result.output_ids) < 200
+    while llm.has_unfinished():
+        llm.step()
+    assert other.result.finish_reason == "length" and len(other.result.output_ids) == 40
+    assert llm.blocks.num_used == 0
+
+
+def test_full_queue_refuses_at_once(engine: Engine, prompts: list[list[int]]) -> None:
+    llm = LLMEngine(engine, RuntimeConfig(max_queue_size=3))
+    for p in prompts[:3]:
+        llm.add_request(p, SamplingParams(max_tokens=4))
+    with pytest.raises(QueueFullError, match="max_queue_size 3"):
+        llm.add_request(prompts[3], SamplingParams(max_tokens=4))
+    assert len(llm.scheduler.waiting) == 3, "the refused request was not queued"
+    llm.step()  # admits the waiting requests: room again
+    llm.add_request(prompts[3], SamplingParams(max_tokens=4))
+
+
+def test_bad_requests_and_budgets_are_refused_clearly(engine: Engine, prompts: list[list[int]]) -> None:
+    llm = LLMEngine(engine)
+    with pytest.raises(ValueError, match="max_seq_len 640"):
+        llm.add_request(prompts[0], SamplingParams(max_tokens=1000))
+    with pytest.raises(ValueError, match="max_draft_tokens 64"):
+        llm.add_request(prompts[0], SamplingParams(), "redrafter", beam_width=16, beam_length=5)
+    with pytest.raises(ValueError, match="unknown method"):
+        llm.add_request(prompts[0], SamplingParams(), "medusa")
+    with pytest.raises(ValueError, match="cannot hold one request"):
+        LLMEngine(engine, RuntimeConfig(kv=KVBudget(max_tokens=200)))
+    with pytest.raises(ValueError, match="build limit 8"):
+        LLMEngine(engine, RuntimeConfig(max_batch_size=9))
