@@ -13,12 +13,22 @@ DEMO_PROMPTS := --prompt "def fibonacci(n):" \
 	--prompt "$$(printf 'class Stack:\n    def __init__(self):')" \
 	--prompt "$$(printf 'import os\n\n\ndef list_python_files(path):')"
 
-.PHONY: help setup engine demo test test-slow lint format model drafter bench-redrafter clean
+.PHONY: help setup mpi engine demo test test-slow lint format model drafter bench-redrafter bench-drafter-tp clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 18
 
-setup: $(STAMP)  ## create .venv and install pinned requirements (once)
+setup: $(STAMP) mpi  ## create .venv and install pinned requirements (once), and OpenMPI
+
+# Tensor-parallel engines run under `mpirun`; mpi4py (requirements.txt) loads the MPI library at run time.
+mpi:  ## install OpenMPI (mpirun) if missing: apt-get as root, else print the command
+	@command -v mpirun >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y openmpi-bin libopenmpi-dev; \
+	  else \
+	    echo "OpenMPI is missing (tensor-parallel engines need mpirun); install it with:"; \
+	    echo "  sudo apt-get install -y openmpi-bin libopenmpi-dev"; \
+	  fi; }
 
 $(STAMP): requirements.txt constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,7 +41,7 @@ $(ENGINE)/config.json: $(STAMP) $(BUILDER) $(MODEL)/config.json $(MODEL)/model.s
 	$(BIN)/python -m build.engine --checkpoint $(MODEL) --output $(ENGINE) --force
 
 $(SPEC_ENGINE)/config.json: $(STAMP) $(BUILDER) $(MODEL)/model.safetensors $(DRAFTER)/config.json $(DRAFTER)/model.safetensors
-	$(BIN)/python -m build.engine --checkpoint $(MODEL) --drafter $(DRAFTER) --output $(SPEC_ENGINE) --force
+	$(BIN)/python -m build.engine --checkpoint $(MODEL) --drafter $(DRAFTER) --output $(SPEC_ENGINE) --max-batch-size 32 --force
 
 engine: $(ENGINE)/config.json $(SPEC_ENGINE)/config.json  ## build $(ENGINE) (target only) and $(SPEC_ENGINE) (+ ReDrafter)
 
@@ -65,6 +75,9 @@ drafter: setup  ## re-train the demo ReDrafter drafter by distillation from $(MO
 
 bench-redrafter: engine  ## W x L x T sweep: tau, acceptance, compression, speedup -> benchmarks/results/
 	$(BIN)/python -m benchmarks.redrafter_sweep --engine $(SPEC_ENGINE)
+
+bench-drafter-tp: engine  ## TP=2 ReDrafter beam search, drafter replicated vs sharded -> benchmarks/results/
+	OMP_NUM_THREADS=1 mpirun --allow-run-as-root --bind-to none -n 2 $(BIN)/python -m benchmarks.drafter_tp --engine $(SPEC_ENGINE)
 
 clean:  ## remove built engines and caches (keeps .venv)
 	rm -rf engines work_dirs .pytest_cache .mypy_cache .ruff_cache

@@ -19,21 +19,21 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import platform
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
-import torch
 from tqdm import tqdm
 
-from runtime import ar, redrafter
+from benchmarks.report import machine, write_report
 from runtime.engine import Engine
+from runtime.llm_engine import LLMEngine, RuntimeConfig
+from runtime.redrafter import ReDrafterParams
 from runtime.results import GenerationResult
 from runtime.sampling import SamplingParams
 from training.corpus import heldout_prompts
+
+ONE_AT_A_TIME = RuntimeConfig(max_batch_size=1, speculation="fixed")
 
 
 @dataclass
@@ -49,26 +49,27 @@ class SweepRow:
     speedup: float
 
 
-def timed(fn: Callable[..., list[GenerationResult]], *args: Any) -> tuple[list[GenerationResult], float]:
+def timed(
+    engine: LLMEngine, prompt: list[int], params: SamplingParams, method: str, spec: ReDrafterParams
+) -> tuple[GenerationResult, float]:
     start = time.perf_counter()
-    out = fn(*args)
-    return out, time.perf_counter() - start
+    result = engine.generate([prompt], [params], method, beam_width=spec.beam_width, beam_length=spec.beam_length)
+    return result[0], time.perf_counter() - start
 
 
 def run_setting(
-    engine: Engine, prompts: list[list[int]], spec: redrafter.ReDrafterParams, temperature: float, max_tokens: int
+    engine: LLMEngine, prompts: list[list[int]], spec: ReDrafterParams, temperature: float, max_tokens: int
 ) -> SweepRow:
-    assert engine.drafter is not None
     ar_time = spec_time = 0.0
     ar_tokens = 0
     spec_results: list[GenerationResult] = []
     for i, prompt in enumerate(prompts):  # alternate: machine noise hits both methods alike
-        params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i, ignore_eos=True)]
-        res, t = timed(redrafter.generate_batch, engine, engine.drafter, [prompt], params, spec)
-        spec_results += res
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i, ignore_eos=True)
+        res, t = timed(engine, prompt, params, "redrafter", spec)
+        spec_results.append(res)
         spec_time += t
-        res, t = timed(ar.generate_batch, engine, [prompt], params)
-        ar_tokens += len(res[0].output_ids)
+        res, t = timed(engine, prompt, params, "ar", spec)
+        ar_tokens += len(res.output_ids)
         ar_time += t
     spec_tokens = sum(len(r.output_ids) for r in spec_results)
     steps = [a for r in spec_results for a in r.accepted_per_step]
@@ -84,23 +85,6 @@ def run_setting(
         spec_ms_per_token=1000 * spec_time / spec_tokens,
         speedup=(ar_time / ar_tokens) / (spec_time / spec_tokens),
     )
-
-
-def machine() -> dict[str, object]:
-    cpu = next(
-        (
-            ln.split(":", 1)[1].strip()
-            for ln in Path("/proc/cpuinfo").read_text().splitlines()
-            if ln.startswith("model name")
-        ),
-        platform.processor(),
-    )
-    return {
-        "cpu": cpu,
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-    }
 
 
 def markdown(rows: list[SweepRow], meta: dict[str, object]) -> str:
@@ -139,10 +123,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/redrafter_sweep"), help="output path stem")
     args = ap.parse_args()
 
-    engine = Engine.load(args.engine)
-    if engine.drafter is None:
+    loaded = Engine.load(args.engine)
+    if loaded.drafter is None:
         raise SystemExit(f"error: {args.engine} has no drafter; build it with --drafter")
-    prompts = [engine.encode(t) for t in heldout_prompts(args.prompts)]
+    engine = LLMEngine(loaded, ONE_AT_A_TIME)
+    prompts = [loaded.encode(t) for t in heldout_prompts(args.prompts)]
     grid = list(
         itertools.product(
             [float(t) for t in args.temperatures.split(",")],
@@ -151,20 +136,13 @@ def main() -> None:
         )
     )
     # warm-up: first calls pay for allocator growth and lazy initialisation
-    run_setting(engine, prompts[:2], redrafter.ReDrafterParams(2, 2), 0.0, 8)
+    run_setting(engine, prompts[:2], ReDrafterParams(2, 2), 0.0, 8)
     rows = []
     for temperature, width, length in tqdm(grid, desc="redrafter sweep", unit="setting"):
-        rows.append(
-            run_setting(engine, prompts, redrafter.ReDrafterParams(width, length), temperature, args.max_tokens)
-        )
+        rows.append(run_setting(engine, prompts, ReDrafterParams(width, length), temperature, args.max_tokens))
         tqdm.write(json.dumps(asdict(rows[-1])))
     meta = {"engine": str(args.engine), "prompts": args.prompts, "max_tokens": args.max_tokens, "machine": machine()}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(
-        json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2) + "\n"
-    )
-    args.out.with_suffix(".md").write_text(markdown(rows, meta))
-    print(markdown(rows, meta))
+    write_report(args.out, meta, [asdict(r) for r in rows], markdown(rows, meta))
 
 
 if __name__ == "__main__":

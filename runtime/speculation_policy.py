@@ -24,7 +24,7 @@ Whatever the width, acceptance is lossless; the policy only moves speed.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -89,17 +89,20 @@ class SpeculationPolicy:
     """width -> mean tree size (root included)."""
     length: int = 4
     """Draft length assumed for widths not seen yet (the engine's default beam length)."""
+    widths_chosen: Counter[int] = field(default_factory=Counter)
+    """Steps run at each width (for reports)."""
 
     def width(self, num_running: int, wanted: list[int]) -> int:
         """Beams to draft this step (requests draft min(this, their own width)); 0 = auto-regressive."""
         if not wanted:
             return 0
         top = max(wanted)
-        if not self.adaptive:
-            return top
-        others = num_running - len(wanted)  # auto-regressive and prefilling requests: ~1 token each
-        candidates = sorted({0, top, *(1 << i for i in range(top.bit_length()) if 1 << i < top)})
-        return max(candidates, key=lambda w: self.rate(w, wanted, others))
+        if self.adaptive:
+            others = num_running - len(wanted)  # auto-regressive and prefilling requests: ~1 token each
+            candidates = sorted({0, top, *(1 << i for i in range(top.bit_length()) if 1 << i < top)})
+            top = max(candidates, key=lambda w: self.rate(w, wanted, others))
+        self.widths_chosen[top] += 1
+        return top
 
     def rate(self, width: int, wanted: list[int], others: int) -> float:
         """Expected tokens per second of the decoding requests at this width."""

@@ -1,0 +1,136 @@
+"""Throughput vs batch size: auto-regressive, ReDrafter with a fixed tree, and ReDrafter
+with load-aware speculation, on the in-flight batching engine.
+
+    python -m benchmarks.batch_sweep --engine engines/demo-redrafter
+
+For each batch size B, B held-out prompts are decoded together (B running requests,
+fixed output length, EOS ignored, greedy) by each of the three configurations, in
+alternating rounds on the same engine so machine noise hits them alike. Reported per B:
+- output tokens/s of each configuration (prefill included, as a user sees it) and its
+  ratio to auto-regressive decoding measured in the same run;
+- tau: tokens emitted per decoding step per request (bonus included; 1 for AR);
+- the drafting widths load-aware speculation chose, as a histogram over steps.
+Writes `<out>.json` and `<out>.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from benchmarks.report import machine, write_report
+from runtime.engine import Engine
+from runtime.llm_engine import LLMEngine, RuntimeConfig
+from runtime.results import GenerationResult
+from runtime.sampling import SamplingParams
+from training.corpus import heldout_prompts
+
+CONFIGS = {  # name -> (method, speculation mode)
+    "ar": ("ar", "fixed"),
+    "redrafter-fixed": ("redrafter", "fixed"),
+    "redrafter-load-aware": ("redrafter", "load-aware"),
+}
+
+
+@dataclass
+class Row:
+    batch_size: int
+    tokens_per_s: dict[str, float]
+    ratio_to_ar: dict[str, float]
+    tau: dict[str, float]
+    load_aware_widths: dict[int, int] = field(default_factory=dict)
+
+
+def tau(results: list[GenerationResult]) -> float:
+    decoded = sum(len(r.output_ids) - 1 for r in results)
+    steps = sum(r.num_forwards - 1 for r in results)
+    return decoded / max(1, steps)
+
+
+def run_batch(
+    engines: dict[str, LLMEngine], prompts: list[list[int]], max_tokens: int, rounds: int
+) -> tuple[dict[str, float], dict[str, float], Counter[int]]:
+    params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True)] * len(prompts)
+    seconds = dict.fromkeys(engines, 0.0)
+    tokens = dict.fromkeys(engines, 0)
+    taus: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(rounds):
+        for name, engine in engines.items():
+            start = time.perf_counter()
+            results = engine.generate(prompts, params, CONFIGS[name][0])
+            seconds[name] += time.perf_counter() - start
+            tokens[name] += sum(len(r.output_ids) for r in results)
+            taus[name].append(tau(results))
+    rate = {name: tokens[name] / seconds[name] for name in engines}
+    widths = engines["redrafter-load-aware"].policy.widths_chosen
+    return rate, {name: sum(t) / len(t) for name, t in taus.items()}, widths
+
+
+def markdown(rows: list[Row], meta: dict[str, object]) -> str:
+    names = list(CONFIGS)
+    lines = [
+        "# Throughput vs batch size",
+        "",
+        f"Engine `{meta['engine']}`, greedy, {meta['max_tokens']} output tokens per request, prompts from the "
+        f"held-out files, {meta['rounds']} alternating rounds; {meta['machine']['cpu']} "  # type: ignore[index]
+        f"({meta['machine']['torch_threads']} threads). Ratios are to auto-regressive decoding in the same run; "  # type: ignore[index]
+        "tau = tokens per decoding step per request.",
+        "",
+        "| batch | " + " | ".join(f"{n} tok/s" for n in names) + " | fixed / AR | load-aware / AR | "
+        "tau fixed | tau load-aware | load-aware widths (steps) |",
+        "|---|" + "---|" * (len(names) + 5),
+    ]
+    for r in rows:
+        widths = ", ".join(f"W{w}: {n}" for w, n in sorted(r.load_aware_widths.items()))
+        lines.append(
+            f"| {r.batch_size} | "
+            + " | ".join(f"{r.tokens_per_s[n]:.0f}" for n in names)
+            + f" | {r.ratio_to_ar['redrafter-fixed']:.2f}x | {r.ratio_to_ar['redrafter-load-aware']:.2f}x"
+            f" | {r.tau['redrafter-fixed']:.2f} | {r.tau['redrafter-load-aware']:.2f} | {widths} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", type=Path, default=Path("engines/demo-redrafter"), help="engine with a drafter")
+    ap.add_argument("--batch-sizes", default="1,2,4,8,16,32", help="batch sizes (default: %(default)s)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default: %(default)s)")
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds per batch size (default: %(default)s)")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/batch_sweep"), help="output path stem")
+    args = ap.parse_args()
+
+    loaded = Engine.load(args.engine)
+    if loaded.drafter is None:
+        raise SystemExit(f"error: {args.engine} has no drafter; build it with --drafter")
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if max(sizes) > loaded.config.build.max_batch_size:
+        raise SystemExit(
+            f"error: batch size {max(sizes)} > the engine's max_batch_size {loaded.config.build.max_batch_size}; "
+            "rebuild it with a larger --max-batch-size"
+        )
+    texts = heldout_prompts(max(sizes))
+    rows = []
+    for size in tqdm(sizes, desc="batch sweep", unit="batch size"):
+        # one engine per configuration: each keeps its own cost and acceptance measurements
+        engines = {
+            name: LLMEngine(loaded, RuntimeConfig(max_batch_size=size, max_num_tokens=2048, speculation=mode))
+            for name, (_, mode) in CONFIGS.items()
+        }
+        prompts = [loaded.encode(t) for t in texts[:size]]
+        run_batch(engines, prompts[:1], 8, 1)  # warm-up (allocator growth, first-step measurements)
+        engines["redrafter-load-aware"].policy.widths_chosen.clear()
+        rate, taus, widths = run_batch(engines, prompts, args.max_tokens, args.rounds)
+        rows.append(Row(size, rate, {n: rate[n] / rate["ar"] for n in rate}, taus, dict(widths)))
+        tqdm.write(str(asdict(rows[-1])))
+    meta = {"engine": str(args.engine), "max_tokens": args.max_tokens, "rounds": args.rounds, "machine": machine()}
+    write_report(args.out, meta, [asdict(r) for r in rows], markdown(rows, meta))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""What every benchmark writes next to its numbers: the machine it ran on, and the JSON +
+markdown pair under benchmarks/results/."""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def machine() -> dict[str, object]:
+    cpu = next(
+        (
+            ln.split(":", 1)[1].strip()
+            for ln in Path("/proc/cpuinfo").read_text().splitlines()
+            if ln.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    return {
+        "cpu": cpu,
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def write_report(out: Path, meta: dict[str, Any], rows: list[dict[str, Any]], markdown: str) -> None:
+    """`<out>.json` (meta + rows) and `<out>.md`; prints the markdown."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown)
+    print(markdown)
