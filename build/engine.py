@@ -1,6 +1,7 @@
 """Build an engine directory from a Hugging Face Llama checkpoint.
 
     python -m build.engine --checkpoint models/demo-target --output engines/demo
+    python -m build.engine --checkpoint models/demo-target --output engines/demo-tp2 --tp-size 2
 
 Validates everything first (config, tensor names and shapes, tokenizer vocabulary) and
 writes into a temporary sibling directory that is renamed into place only when complete,
@@ -20,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
+from build.tp_shard import shard_tensors
 from model_defs.checkpoint import CheckpointError, load_llama_checkpoint, read_llama_config
 from model_defs.llama import ARCHITECTURE, LlamaConfig
 from model_defs.redrafter import ReDrafter
@@ -86,6 +88,10 @@ def build_engine(
         cfg, tensors = load_llama_checkpoint(checkpoint)
     except CheckpointError as e:
         raise BuildError(str(e)) from e
+    try:
+        cfg.check_tp_size(build.tp_size)
+    except ValueError as e:
+        raise BuildError(f"{checkpoint / 'config.json'}: {e}") from e
     tok_path = tokenizer or checkpoint / TOKENIZER_FILE
     check_tokenizer(tok_path, cfg)
     spec = None
@@ -108,7 +114,9 @@ def build_engine(
             k: v.to(build.drafter_torch_dtype if k.startswith(DRAFTER_PREFIX) else build.torch_dtype).contiguous()
             for k, v in tensors.items()
         }
-        save_file(weights, str(partial / rank_file(0)), metadata={"format": "pt"})
+        for rank in range(build.tp_size):
+            shard = shard_tensors(weights, cfg, build.tp_size, rank)
+            save_file(shard, str(partial / rank_file(rank)), metadata={"format": "pt"})
         shutil.copyfile(tok_path, partial / TOKENIZER_FILE)
         model = cfg.to_hf() | {"dtype": build.dtype}  # the engine's dtype, not the checkpoint's
         EngineConfig(ARCHITECTURE, model, build, source=str(checkpoint), drafter=spec).save(partial)
@@ -125,7 +133,7 @@ BUILD_HELP = {
     "max_input_len": "longest prompt in tokens (default: min(512, max_seq_len - 1))",
     "max_seq_len": "longest prompt + output in tokens (default: the model's max_position_embeddings)",
     "dtype": "target dtype: float32 | bfloat16 | float16 (default: %(default)s: matches transformers fp32 to 1e-4)",
-    "tp_size": "tensor-parallel ranks (default: %(default)s)",
+    "tp_size": "tensor-parallel ranks: one weight file each, run with `mpirun -n TP_SIZE` (default: %(default)s)",
     "drafter_dtype": "drafter dtype; never changes the output, only the proposals (default: %(default)s)",
 }
 

@@ -17,6 +17,12 @@ Forward signature (shared by every decoding strategy):
 
 `hidden` is the final-norm output (what the LM head sees), which is what ReDrafter and
 Lyanna drafters condition on.
+
+Tensor parallelism (Megatron-LM): a model built with `tp_size` > 1 holds one rank's shard
+(`build/tp_shard.py`): heads / tp_size query and KV heads, intermediate_size / tp_size
+MLP columns. Its o_proj and down_proj are row-parallel: the partial sums of all ranks are
+added by an all-reduce over the default `torch.distributed` group. Embedding, norms and
+LM head are whole on every rank, so inputs, hidden states and logits are the same on all.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -141,12 +148,30 @@ class LlamaConfig:
     def num_parameters(self) -> int:
         return sum(s.numel() for s in expected_shapes(self).values())
 
+    def check_tp_size(self, tp_size: int) -> None:
+        """Every rank gets the same number of query heads, KV heads and MLP columns."""
+        if tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+        sizes = {
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "intermediate_size": self.intermediate_size,
+        }
+        bad = [f"{name} {n}" for name, n in sizes.items() if n % tp_size]
+        if bad:
+            raise ValueError(
+                f"tp_size {tp_size} does not divide {', '.join(bad)}; "
+                f"choose a tp_size that divides {', '.join(f'{k} ({v})' for k, v in sizes.items())}"
+            )
 
-def expected_shapes(cfg: LlamaConfig) -> dict[str, torch.Size]:
-    """Tensor name -> shape of a complete checkpoint (HF names). With tied embeddings
-    `lm_head.weight` is absent."""
-    d, kv = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
-    q = cfg.num_attention_heads * cfg.head_dim
+
+def expected_shapes(cfg: LlamaConfig, tp_size: int = 1) -> dict[str, torch.Size]:
+    """Tensor name -> shape of a complete checkpoint (HF names), or of one rank's shard
+    when `tp_size` > 1. With tied embeddings `lm_head.weight` is absent."""
+    cfg.check_tp_size(tp_size)
+    d, kv = cfg.hidden_size, cfg.num_key_value_heads // tp_size * cfg.head_dim
+    q = cfg.num_attention_heads // tp_size * cfg.head_dim
+    inner = cfg.intermediate_size // tp_size
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
@@ -157,17 +182,14 @@ def expected_shapes(cfg: LlamaConfig) -> dict[str, torch.Size]:
             p + "self_attn.k_proj.weight": (kv, d),
             p + "self_attn.v_proj.weight": (kv, d),
             p + "self_attn.o_proj.weight": (d, q),
-            p + "mlp.gate_proj.weight": (cfg.intermediate_size, d),
-            p + "mlp.up_proj.weight": (cfg.intermediate_size, d),
-            p + "mlp.down_proj.weight": (d, cfg.intermediate_size),
+            p + "mlp.gate_proj.weight": (inner, d),
+            p + "mlp.up_proj.weight": (inner, d),
+            p + "mlp.down_proj.weight": (d, inner),
         }
         if cfg.attention_bias:
             shapes |= {p + f"self_attn.{n}_proj.bias": (s,) for n, s in zip("qkvo", (q, kv, kv, d), strict=True)}
         if cfg.mlp_bias:
-            shapes |= {
-                p + f"mlp.{n}_proj.bias": (s,)
-                for n, s in (("gate", cfg.intermediate_size), ("up", cfg.intermediate_size), ("down", d))
-            }
+            shapes |= {p + f"mlp.{n}_proj.bias": (s,) for n, s in (("gate", inner), ("up", inner), ("down", d))}
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, d)
     return {k: torch.Size(v) for k, v in shapes.items()}
@@ -188,19 +210,39 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-class Attention(nn.Module):
-    """Grouped-query attention over the KV cache plus the new (possibly tree) tokens."""
+class RowParallelLinear(nn.Linear):
+    """Megatron's row-parallel linear: this rank holds the weight's columns for its slice of
+    the input, the ranks' partial products are summed by an all-reduce, and the bias (whole
+    on every rank) is added once after the sum, which is exact where adding bias / tp_size
+    on every rank would not be."""
 
-    def __init__(self, cfg: LlamaConfig, layer: int) -> None:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        dist.all_reduce(y)
+        return y if self.bias is None else y + self.bias
+
+
+def output_linear(in_features: int, out_features: int, bias: bool, tp_size: int) -> nn.Linear:
+    """o_proj / down_proj: row-parallel under tensor parallelism, a plain Linear otherwise."""
+    cls = RowParallelLinear if tp_size > 1 else nn.Linear
+    return cls(in_features, out_features, bias=bias)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention over the KV cache plus the new (possibly tree) tokens. Under
+    tensor parallelism: this rank's contiguous run of query heads and the KV heads they read."""
+
+    def __init__(self, cfg: LlamaConfig, layer: int, tp_size: int = 1) -> None:
         super().__init__()
         self.layer = layer
-        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.num_heads = cfg.num_attention_heads // tp_size
+        self.num_kv_heads = cfg.num_key_value_heads // tp_size
         self.head_dim = cfg.head_dim
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.o_proj = output_linear(self.num_heads * self.head_dim, cfg.hidden_size, bias, tp_size)
 
     def forward(
         self,
@@ -219,26 +261,27 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); under tensor parallelism over this rank's
+    intermediate_size / tp_size columns."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, tp_size: int = 1) -> None:
         super().__init__()
-        bias = cfg.mlp_bias
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        bias, inner = cfg.mlp_bias, cfg.intermediate_size // tp_size
+        self.gate_proj = nn.Linear(cfg.hidden_size, inner, bias=bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, inner, bias=bias)
+        self.down_proj = output_linear(inner, cfg.hidden_size, bias, tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer: int) -> None:
+    def __init__(self, cfg: LlamaConfig, layer: int, tp_size: int = 1) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = Attention(cfg, layer, tp_size)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
@@ -268,21 +311,23 @@ class LlamaOutput(NamedTuple):
 class LlamaModel(nn.Module):
     """Embedding + decoder stack + final norm (HF `model.*`)."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, tp_size: int = 1) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp_size) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.rope)
 
 
 class LlamaForCausalLM(nn.Module):
-    """The target model. See the module docstring for the forward contract."""
+    """The target model, or one tensor-parallel rank's shard of it (`tp_size` > 1). See the
+    module docstring for the forward contract."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, tp_size: int = 1) -> None:
         super().__init__()
-        self.config = cfg
-        self.model = LlamaModel(cfg)
+        cfg.check_tp_size(tp_size)
+        self.config, self.tp_size = cfg, tp_size
+        self.model = LlamaModel(cfg, tp_size)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -316,11 +361,16 @@ class LlamaForCausalLM(nn.Module):
             head_in = torch.gather(hidden, 1, logits_indices[..., None].expand(-1, -1, hidden.shape[-1]))
         return LlamaOutput(self.lm_head(head_in).float(), hidden)
 
+    @property
+    def num_local_kv_heads(self) -> int:
+        """KV heads of this rank: what its KV cache holds."""
+        return self.config.num_key_value_heads // self.tp_size
+
     def new_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
-        """An empty paged cache sized for this model, on its device and dtype."""
+        """An empty paged cache sized for this model (this rank's KV heads), on its device and dtype."""
         cfg, w = self.config, self.lm_head.weight
         return PagedKVCache(
-            cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, w.dtype, w.device
+            cfg.num_hidden_layers, num_blocks, block_size, self.num_local_kv_heads, cfg.head_dim, w.dtype, w.device
         )
 
     @classmethod
@@ -332,10 +382,13 @@ class LlamaForCausalLM(nn.Module):
         return cls.from_tensors(cfg, tensors, dtype)
 
     @classmethod
-    def from_tensors(cls, cfg: LlamaConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> LlamaForCausalLM:
-        """Build from an already validated name -> tensor dict."""
+    def from_tensors(
+        cls, cfg: LlamaConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, tp_size: int = 1
+    ) -> LlamaForCausalLM:
+        """Build from an already validated name -> tensor dict: the whole model, or with
+        `tp_size` > 1 one rank's shard (`build.tp_shard.shard_tensors`)."""
         with torch.device("meta"):
-            model = cls(cfg)
+            model = cls(cfg, tp_size)
         model.load_state_dict(tensors, strict=False, assign=True)
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight

@@ -23,19 +23,29 @@ class Engine:
     drafter: redrafter.ReDrafter | None = None
 
     @classmethod
-    def load(cls, engine_dir: str | Path, device: str = "cpu") -> Engine:
+    def load(cls, engine_dir: str | Path, device: str = "cpu", rank: int = 0) -> Engine:
+        """Load tensor-parallel rank `rank`'s shard of the target (the whole target when the
+        engine was built with --tp-size 1) and the drafter, which every rank file carries whole."""
         engine_dir = Path(engine_dir)
         config = EngineConfig.load(engine_dir)
         model_cfg = LlamaConfig.from_hf(config.model)
-        weights_path = engine_dir / rank_file(0)
+        tp_size = config.build.tp_size
+        if not 0 <= rank < tp_size:
+            raise ValueError(f"{engine_dir}: rank {rank} does not exist, the engine was built with --tp-size {tp_size}")
+        weights_path = engine_dir / rank_file(rank)
+        if not weights_path.is_file():
+            raise FileNotFoundError(
+                f"{weights_path}: missing the weights of rank {rank} of an engine built with --tp-size {tp_size}; "
+                "rebuild the engine"
+            )
         tensors, drafter_tensors = {}, {}
         for name, tensor in load_file(str(weights_path), device=device).items():
             if name.startswith(DRAFTER_PREFIX):
                 drafter_tensors[name.removeprefix(DRAFTER_PREFIX)] = tensor
             else:
                 tensors[name] = tensor
-        validate_tensors(tensors, dict.fromkeys(tensors, weights_path), expected_shapes(model_cfg))
-        model = LlamaForCausalLM.from_tensors(model_cfg, tensors, config.build.torch_dtype).to(device)
+        validate_tensors(tensors, dict.fromkeys(tensors, weights_path), expected_shapes(model_cfg, tp_size))
+        model = LlamaForCausalLM.from_tensors(model_cfg, tensors, config.build.torch_dtype, tp_size).to(device)
         tokenizer = Tokenizer.from_file(str(engine_dir / config.tokenizer))
         drafter = None
         if config.drafter is not None:

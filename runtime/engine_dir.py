@@ -44,7 +44,8 @@ class BuildConfig:
     """Drafter dtype. Its precision only changes which tokens are proposed, never what is
     emitted, and bf16 makes drafting ~4x cheaper on CPU (small-batch GEMMs)."""
     tp_size: int = 1
-    """Tensor-parallel ranks (one weight file each)."""
+    """Tensor-parallel ranks (one weight file each, `build/tp_shard.py`); the runtime is
+    launched with exactly that many MPI processes."""
 
     def __post_init__(self) -> None:
         for name in ("dtype", "drafter_dtype"):
@@ -58,8 +59,6 @@ class BuildConfig:
                 f"max_seq_len {self.max_seq_len} <= max_input_len {self.max_input_len}: "
                 "raise --max-seq-len or lower --max-input-len (no room to generate)"
             )
-        if self.tp_size != 1:
-            raise ValueError(f"tp_size {self.tp_size}: tensor parallelism is not supported yet; use --tp-size 1")
 
     @property
     def torch_dtype(self) -> torch.dtype:

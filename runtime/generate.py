@@ -3,6 +3,9 @@
     python -m runtime.generate --engine engines/demo --prompt "def fib(n):" --max-tokens 64
     python -m runtime.generate --engine engines/demo-redrafter --method redrafter --beam-width 4 ...
 
+An engine built with --tp-size N runs under `mpirun -n N python -m runtime.generate ...`:
+rank 0 schedules, drafts and prints, the other ranks run their shards of each forward.
+
 Several --prompt flags are decoded together as one batch. Temperature 0 (the default)
 is greedy decoding; --temperature/--top-k/--top-p/--seed sample. Speculative methods
 emit exactly what auto-regressive decoding would (greedy) or the same distribution
@@ -18,8 +21,23 @@ import time
 from pathlib import Path
 
 from runtime.engine import Engine
+from runtime.engine_dir import EngineConfig
+from runtime.llm_engine import LLMEngine, RuntimeConfig
 from runtime.methods import METHODS, generate
+from runtime.results import GenerationResult
 from runtime.sampling import SamplingParams
+from runtime.tensor_parallel import init_tensor_parallel, rank_device, serve_worker, start_workers
+
+
+def run(
+    engine: Engine, prompts: list[list[int]], params: list[SamplingParams], args: argparse.Namespace, world_size: int
+) -> list[GenerationResult]:
+    """Rank 0's generation; with tensor parallelism it drives the other ranks' forwards."""
+    overrides = {"beam_width": args.beam_width, "beam_length": args.beam_length}
+    if world_size == 1:
+        return generate(engine, prompts, params, args.method, **overrides)
+    with start_workers(engine, RuntimeConfig()) as (config, broadcast):
+        return LLMEngine(engine, config, broadcast).generate(prompts, params, args.method, **overrides)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,7 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--beam-length", type=int, help="ReDrafter draft tokens per beam L (default: the engine's)")
     args = ap.parse_args(argv)
     try:
-        engine = Engine.load(args.engine, device=args.device)
+        rank, world_size = init_tensor_parallel(EngineConfig.load(args.engine).build.tp_size, args.device)
+        engine = Engine.load(args.engine, device=rank_device(args.device), rank=rank)
+        if rank > 0:
+            serve_worker(engine)
+            return 0
         params = [
             SamplingParams(
                 max_tokens=args.max_tokens,
@@ -55,9 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         start = time.perf_counter()
         prompts = [engine.encode(p) for p in args.prompt]
-        results = generate(
-            engine, prompts, params, args.method, beam_width=args.beam_width, beam_length=args.beam_length
-        )
+        results = run(engine, prompts, params, args, world_size)
         seconds = time.perf_counter() - start
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,0 +1,197 @@
+"""Tensor parallelism at run time: one MPI process per rank (`mpirun -n TP ...`), each
+holding its shard of the target (`build/tp_shard.py`) and of the KV cache.
+
+Rank 0 owns everything that decides: the `LLMEngine` (scheduler, block manager, drafter,
+sampling, verification). The other ranks only run target forwards, in rank 0's order,
+from messages rank 0 broadcasts over MPI:
+
+    CacheGeometry(num_blocks, block_size)   once: the other ranks allocate the same block pool
+    StepInput                               one per target forward
+    None                                    stop
+
+Every rank must run exactly the same sequence of forwards, since the forwards' all-reduces
+pair up across ranks. Everything rank 0 runs goes through `ModelRunner.execute` (the
+LLMEngine's calibration forwards included), which sends the step before running it.
+Activations are all-reduced with torch.distributed (gloo on CPU, NCCL on CUDA); MPI
+launches the processes, tells each its rank and carries the (small, pickled) messages.
+
+mpi4py is imported only when an engine has more than one rank, so a `--tp-size 1` engine
+runs without MPI installed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shlex
+import socket
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from model_defs.paged_kv_cache import AttentionGroup
+from runtime.engine import Engine
+from runtime.kv_budget import KVBudget, kv_cache_blocks
+from runtime.llm_engine import RuntimeConfig
+from runtime.model_runner import ModelRunner, StepInput
+
+WORLD_SIZE_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+"""Where Open MPI's and MPICH's (Hydra) launchers put the number of processes."""
+LOCAL_RANK_ENV = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
+"""... and a process's rank among those on its node."""
+
+
+class TensorParallelError(ValueError):
+    """The launch does not match the engine, or MPI is missing."""
+
+
+class CacheGeometry(NamedTuple):
+    num_blocks: int
+    block_size: int
+
+
+def launched_world_size() -> int:
+    """Processes the MPI launcher started (1 without one), read from its environment so that
+    telling "no mpirun" apart needs no MPI library."""
+    for name in WORLD_SIZE_ENV:
+        if name in os.environ:
+            return int(os.environ[name])
+    return 1
+
+
+def local_rank() -> int:
+    return next((int(os.environ[n]) for n in LOCAL_RANK_ENV if n in os.environ), 0)
+
+
+def rank_device(device: str) -> str:
+    """Under MPI, `cuda` means this process's own GPU (local rank r -> cuda:r); anything else,
+    and any device without MPI, is kept as given."""
+    if device != "cuda" or launched_world_size() == 1:
+        return device
+    return f"cuda:{local_rank() % torch.cuda.device_count()}"
+
+
+def _comm() -> Any:
+    try:
+        from mpi4py import MPI
+    except (ImportError, RuntimeError) as e:  # no mpi4py, or no MPI library for it to load
+        raise TensorParallelError(f"tensor parallelism needs mpi4py and an MPI library ({e}); run `make setup`") from e
+    return MPI.COMM_WORLD
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _check_world_size(engine_tp_size: int, world_size: int) -> None:
+    if world_size == engine_tp_size:
+        return
+    processes = f"{world_size} process{'es' if world_size != 1 else ''}"
+    fix = (
+        "run it without mpirun"
+        if engine_tp_size == 1
+        else f"run: mpirun -n {engine_tp_size} {shlex.join(sys.orig_argv)}"
+    )
+    raise TensorParallelError(f"engine built with --tp-size {engine_tp_size} but launched with {processes}; {fix}")
+
+
+def init_tensor_parallel(engine_tp_size: int, device: str = "cpu") -> tuple[int, int]:
+    """Check the launch against the engine and join the ranks' torch.distributed group;
+    returns (rank, world_size). A `--tp-size 1` engine outside mpirun is (0, 1) with no MPI
+    and no process group."""
+    _check_world_size(engine_tp_size, launched_world_size())
+    if engine_tp_size == 1:
+        return 0, 1
+    rank, world_size = join_process_group(device)
+    _check_world_size(engine_tp_size, world_size)
+    return rank, world_size
+
+
+def join_process_group(device: str = "cpu") -> tuple[int, int]:
+    """Start torch.distributed over the MPI processes (gloo on CPU, NCCL on CUDA); returns
+    (rank, world_size). MASTER_ADDR (default 127.0.0.1; across nodes set it to rank 0's host)
+    and MASTER_PORT (default: a free port rank 0 picks) are sent to all ranks over MPI, so
+    concurrent jobs on one host never collide."""
+    comm = _comm()
+    rank, world_size = comm.Get_rank(), comm.Get_size()
+    address = None
+    if rank == 0:
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        address = f"{host}:{os.environ.get('MASTER_PORT') or _free_port(host)}"
+    address = comm.bcast(address, root=0)
+    backend = "gloo"
+    if torch.device(device).type == "cuda":
+        backend = "nccl"
+        torch.cuda.set_device(rank_device(device))
+    dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=world_size)
+    atexit.register(dist.destroy_process_group)  # a gloo worker thread left running aborts the exit
+    return rank, world_size
+
+
+def step_to(step: StepInput, device: torch.device | str) -> StepInput:
+    """A copy of `step` with every tensor on `device`."""
+    copies = None if step.copies is None else (step.copies[0].to(device), step.copies[1].to(device))
+    return StepInput(
+        step.tokens.to(device),
+        step.positions.to(device),
+        step.slots.to(device),
+        [AttentionGroup(*(t.to(device) for t in g)) for g in step.groups],
+        step.logits_indices.to(device),
+        copies,
+    )
+
+
+class StepBroadcaster:
+    """Rank 0's `StepBroadcast`: each step goes to the other ranks on CPU (each moves it to
+    its own device); None tells them to stop."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+
+    def send_step(self, step: StepInput | None) -> None:
+        self.comm.bcast(None if step is None else step_to(step, "cpu"), root=0)
+
+
+@contextmanager
+def start_workers(engine: Engine, config: RuntimeConfig) -> Iterator[tuple[RuntimeConfig, StepBroadcaster]]:
+    """Rank 0: size the KV cache and send its geometry to the other ranks; yields `config`
+    pinned to that size (so the `LLMEngine` built from it allocates exactly the announced
+    pool) and the broadcaster to build it with. On exit, error or not, the other ranks are
+    told to stop (what `ModelRunner.shutdown` sends), so none is left waiting."""
+    broadcaster = StepBroadcaster(_comm())
+    try:
+        max_batch_size = config.max_batch_size or engine.config.build.max_batch_size
+        num_blocks = kv_cache_blocks(engine, config.kv, config.block_size, max_batch_size, config.max_draft_tokens)
+        broadcaster.comm.bcast(CacheGeometry(num_blocks, config.block_size), root=0)
+        yield replace(config, kv=KVBudget(max_tokens=num_blocks * config.block_size)), broadcaster
+    finally:
+        broadcaster.send_step(None)
+
+
+def serve_steps(runner: ModelRunner, comm: Any) -> int:
+    """Ranks > 0: run rank 0's steps until it sends None; returns how many ran. The LM head
+    is skipped (no logits indices): only rank 0 reads logits."""
+    device, count = runner.cache.k[0].device, 0
+    while (step := comm.bcast(None, root=0)) is not None:
+        step = step_to(step, device)
+        step.logits_indices = step.logits_indices[:0]
+        runner.run(step)
+        count += 1
+    return count
+
+
+def serve_worker(engine: Engine) -> int:
+    """Ranks > 0: allocate the KV cache rank 0 announces, then serve its steps; returns how
+    many ran (none if rank 0 stopped before sizing the cache)."""
+    comm = _comm()
+    geometry = comm.bcast(None, root=0)
+    if geometry is None:
+        return 0
+    return serve_steps(ModelRunner(engine.model, engine.model.new_kv_cache(*geometry)), comm)
