@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -35,7 +35,7 @@ from runtime.redrafter import ReDrafterParams, draft_trees, max_tree_nodes
 from runtime.request import Callback, Request
 from runtime.results import GenerationResult, stop_ids
 from runtime.sampling import SamplingParams, next_token
-from runtime.scheduler import Scheduler, ScheduledWork
+from runtime.scheduler import ScheduledWork, Scheduler
 from runtime.speculation_policy import SpeculationPolicy, StepStats
 from runtime.step_batch import assemble
 from runtime.verify import DraftTree, accept
@@ -58,7 +58,7 @@ class RuntimeConfig:
     """Most drafted tokens a request may ask for per step (beam_width * beam_length)."""
     block_size: int = 16
     """Tokens per KV-cache block."""
-    kv: KVBudget = KVBudget()
+    kv: KVBudget = field(default_factory=KVBudget)
     """How much memory the KV cache gets."""
     max_queue_size: int = 256
     """Most waiting requests; more are refused at once (QueueFullError)."""
@@ -97,6 +97,13 @@ def check_request(engine: Engine, prompt: list[int], params: SamplingParams) -> 
     vocab = engine.model.config.vocab_size
     if min(prompt) < 0 or max(prompt) >= vocab:
         raise ValueError(f"prompt token ids must be in [0, {vocab})")
+
+
+def tree_nodes(request: Request, width: int) -> int:
+    """Most tree nodes (root included) a decoding step of `request` at `width` writes."""
+    if width == 0 or request.spec is None:
+        return 1
+    return max_tree_nodes(width, request.spec.beam_length)
 
 
 class LLMEngine:
@@ -172,9 +179,16 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        request = Request(request_id, list(prompt), params, method, self._spec(method, overrides), callback)
-        request.generator = params.generator(self.engine.device)
-        request.stop_ids = stop_ids(params, self.engine.eos_token_ids)
+        request = Request(
+            request_id,
+            list(prompt),
+            params,
+            method,
+            self._spec(method, overrides),
+            params.generator(self.engine.device),
+            stop_ids(params, self.engine.eos_token_ids),
+            callback,
+        )
         self.scheduler.add(request)
         self._requests[request_id] = request
         return request
@@ -214,12 +228,9 @@ class LLMEngine:
     def step(self) -> list[Request]:
         """Run one scheduling + forward step; returns the requests that finished in it."""
         finished = self._drop_cancelled()
-        decoding = [r for r in self.scheduler.running.values() if not r.in_prefill and r.spec is not None]
-        width = self.policy.width(len(self.scheduler.running), [r.spec.beam_width for r in decoding])
-        work = self.scheduler.schedule(
-            lambda r: 0 if r.spec is None else min(width, r.spec.beam_width),
-            lambda r, w: 1 if w == 0 else max_tree_nodes(w, r.spec.beam_length),
-        )
+        decoding = [r.spec for r in self.scheduler.running.values() if not r.in_prefill and r.spec is not None]
+        width = self.policy.width(len(self.scheduler.running), [spec.beam_width for spec in decoding])
+        work = self.scheduler.schedule(lambda r: 0 if r.spec is None else min(width, r.spec.beam_width), tree_nodes)
         if not work:
             return finished
         try:
@@ -230,10 +241,12 @@ class LLMEngine:
             out = self.runner.execute(batch.step)
             logits, hidden = out.logits[0], out.hidden[0]
             done = time.perf_counter()
-        except Exception as e:  # a failed forward fails its requests, never the engine
+        except Exception as e:  # a failed step fails its requests, not the engine ...
             log.exception("step failed")
             for item in work:
                 finished.append(self._finish(item.request, "error", f"{type(e).__name__}: {e}"))
+            if self.runner.broadcast is not None:
+                raise  # ... except under TP: the other ranks may be inside that forward, out of step
             return finished
         stats = StepStats(len(batch.step.tokens), drafted - start, done - drafted)
         for item, span in zip(work, batch.spans, strict=True):
@@ -259,15 +272,15 @@ class LLMEngine:
         for item in work:
             if item.prefill:
                 continue
-            request = item.request
-            if item.width == 0:
+            request, spec = item.request, item.request.spec
+            if item.width == 0 or spec is None:
                 trees[request.request_id] = DraftTree.root(request.tokens[-1])
             else:
-                groups.setdefault((item.width, request.spec.beam_length), []).append(request)
+                groups.setdefault((item.width, spec.beam_length), []).append(request)
         drafter, embed = self.engine.drafter, self.engine.model.model.embed_tokens
         for (width, length), requests in groups.items():
             assert drafter is not None
-            hidden = torch.stack([r.hidden for r in requests])  # type: ignore[misc]
+            hidden = torch.stack([r.hidden for r in requests if r.hidden is not None])
             bonus = [r.tokens[-1] for r in requests]
             with_dists = any(not r.params.greedy for r in requests)  # per-node draft laws, for rules that use them
             drafted = draft_trees(drafter, embed, hidden, bonus, width, length, with_dists)
@@ -284,7 +297,7 @@ class LLMEngine:
         request.hidden = hidden[start + num_new - 1]
         if not request.result.output_ids:  # a fresh prompt (not a recompute): its first token
             request.result.num_forwards = 1
-            token = next_token(logits[logits_row], request.params, request.generator)  # type: ignore[arg-type]
+            token = next_token(logits[logits_row], request.params, request.generator)
             self._notify(request, request.emit([token]))
 
     def _after_decode(
@@ -298,7 +311,7 @@ class LLMEngine:
         width: int,
         stats: StepStats,
     ) -> None:
-        acc = accept(tree, logits, request.params, request.generator)  # type: ignore[arg-type]
+        acc = accept(tree, logits, request.params, request.generator)
         context = request.num_computed
         moved = [(context + p, context + i) for i, p in enumerate(acc.path) if p != i]
         if moved:  # accepted path -> consecutive positions

@@ -74,7 +74,7 @@ def draft_trees(
     b, w, d = tree.unpack_index.shape
     beam = torch.arange(w, device=hidden.device)[None, :, None].expand(b, w, d).reshape(b, w * d)
     first = torch.full((b, w * d), w, device=hidden.device)
-    first = first.scatter_reduce(1, tree.unpack_index.reshape(b, w * d), beam, "amin")[:, :n].tolist()
+    first_beam = first.scatter_reduce(1, tree.unpack_index.reshape(b, w * d), beam, "amin")[:, :n].tolist()
     out = []
     for b, num in enumerate(tree.num_nodes.tolist()):
         out.append(
@@ -84,7 +84,7 @@ def draft_trees(
                 None if dists is None else dists[b, :num],
                 depths[b][:num],
                 tree.tree_mask[b, :num, :num].cpu(),
-                first[b][:num],
+                first_beam[b][:num],
             )
         )
     return out

@@ -18,11 +18,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
+from runtime.redrafter import ReDrafterParams
 from runtime.results import GenerationResult
+from runtime.sampling import SamplingParams
 
 FINISH_REASONS = ("length", "stop", "cancelled", "error")
 
@@ -52,16 +53,17 @@ Callback = Callable[[RequestEvent], None]
 class Request:
     request_id: str
     prompt: list[int]
-    params: Any  # runtime.sampling.SamplingParams (Any: avoids an import cycle in type checking only)
+    params: SamplingParams
     method: str
     """"ar" or a speculative method the engine carries ("redrafter")."""
-    spec: Any = None
-    """Method parameters (ReDrafterParams) or None for ar."""
+    spec: ReDrafterParams | None
+    """Method parameters; None for ar."""
+    generator: torch.Generator
+    """The request's own sampling generator (its tokens do not depend on its batch)."""
+    stop_ids: set[int]
     callback: Callback | None = None
     arrival: float = field(default_factory=time.perf_counter)
     result: GenerationResult = field(init=False)
-    generator: torch.Generator | None = None
-    stop_ids: set[int] = field(default_factory=set)
     num_computed: int = 0
     """Tokens whose K/V are committed in the cache."""
     hidden: torch.Tensor | None = None
