@@ -22,9 +22,10 @@ from pathlib import Path
 
 from runtime.engine import Engine
 from runtime.engine_dir import EngineConfig
-from runtime.llm_engine import LLMEngine, RuntimeConfig
+from runtime.llm_engine import LLMEngine
 from runtime.methods import METHODS, generate
 from runtime.results import GenerationResult
+from runtime.runtime_args import add_runtime_args, runtime_config
 from runtime.sampling import SamplingParams
 from runtime.tensor_parallel import init_tensor_parallel, rank_device, serve_worker, start_workers
 
@@ -35,8 +36,8 @@ def run(
     """Rank 0's generation; with tensor parallelism it drives the other ranks' forwards."""
     overrides = {"beam_width": args.beam_width, "beam_length": args.beam_length}
     if world_size == 1:
-        return generate(engine, prompts, params, args.method, **overrides)
-    with start_workers(engine, RuntimeConfig()) as (config, broadcast):
+        return generate(engine, prompts, params, args.method, runtime_config(args), **overrides)
+    with start_workers(engine, runtime_config(args)) as (config, broadcast):
         return LLMEngine(engine, config, broadcast).generate(prompts, params, args.method, **overrides)
 
 
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--method", choices=METHODS, help="decoding method (default: the engine's drafter, else ar)")
     ap.add_argument("--beam-width", type=int, help="ReDrafter beams per step W (default: the engine's)")
     ap.add_argument("--beam-length", type=int, help="ReDrafter draft tokens per beam L (default: the engine's)")
+    add_runtime_args(ap)
     args = ap.parse_args(argv)
     try:
         rank, world_size = init_tensor_parallel(EngineConfig.load(args.engine).build.tp_size, args.device)
