@@ -13,7 +13,7 @@ DEMO_PROMPTS := --prompt "def fibonacci(n):" \
 	--prompt "$$(printf 'class Stack:\n    def __init__(self):')" \
 	--prompt "$$(printf 'import os\n\n\ndef list_python_files(path):')"
 
-.PHONY: help setup mpi engine demo test test-slow lint format model drafter bench-redrafter bench-drafter-tp clean
+.PHONY: help setup mpi engine demo test test-slow lint format model drafter bench-redrafter bench-batch bench-drafter-tp clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 18
@@ -24,7 +24,8 @@ setup: $(STAMP) mpi  ## create .venv and install pinned requirements (once), and
 mpi:  ## install OpenMPI (mpirun) if missing: apt-get as root, else print the command
 	@command -v mpirun >/dev/null || { \
 	  if [ "$$(id -u)" = 0 ]; then \
-	    apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y openmpi-bin libopenmpi-dev; \
+	    { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y openmpi-bin libopenmpi-dev; } \
+	      || echo "warning: could not install OpenMPI; tensor-parallel tests will be skipped"; \
 	  else \
 	    echo "OpenMPI is missing (tensor-parallel engines need mpirun); install it with:"; \
 	    echo "  sudo apt-get install -y openmpi-bin libopenmpi-dev"; \
@@ -75,6 +76,9 @@ drafter: setup  ## re-train the demo ReDrafter drafter by distillation from $(MO
 
 bench-redrafter: engine  ## W x L x T sweep: tau, acceptance, compression, speedup -> benchmarks/results/
 	$(BIN)/python -m benchmarks.redrafter_sweep --engine $(SPEC_ENGINE)
+
+bench-batch: engine  ## throughput + tau vs batch size: AR, fixed and load-aware ReDrafter -> benchmarks/results/
+	$(BIN)/python -m benchmarks.batch_sweep --engine $(SPEC_ENGINE)
 
 bench-drafter-tp: engine  ## TP=2 ReDrafter beam search, drafter replicated vs sharded -> benchmarks/results/
 	OMP_NUM_THREADS=1 mpirun --allow-run-as-root --bind-to none -n 2 $(BIN)/python -m benchmarks.drafter_tp --engine $(SPEC_ENGINE)

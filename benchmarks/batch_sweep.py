@@ -4,7 +4,7 @@ with load-aware speculation, on the in-flight batching engine.
     python -m benchmarks.batch_sweep --engine engines/demo-redrafter
 
 For each batch size B, B held-out prompts are decoded together (B running requests,
-fixed output length, EOS ignored, greedy) by each of the three configurations, in
+fixed output length, EOS ignored, greedy or at --temperature) by each of the three configurations, in
 alternating rounds on the same engine so machine noise hits them alike. Reported per B:
 - output tokens/s of each configuration (prefill included, as a user sees it) and its
   ratio to auto-regressive decoding measured in the same run;
@@ -53,9 +53,12 @@ def tau(results: list[GenerationResult]) -> float:
 
 
 def run_batch(
-    engines: dict[str, LLMEngine], prompts: list[list[int]], max_tokens: int, rounds: int
+    engines: dict[str, LLMEngine], prompts: list[list[int]], max_tokens: int, rounds: int, temperature: float
 ) -> tuple[dict[str, float], dict[str, float], Counter[int]]:
-    params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True)] * len(prompts)
+    params = [
+        SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
     seconds = dict.fromkeys(engines, 0.0)
     tokens = dict.fromkeys(engines, 0)
     taus: dict[str, list[float]] = {name: [] for name in engines}
@@ -76,7 +79,8 @@ def markdown(rows: list[Row], meta: dict[str, object]) -> str:
     lines = [
         "# Throughput vs batch size",
         "",
-        f"Engine `{meta['engine']}`, greedy, {meta['max_tokens']} output tokens per request, prompts from the "
+        f"Engine `{meta['engine']}`, temperature {meta['temperature']}, {meta['max_tokens']} output tokens "
+        "per request, prompts from the "
         f"held-out files, {meta['rounds']} alternating rounds; {meta['machine']['cpu']} "  # type: ignore[index]
         f"({meta['machine']['torch_threads']} threads). Ratios are to auto-regressive decoding in the same run; "  # type: ignore[index]
         "tau = tokens per decoding step per request.",
@@ -101,6 +105,7 @@ def main() -> None:
     ap.add_argument("--engine", type=Path, default=Path("engines/demo-redrafter"), help="engine with a drafter")
     ap.add_argument("--batch-sizes", default="1,2,4,8,16,32", help="batch sizes (default: %(default)s)")
     ap.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default: %(default)s)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds per batch size (default: %(default)s)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/batch_sweep"), help="output path stem")
     args = ap.parse_args()
@@ -123,12 +128,18 @@ def main() -> None:
             for name, (_, mode) in CONFIGS.items()
         }
         prompts = [loaded.encode(t) for t in texts[:size]]
-        run_batch(engines, prompts[:1], 8, 1)  # warm-up (allocator growth, first-step measurements)
+        run_batch(engines, prompts[:1], 8, 1, args.temperature)  # warm-up (allocator growth, first-step measurements)
         engines["redrafter-load-aware"].policy.widths_chosen.clear()
-        rate, taus, widths = run_batch(engines, prompts, args.max_tokens, args.rounds)
+        rate, taus, widths = run_batch(engines, prompts, args.max_tokens, args.rounds, args.temperature)
         rows.append(Row(size, rate, {n: rate[n] / rate["ar"] for n in rate}, taus, dict(widths)))
         tqdm.write(str(asdict(rows[-1])))
-    meta = {"engine": str(args.engine), "max_tokens": args.max_tokens, "rounds": args.rounds, "machine": machine()}
+    meta = {
+        "engine": str(args.engine),
+        "temperature": args.temperature,
+        "max_tokens": args.max_tokens,
+        "rounds": args.rounds,
+        "machine": machine(),
+    }
     write_report(args.out, meta, [asdict(r) for r in rows], markdown(rows, meta))
 
 

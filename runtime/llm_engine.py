@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -130,6 +132,7 @@ class LLMEngine:
         )
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
+        self._lock = threading.Lock()
         if self.policy.adaptive and engine.drafter is not None:
             self._calibrate()
 
@@ -177,8 +180,6 @@ class LLMEngine:
         check_request(self.engine, prompt, params)
         method = method or self.default_method
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already in flight")
         request = Request(
             request_id,
             list(prompt),
@@ -189,8 +190,11 @@ class LLMEngine:
             stop_ids(params, self.engine.eos_token_ids),
             callback,
         )
-        self.scheduler.add(request)
-        self._requests[request_id] = request
+        with self._lock:  # servers add from their own threads while step() runs
+            if request_id in self._requests:
+                raise ValueError(f"request id {request_id!r} is already in flight")
+            self.scheduler.add(request)
+            self._requests[request_id] = request
         return request
 
     @property
@@ -339,14 +343,16 @@ class LLMEngine:
     def _finish(self, request: Request, reason: str, error: str | None = None) -> Request:
         """Take the request out, free its blocks, send its final event."""
         self.scheduler.remove(request)
-        self._requests.pop(request.request_id, None)
+        with self._lock:
+            self._requests.pop(request.request_id, None)
         if request.result.finish_reason != reason:  # "length"/"stop" went out with the last tokens
             request.result.finish_reason = reason
             self._notify(request, [], error)
         return request
 
     def _drop_cancelled(self) -> list[Request]:
-        cancelled = [r for r in self._requests.values() if r.cancel_requested and not r.finished]
+        with self._lock:
+            cancelled = [r for r in self._requests.values() if r.cancel_requested and not r.finished]
         return [self._finish(r, "cancelled") for r in cancelled]
 
     # ---- blocking helpers -----------------------------------------------------------
@@ -358,10 +364,10 @@ class LLMEngine:
         results in prompt order."""
         if len(prompts) != len(params):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        pending = list(zip(prompts, params, strict=True))
+        pending = deque(zip(prompts, params, strict=True))
         requests = []
         while pending or self.has_unfinished():
             while pending and len(self.scheduler.waiting) < self.config.max_queue_size:
-                requests.append(self.add_request(*pending.pop(0), method, **overrides))
+                requests.append(self.add_request(*pending.popleft(), method, **overrides))
             self.step()
         return [r.result for r in requests]

@@ -6,6 +6,9 @@ every token once and one final event."""
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -177,3 +180,40 @@ def test_bad_requests_and_budgets_are_refused_clearly(engine: Engine, prompts: l
         LLMEngine(engine, RuntimeConfig(kv=KVBudget(max_tokens=200)))
     with pytest.raises(ValueError, match="build limit 8"):
         LLMEngine(engine, RuntimeConfig(max_batch_size=9))
+
+
+def test_requests_added_from_another_thread_while_stepping(
+    engine: Engine, prompts: list[list[int]], solo_outputs: dict[int, list[int]]
+) -> None:
+    """A server's shape: one thread steps the engine, others add requests and wait on their events."""
+    llm = LLMEngine(engine, RuntimeConfig(max_num_tokens=160))
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            if not llm.has_unfinished():
+                time.sleep(0.001)
+            llm.step()
+
+    stepper = threading.Thread(target=loop, daemon=True)
+    stepper.start()
+    done = {i: threading.Event() for i in solo_outputs}
+    streamed: dict[int, list[int]] = {i: [] for i in solo_outputs}
+
+    def on_event(i: int) -> Callable[[RequestEvent], None]:
+        def callback(event: RequestEvent) -> None:
+            streamed[i] += event.tokens
+            if event.finished:
+                done[i].set()
+
+        return callback
+
+    for i in solo_outputs:
+        method, _, _, _, overrides = MIX[i]
+        llm.add_request(prompts[i], params_of(i), method, callback=on_event(i), **overrides)
+        time.sleep(0.01)
+    assert all(d.wait(timeout=120) for d in done.values())
+    stop.set()
+    stepper.join(timeout=10)
+    assert streamed == solo_outputs
+    assert llm.blocks.num_used == 0
