@@ -59,22 +59,29 @@ class StepStats:
 
 
 class LinearCost:
-    """seconds = intercept + slope * x, fitted on a window of (x, seconds) samples."""
+    """seconds = intercept + slope * x, fitted on a window of (x, seconds) samples (refitted
+    once per new sample, not per query: the policy queries it several times a step)."""
 
     def __init__(self) -> None:
         self.samples: deque[tuple[float, float]] = deque(maxlen=WINDOW)
+        self._fit: tuple[float, float] | None = None
 
     def add(self, x: float, seconds: float) -> None:
         self.samples.append((x, seconds))
+        self._fit = None
 
     def __call__(self, x: float) -> float:
         if not self.samples:
             return 0.0
-        xs, ts = np.array(self.samples).T
-        if np.ptp(xs) == 0:  # no spread: assume proportional cost through the origin
-            return float(ts.mean() * x / max(xs[0], 1.0))
-        slope, intercept = np.polyfit(xs, ts, 1)
-        return float(max(intercept, 0.0) + max(slope, 0.0) * x)
+        if self._fit is None:
+            xs, ts = np.array(self.samples).T
+            if np.ptp(xs) == 0:  # no spread: assume proportional cost through the origin
+                self._fit = (0.0, float(ts.mean() / max(xs[0], 1.0)))
+            else:
+                slope, intercept = np.polyfit(xs, ts, 1)
+                self._fit = (max(float(intercept), 0.0), max(float(slope), 0.0))
+        intercept, slope = self._fit
+        return intercept + slope * x
 
 
 @dataclass
