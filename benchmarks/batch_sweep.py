@@ -7,7 +7,8 @@ For each batch size B, B held-out prompts are decoded together (B running reques
 fixed output length, EOS ignored, greedy or at --temperature) by each of the three configurations, in
 alternating rounds on the same engine so machine noise hits them alike. Reported per B:
 - output tokens/s of each configuration (prefill included, as a user sees it) and its
-  ratio to auto-regressive decoding measured in the same run;
+  ratio to auto-regressive decoding: the median over rounds of the ratio measured within
+  one round (robust to bursts of load on a shared machine);
 - tau: tokens emitted per decoding step per request (bonus included; 1 for AR);
 - the drafting widths load-aware speculation chose, as a histogram over steps.
 Writes `<out>.json` and `<out>.md`.
@@ -16,10 +17,12 @@ Writes `<out>.json` and `<out>.md`.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -54,36 +57,47 @@ def tau(results: list[GenerationResult]) -> float:
 
 def run_batch(
     engines: dict[str, LLMEngine], prompts: list[list[int]], max_tokens: int, rounds: int, temperature: float
-) -> tuple[dict[str, float], dict[str, float], Counter[int]]:
+) -> tuple[dict[str, float], dict[str, float], dict[str, float], Counter[int]]:
+    """tokens/s over all rounds, median per-round ratio to AR, tau, load-aware width histogram."""
     params = [
         SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i, ignore_eos=True)
         for i in range(len(prompts))
     ]
     seconds = dict.fromkeys(engines, 0.0)
     tokens = dict.fromkeys(engines, 0)
+    ratios: dict[str, list[float]] = {name: [] for name in engines}
     taus: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(rounds):
+        rate = {}
         for name, engine in engines.items():
             start = time.perf_counter()
             results = engine.generate(prompts, params, CONFIGS[name][0])
-            seconds[name] += time.perf_counter() - start
-            tokens[name] += sum(len(r.output_ids) for r in results)
+            elapsed = time.perf_counter() - start
+            emitted = sum(len(r.output_ids) for r in results)
+            seconds[name] += elapsed
+            tokens[name] += emitted
+            rate[name] = emitted / elapsed
             taus[name].append(tau(results))
-    rate = {name: tokens[name] / seconds[name] for name in engines}
+        for name in engines:
+            ratios[name].append(rate[name] / rate["ar"])
     widths = engines["redrafter-load-aware"].policy.widths_chosen
-    return rate, {name: sum(t) / len(t) for name, t in taus.items()}, widths
+    return (
+        {name: tokens[name] / seconds[name] for name in engines},
+        {name: statistics.median(r) for name, r in ratios.items()},
+        {name: sum(t) / len(t) for name, t in taus.items()},
+        widths,
+    )
 
 
-def markdown(rows: list[Row], meta: dict[str, object]) -> str:
+def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
     names = list(CONFIGS)
     lines = [
         "# Throughput vs batch size",
         "",
         f"Engine `{meta['engine']}`, temperature {meta['temperature']}, {meta['max_tokens']} output tokens "
-        "per request, prompts from the "
-        f"held-out files, {meta['rounds']} alternating rounds; {meta['machine']['cpu']} "  # type: ignore[index]
-        f"({meta['machine']['torch_threads']} threads). Ratios are to auto-regressive decoding in the same run; "  # type: ignore[index]
-        "tau = tokens per decoding step per request.",
+        f"per request, prompts from the held-out files, {meta['rounds']} alternating rounds; "
+        f"{meta['machine']['cpu']} ({meta['machine']['torch_threads']} threads). Ratios: median over rounds of "
+        "the ratio to auto-regressive decoding within a round; tau = tokens per decoding step per request.",
         "",
         "| batch | " + " | ".join(f"{n} tok/s" for n in names) + " | fixed / AR | load-aware / AR | "
         "tau fixed | tau load-aware | load-aware widths (steps) |",
@@ -106,7 +120,7 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,2,4,8,16,32", help="batch sizes (default: %(default)s)")
     ap.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default: %(default)s)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
-    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds per batch size (default: %(default)s)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per batch size (default: %(default)s)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/batch_sweep"), help="output path stem")
     args = ap.parse_args()
 
@@ -130,8 +144,8 @@ def main() -> None:
         prompts = [loaded.encode(t) for t in texts[:size]]
         run_batch(engines, prompts[:1], 8, 1, args.temperature)  # warm-up (allocator growth, first-step measurements)
         engines["redrafter-load-aware"].policy.widths_chosen.clear()
-        rate, taus, widths = run_batch(engines, prompts, args.max_tokens, args.rounds, args.temperature)
-        rows.append(Row(size, rate, {n: rate[n] / rate["ar"] for n in rate}, taus, dict(widths)))
+        rate, ratio, taus, widths = run_batch(engines, prompts, args.max_tokens, args.rounds, args.temperature)
+        rows.append(Row(size, rate, ratio, taus, dict(widths)))
         tqdm.write(str(asdict(rows[-1])))
     meta = {
         "engine": str(args.engine),
