@@ -18,12 +18,13 @@ import argparse
 import json
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 from runtime.engine import Engine
 from runtime.engine_dir import EngineConfig
 from runtime.llm_engine import LLMEngine
-from runtime.methods import METHODS, generate
+from runtime.methods import METHODS
 from runtime.results import GenerationResult
 from runtime.runtime_args import add_runtime_args, runtime_config
 from runtime.sampling import SamplingParams
@@ -32,13 +33,18 @@ from runtime.tensor_parallel import init_tensor_parallel, rank_device, serve_wor
 
 def run(
     engine: Engine, prompts: list[list[int]], params: list[SamplingParams], args: argparse.Namespace, world_size: int
-) -> list[GenerationResult]:
-    """Rank 0's generation; with tensor parallelism it drives the other ranks' forwards."""
+) -> tuple[list[GenerationResult], float]:
+    """Rank 0's generation and its seconds (start-up calibration excluded, like engine
+    loading); with tensor parallelism it drives the other ranks' forwards."""
     overrides = {"beam_width": args.beam_width, "beam_length": args.beam_length}
-    if world_size == 1:
-        return generate(engine, prompts, params, args.method, runtime_config(args), **overrides)
-    with start_workers(engine, runtime_config(args)) as (config, broadcast):
-        return LLMEngine(engine, config, broadcast).generate(prompts, params, args.method, **overrides)
+    with ExitStack() as stack:
+        config, broadcast = runtime_config(args), None
+        if world_size > 1:
+            config, broadcast = stack.enter_context(start_workers(engine, config))
+        llm = LLMEngine(engine, config, broadcast)
+        start = time.perf_counter()
+        results = llm.generate(prompts, params, args.method, **overrides)
+        return results, time.perf_counter() - start
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,10 +83,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             for i in range(len(args.prompt))
         ]
-        start = time.perf_counter()
         prompts = [engine.encode(p) for p in args.prompt]
-        results = run(engine, prompts, params, args, world_size)
-        seconds = time.perf_counter() - start
+        results, seconds = run(engine, prompts, params, args, world_size)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
