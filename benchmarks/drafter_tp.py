@@ -35,7 +35,7 @@ from torch import nn
 from model_defs.redrafter import ReDrafter, ResBlock, warp_logits
 from runtime.beam_search import beam_search
 from runtime.engine import Engine
-from runtime.tensor_parallel import join_process_group
+from runtime.tensor_parallel import exit_process, join_process_group
 
 
 class ShardedReDrafter(ReDrafter):
@@ -97,10 +97,10 @@ def time_ms(variants: dict[str, Callable[[], object]], iters: int) -> dict[str, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", type=Path, default=Path("engines/demo-redrafter"), help="engine with a drafter")
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--beam-width", type=int, default=4)
-    ap.add_argument("--beam-length", type=int, default=4)
-    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32], help="rows drafted (default: 1 8 32)")
+    ap.add_argument("--beam-width", type=int, default=4, help="beams W (default: %(default)s)")
+    ap.add_argument("--beam-length", type=int, default=4, help="draft tokens per beam L (default: %(default)s)")
+    ap.add_argument("--iters", type=int, default=30, help="timed beam searches per variant (default: %(default)s)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/drafter_tp"), help="output path stem")
     args = ap.parse_args()
 
@@ -178,3 +178,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)

@@ -28,7 +28,7 @@ from runtime.methods import METHODS
 from runtime.results import GenerationResult
 from runtime.runtime_args import add_runtime_args, runtime_config
 from runtime.sampling import SamplingParams
-from runtime.tensor_parallel import init_tensor_parallel, rank_device, serve_worker, start_workers
+from runtime.tensor_parallel import exit_process, init_tensor_parallel, rank_device, serve_worker, start_workers
 
 
 def run(
@@ -118,4 +118,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
