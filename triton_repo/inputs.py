@@ -1,0 +1,100 @@
+"""Turning a Triton request's tensors into a generation request, with messages that say
+what to fix. Tensor names are those of Triton's TensorRT-LLM ensemble (`text_input`,
+`max_tokens`, `temperature`, `top_k`, `top_p`, `random_seed`, `stream`, `end_id`,
+`stop_words`) plus specpipe's `ignore_eos`, `method`, `beam_width`, `beam_length`, so
+existing clients work unchanged. Triton itself rejects wrong dtypes and shapes against
+config.pbtxt before the model sees a request; what remains is checked here (limits the
+engine knows are checked when the request is added)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from runtime.llm_engine import METHODS
+from runtime.sampling import SamplingParams
+
+DEFAULT_MAX_TOKENS = 64
+"""When a request gives no max_tokens (the TensorRT-LLM ensemble requires it; we default)."""
+
+
+class InvalidInput(ValueError):
+    """The request cannot be served as sent; the message names the input and the fix."""
+
+
+@dataclass
+class GenerateRequest:
+    text: str
+    params: SamplingParams
+    stream: bool = False
+    stop_words: list[str] = field(default_factory=list)
+    method: str | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+def _scalar(get: Callable[[str], np.ndarray | None], name: str) -> Any:
+    value = get(name)
+    if value is None:
+        return None
+    if value.size != 1:
+        raise InvalidInput(f"{name} must hold exactly one value, got shape {list(value.shape)}")
+    return value.reshape(-1)[0]
+
+
+def _text(raw: Any, name: str) -> str:
+    if not isinstance(raw, bytes | np.bytes_):
+        raise InvalidInput(f"{name} must be BYTES (UTF-8 text)")
+    try:
+        return bytes(raw).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidInput(f"{name} is not valid UTF-8 ({e.reason} at byte {e.start}); send UTF-8 text") from None
+
+
+def parse_request(get: Callable[[str], np.ndarray | None]) -> GenerateRequest:
+    """`get(name)` returns the input tensor as a numpy array, or None when absent."""
+    raw = _scalar(get, "text_input")
+    if raw is None:
+        raise InvalidInput("text_input is required: the prompt as a BYTES tensor of shape [1]")
+    text = _text(raw, "text_input")
+    if not text:
+        raise InvalidInput("text_input is empty: send a prompt of at least one character")
+    max_tokens = _scalar(get, "max_tokens")
+    max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else int(max_tokens)
+    if max_tokens <= 0:
+        raise InvalidInput(f"max_tokens must be >= 1, got {max_tokens}")
+    temperature = _scalar(get, "temperature")
+    top_k = _scalar(get, "top_k")
+    top_p = _scalar(get, "top_p")
+    seed = _scalar(get, "random_seed")
+    end_id = _scalar(get, "end_id")
+    ignore_eos = _scalar(get, "ignore_eos")
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.0 if temperature is None else float(temperature),
+            top_k=0 if top_k is None else int(top_k),
+            top_p=1.0 if top_p is None else float(top_p),
+            seed=None if seed is None else int(seed),
+            stop_token_ids=() if end_id is None else (int(end_id),),
+            ignore_eos=bool(ignore_eos) or end_id is not None,  # end_id replaces the engine's EOS
+        )
+    except ValueError as e:
+        raise InvalidInput(str(e)) from None
+    stop = get("stop_words")
+    stop_words = [] if stop is None else [_text(w, "stop_words") for w in stop.reshape(-1)]
+    if any(not w for w in stop_words):
+        raise InvalidInput("stop_words must not contain empty strings")
+    method = _scalar(get, "method")
+    method = None if method is None else _text(method, "method")
+    if method is not None and method not in METHODS:
+        raise InvalidInput(f"method {method!r} is not one of {METHODS}")
+    overrides = {}
+    for name in ("beam_width", "beam_length"):
+        value = _scalar(get, name)
+        if value is not None:
+            overrides[name] = int(value)
+    stream = _scalar(get, "stream")
+    return GenerateRequest(text, params, bool(stream), stop_words, method, overrides)

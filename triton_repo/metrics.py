@@ -1,0 +1,78 @@
+"""Prometheus metrics of the served model, through the Python backend's `MetricFamily`
+(they appear on Triton's metrics port next to Triton's own `nv_*` metrics).
+
+`pb_utils` is passed in rather than imported: it exists only inside the backend's stub
+process, while this module's names are what tests and dashboards rely on."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runtime.llm_engine import LLMEngine
+from runtime.request import FINISH_REASONS, Request
+
+OUTCOMES = (*FINISH_REASONS, "invalid", "rejected")
+"""Request outcomes: the finish reasons, plus refused at admission (bad input / queue full)."""
+LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0]
+ACCEPTED_BUCKETS = [0, 1, 2, 3, 4, 5, 6, 8, 12, 16]
+
+
+class ServingMetrics:
+    def __init__(self, pb_utils: Any) -> None:
+        family = pb_utils.MetricFamily
+        self._families: list[Any] = []  # a family must outlive its metrics
+
+        def new_family(name: str, kind: Any, description: str) -> Any:
+            self._families.append(family(name=name, description=description, kind=kind))
+            return self._families[-1]
+
+        def metric(name: str, kind: Any, description: str, **kwargs: Any) -> Any:
+            return new_family(name, kind, description).Metric(labels={}, **kwargs)
+
+        requests = new_family("specpipe_requests_total", family.COUNTER, "Requests by outcome")
+        self.requests = {o: requests.Metric(labels={"outcome": o}) for o in OUTCOMES}
+        self.prompt_tokens = metric("specpipe_prompt_tokens_total", family.COUNTER, "Prompt tokens admitted")
+        self.output_tokens = metric("specpipe_output_tokens_total", family.COUNTER, "Tokens generated")
+        self.ttft = metric(
+            "specpipe_time_to_first_token_seconds",
+            family.HISTOGRAM,
+            "Arrival to first generated token",
+            buckets=LATENCY_BUCKETS,
+        )
+        self.tpot = metric(
+            "specpipe_time_per_output_token_seconds",
+            family.HISTOGRAM,
+            "Mean time between output tokens after the first, per request",
+            buckets=LATENCY_BUCKETS,
+        )
+        self.accepted_per_step = metric(
+            "specpipe_accepted_tokens_per_step",
+            family.HISTOGRAM,
+            "Draft tokens accepted per speculative step",
+            buckets=ACCEPTED_BUCKETS,
+        )
+        self.drafted = metric("specpipe_draft_tokens_total", family.COUNTER, "Draft tokens verified by the target")
+        self.accepted = metric("specpipe_accepted_tokens_total", family.COUNTER, "Draft tokens accepted")
+        self.queue_depth = metric("specpipe_queue_depth", family.GAUGE, "Requests waiting for admission")
+        self.running = metric("specpipe_running_requests", family.GAUGE, "Requests in the in-flight batch")
+        blocks = new_family("specpipe_kv_blocks", family.GAUGE, "KV-cache blocks by state")
+        self.kv_used = blocks.Metric(labels={"state": "used"})
+        self.kv_free = blocks.Metric(labels={"state": "free"})
+
+    def observe_finished(self, request: Request, reason: str, first_token_at: float | None, now: float) -> None:
+        result = request.result
+        self.requests[reason].increment(1)
+        self.output_tokens.increment(len(result.output_ids))
+        self.drafted.increment(result.num_drafted)
+        self.accepted.increment(result.num_accepted)
+        if result.num_drafted:  # speculative requests only: auto-regressive steps accept nothing by design
+            for accepted in result.accepted_per_step:
+                self.accepted_per_step.observe(accepted)
+        if first_token_at is not None and len(result.output_ids) > 1:
+            self.tpot.observe((now - first_token_at) / (len(result.output_ids) - 1))
+
+    def observe_engine(self, llm: LLMEngine) -> None:
+        self.queue_depth.set(len(llm.scheduler.waiting))
+        self.running.set(len(llm.scheduler.running))
+        self.kv_used.set(llm.blocks.num_used)
+        self.kv_free.set(llm.blocks.num_free)

@@ -1,0 +1,257 @@
+"""specpipe as a decoupled Triton Python-backend model (in the style of Triton's
+vllm_backend): `max_batch_size 0`, the runtime's scheduler does the batching. The
+repository's `model.py` is a shim that puts the project on `sys.path` and delegates here.
+
+Threads:
+- Triton's `execute` only parses each request and hands it to the engine (or answers at
+  once with INVALID_ARG / UNAVAILABLE);
+- the engine thread runs the in-flight batching loop (`LLMEngine.step`), whose per-request
+  callbacks only queue events;
+- the response thread turns events into responses (text deltas when streaming, one
+  response otherwise), ends every request with exactly one FINAL response, notices
+  cancelled requests and cancels them in the engine, and updates the metrics.
+
+Under tensor parallelism this process is rank 0 (it joins the other ranks at the address
+in the `tp_master` parameter); ranks 1..N-1 are `runtime.tp_worker` processes.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from runtime.detokenize import IncrementalDetokenizer
+from runtime.engine import Engine
+from runtime.kv_budget import KVBudget
+from runtime.llm_engine import LLMEngine, RuntimeConfig
+from runtime.request import Request, RequestEvent
+from runtime.scheduler import QueueFullError
+from triton_repo.inputs import GenerateRequest, InvalidInput, parse_request
+from triton_repo.metrics import ServingMetrics
+
+POLL_SECONDS = 0.02
+"""How often the response thread looks for cancelled requests and refreshes gauges."""
+
+
+def runtime_config(params: dict[str, str]) -> RuntimeConfig:
+    """RuntimeConfig from the model's string parameters ("" = the default)."""
+    defaults = RuntimeConfig()
+
+    def num(name: str, kind: type, default: Any) -> Any:
+        value = params.get(name, "")
+        return kind(value) if value != "" else default
+
+    return RuntimeConfig(
+        max_batch_size=num("max_batch_size", int, None),
+        max_num_tokens=num("max_num_tokens", int, defaults.max_num_tokens),
+        block_size=num("block_size", int, defaults.block_size),
+        kv=KVBudget(num("max_tokens_in_kv_cache", int, None), num("kv_cache_free_mem_fraction", float, None)),
+        max_queue_size=num("max_queue_size", int, defaults.max_queue_size),
+        speculation=params.get("speculation") or defaults.speculation,
+    )
+
+
+@dataclass(eq=False)
+class Stream:
+    """One Triton request in flight."""
+
+    triton_request: Any
+    sender: Any
+    parsed: GenerateRequest
+    detokenizer: IncrementalDetokenizer
+    arrival: float
+    request: Request | None = None
+    text: list[str] = field(default_factory=list)
+    first_token_at: float | None = None
+    stopped_by_word: bool = False
+    done: bool = False
+
+
+class SpecpipeModel:
+    """The model behind the shim; `pb_utils` is the backend's `triton_python_backend_utils`
+    (importable only inside the stub process, hence passed in)."""
+
+    def __init__(self, args: dict[str, Any], pb_utils: Any) -> None:
+        self.pb = pb_utils
+        config = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        engine_dir = params["engine_dir"]
+        device = params.get("device") or "cpu"
+        broadcast = None
+        self.engine = Engine.load(engine_dir, device=device)
+        settings = runtime_config(params)
+        if self.engine.config.build.tp_size > 1:
+            from runtime.tp_worker import start_leader
+
+            settings, broadcast = start_leader(self.engine, settings, params.get("tp_master", ""))
+        self.llm = LLMEngine(self.engine, settings, broadcast)
+        self.metrics = ServingMetrics(pb_utils)
+        self.events: queue.Queue[tuple[Stream, RequestEvent]] = queue.Queue()
+        self.streams: dict[str, Stream] = {}
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.running = True
+        self.engine_thread = threading.Thread(target=self._engine_loop, name="specpipe-engine", daemon=True)
+        self.response_thread = threading.Thread(target=self._response_loop, name="specpipe-responses", daemon=True)
+        self.engine_thread.start()
+        self.response_thread.start()
+
+    # ---- Triton entry points ------------------------------------------------------------
+
+    def execute(self, requests: list[Any]) -> None:
+        for triton_request in requests:
+            self._admit(triton_request, time.perf_counter())
+        return None
+
+    def finalize(self) -> None:
+        self.running = False
+        self.wake.set()
+        self.engine_thread.join(timeout=10)
+        self.response_thread.join(timeout=10)
+        if self.llm.runner.broadcast is not None:
+            self.llm.runner.shutdown()
+
+    # ---- admission ----------------------------------------------------------------------
+
+    def _admit(self, triton_request: Any, arrival: float) -> None:
+        sender = triton_request.get_response_sender()
+
+        def get(name: str) -> np.ndarray | None:
+            tensor = self.pb.get_input_tensor_by_name(triton_request, name)
+            return None if tensor is None else tensor.as_numpy()
+
+        try:
+            parsed = parse_request(get)
+            stream = Stream(triton_request, sender, parsed, IncrementalDetokenizer(self.engine.tokenizer), arrival)
+            prompt = self.engine.encode(parsed.text)
+            with self.lock:
+                stream.request = self.llm.add_request(
+                    prompt,
+                    parsed.params,
+                    parsed.method,
+                    callback=lambda event, s=stream: self.events.put((s, event)),
+                    **parsed.overrides,
+                )
+                self.streams[stream.request.request_id] = stream
+        except (InvalidInput, ValueError) as e:
+            self._reject(sender, str(e), self.pb.TritonError.INVALID_ARG, "invalid")
+            return
+        except QueueFullError as e:
+            self._reject(sender, str(e), self.pb.TritonError.UNAVAILABLE, "rejected")
+            return
+        self.metrics.prompt_tokens.increment(len(prompt))
+        self.wake.set()
+
+    def _reject(self, sender: Any, message: str, code: Any, outcome: str) -> None:
+        error = self.pb.TritonError(message, code)
+        sender.send(
+            self.pb.InferenceResponse(output_tensors=[], error=error),
+            flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+        )
+        self.metrics.requests[outcome].increment(1)
+
+    # ---- engine thread ------------------------------------------------------------------
+
+    def _engine_loop(self) -> None:
+        while self.running:
+            if not self.llm.has_unfinished():
+                self.wake.wait(POLL_SECONDS)
+                self.wake.clear()
+                continue
+            self.llm.step()
+
+    # ---- response thread ----------------------------------------------------------------
+
+    def _response_loop(self) -> None:
+        while self.running:
+            try:
+                stream, event = self.events.get(timeout=POLL_SECONDS)
+            except queue.Empty:
+                pass
+            else:
+                self._on_event(stream, event)
+                while not self.events.empty():
+                    self._on_event(*self.events.get_nowait())
+            self._check_cancelled()
+            self.metrics.observe_engine(self.llm)
+
+    def _check_cancelled(self) -> None:
+        with self.lock:
+            streams = list(self.streams.values())
+        for stream in streams:
+            if not stream.done and stream.triton_request.is_cancelled() and stream.request is not None:
+                self.llm.cancel(stream.request.request_id)
+
+    def _on_event(self, stream: Stream, event: RequestEvent) -> None:
+        if stream.done:
+            return  # a stop word already ended it; this is the engine's "cancelled" echo
+        now = time.perf_counter()
+        if event.tokens and stream.first_token_at is None:
+            stream.first_token_at = now
+            self.metrics.ttft.observe(now - stream.arrival)
+        delta = stream.detokenizer.push(event.tokens)
+        reason = event.finish_reason
+        if reason is not None:
+            delta += stream.detokenizer.flush()
+        delta, hit = self._cut_at_stop_word(stream, delta)
+        if hit:
+            reason = "stop"
+            stream.stopped_by_word = True
+            assert stream.request is not None
+            self.llm.cancel(stream.request.request_id)  # frees its KV at the next step
+        if stream.parsed.stream:
+            if delta and reason is None:
+                stream.sender.send(self._response(stream, delta, None))
+            elif reason is not None:
+                self._finish(stream, delta, reason, event.error)
+        else:
+            stream.text.append(delta)
+            if reason is not None:
+                self._finish(stream, "".join(stream.text), reason, event.error)
+
+    def _cut_at_stop_word(self, stream: Stream, delta: str) -> tuple[str, bool]:
+        """Truncate before the first stop word in the text so far (it may span deltas)."""
+        if not stream.parsed.stop_words or not delta:
+            return delta, False
+        before = stream.detokenizer.sent - len(delta)  # characters emitted before this delta
+        text = stream.detokenizer.text[: stream.detokenizer.sent]
+        cut = min((i for w in stream.parsed.stop_words if (i := text.find(w)) >= 0), default=-1)
+        if cut < 0:
+            return delta, False
+        return delta[: max(0, cut - before)], True
+
+    def _finish(self, stream: Stream, text: str, reason: str, error: str | None) -> None:
+        stream.done = True
+        request = stream.request
+        assert request is not None
+        if error is not None:
+            response = self.pb.InferenceResponse(
+                output_tensors=[], error=self.pb.TritonError(error, self.pb.TritonError.INTERNAL)
+            )
+        else:
+            response = self._response(stream, text, reason)
+        stream.sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        with self.lock:
+            self.streams.pop(request.request_id, None)
+        self.metrics.observe_finished(request, reason, stream.first_token_at, time.perf_counter())
+
+    def _response(self, stream: Stream, text: str, reason: str | None) -> Any:
+        tensors = [self.pb.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))]
+        if reason is not None:  # statistics go with the final response
+            assert stream.request is not None
+            result = stream.request.result
+            stats = {
+                "num_input_tokens": len(result.prompt_ids),
+                "num_output_tokens": len(result.output_ids),
+                "num_draft_tokens": result.num_drafted,
+                "num_accepted_tokens": result.num_accepted,
+            }
+            tensors += [self.pb.Tensor(k, np.array([v], dtype=np.int32)) for k, v in stats.items()]
+            tensors.append(self.pb.Tensor("finish_reason", np.array([reason.encode()], dtype=np.object_)))
+        return self.pb.InferenceResponse(output_tensors=tensors)
