@@ -13,7 +13,7 @@ DEMO_PROMPTS := --prompt "def fibonacci(n):" \
 	--prompt "$$(printf 'class Stack:\n    def __init__(self):')" \
 	--prompt "$$(printf 'import os\n\n\ndef list_python_files(path):')"
 
-.PHONY: help setup mpi engine demo test test-slow lint format model drafter bench-redrafter bench-batch bench-drafter-tp clean
+.PHONY: help setup mpi engine demo serve test test-slow lint format model drafter bench-redrafter bench-batch bench-drafter-tp clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 18
@@ -51,6 +51,10 @@ demo: engine  ## set up, build the demo engines, generate with ReDrafter and aut
 	$(BIN)/python -m runtime.generate --engine $(SPEC_ENGINE) $(DEMO_PROMPTS) --max-tokens 64
 	@echo "== auto-regressive baseline: same tokens, one target forward per token =="
 	$(BIN)/python -m runtime.generate --engine $(SPEC_ENGINE) --method ar $(DEMO_PROMPTS) --max-tokens 64
+
+serve: private ENGINE = $(SPEC_ENGINE)
+serve: engine  ## serve the ReDrafter engine (or ENGINE=...) with Triton: HTTP :8000, gRPC :8001, metrics :8002
+	$(BIN)/python -m triton_repo.server --engine $(ENGINE)
 
 # pytest exits 5 when no test is collected; that is not a failure of the suite.
 test: setup  ## default test suite (no slow tests)

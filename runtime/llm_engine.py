@@ -31,6 +31,7 @@ import torch
 from runtime.attention_batch import Segment, build_groups, write_slots
 from runtime.block_manager import BlockManager
 from runtime.engine import Engine
+from runtime.engine_dir import EngineConfig
 from runtime.kv_budget import KVBudget, kv_cache_blocks
 from runtime.model_runner import ModelRunner, StepBroadcast, StepInput
 from runtime.redrafter import ReDrafterParams, draft_trees, max_tree_nodes
@@ -81,9 +82,10 @@ class RuntimeConfig:
             )
 
 
-def check_request(engine: Engine, prompt: list[int], params: SamplingParams) -> None:
-    """Reject requests the engine was not built for, with the limit and the fix."""
-    build = engine.config.build
+def check_request(config: EngineConfig, prompt: list[int], params: SamplingParams) -> None:
+    """Reject requests the engine was not built for, with the limit and the fix (needs only
+    the engine's config, so front ends can check before forwarding)."""
+    build = config.build
     if not prompt:
         raise ValueError("empty prompt: give at least one token")
     if len(prompt) > build.max_input_len:
@@ -96,7 +98,7 @@ def check_request(engine: Engine, prompt: list[int], params: SamplingParams) -> 
             f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) > max_seq_len {build.max_seq_len}; "
             "lower max_tokens or rebuild with a larger --max-seq-len"
         )
-    vocab = engine.model.config.vocab_size
+    vocab = config.model["vocab_size"]
     if min(prompt) < 0 or max(prompt) >= vocab:
         raise ValueError(f"prompt token ids must be in [0, {vocab})")
 
@@ -177,7 +179,7 @@ class LLMEngine:
     ) -> Request:
         """Queue a request. Raises ValueError for a request the engine cannot serve and
         QueueFullError when the waiting queue is full (nothing is queued then)."""
-        check_request(self.engine, prompt, params)
+        check_request(self.engine.config, prompt, params)
         method = method or self.default_method
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         request = Request(

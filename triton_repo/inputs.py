@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tokenizers import Tokenizer
 
-from runtime.llm_engine import METHODS
+from runtime.engine_dir import EngineConfig
+from runtime.llm_engine import METHODS, check_request
 from runtime.sampling import SamplingParams
 
 DEFAULT_MAX_TOKENS = 64
@@ -98,3 +101,26 @@ def parse_request(get: Callable[[str], np.ndarray | None]) -> GenerateRequest:
             overrides[name] = int(value)
     stream = _scalar(get, "stream")
     return GenerateRequest(text, params, bool(stream), stop_words, method, overrides)
+
+
+@dataclass
+class AdmissionCheck:
+    """Everything a front end can check without the engine's weights: the inputs, then the
+    tokenized prompt against the engine's build limits."""
+
+    config: EngineConfig
+    tokenizer: Tokenizer
+
+    @classmethod
+    def for_engine(cls, engine_dir: str | Path) -> AdmissionCheck:
+        config = EngineConfig.load(Path(engine_dir))
+        return cls(config, Tokenizer.from_file(str(Path(engine_dir) / config.tokenizer)))
+
+    def __call__(self, get: Callable[[str], np.ndarray | None]) -> str | None:
+        """None if the request is acceptable, else what to fix."""
+        try:
+            request = parse_request(get)
+            check_request(self.config, self.tokenizer.encode(request.text).ids, request.params)
+        except ValueError as e:  # InvalidInput included
+            return str(e)
+        return None

@@ -18,10 +18,12 @@ in the `tp_master` parameter); ranks 1..N-1 are `runtime.tp_worker` processes.
 from __future__ import annotations
 
 import json
+import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -34,6 +36,8 @@ from runtime.request import Request, RequestEvent
 from runtime.scheduler import QueueFullError
 from triton_repo.inputs import GenerateRequest, InvalidInput, parse_request
 from triton_repo.metrics import ServingMetrics
+
+log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.02
 """How often the response thread looks for cancelled requests and refreshes gauges."""
@@ -135,7 +139,7 @@ class SpecpipeModel:
                     prompt,
                     parsed.params,
                     parsed.method,
-                    callback=lambda event, s=stream: self.events.put((s, event)),
+                    callback=partial(self._queue_event, stream),
                     **parsed.overrides,
                 )
                 self.streams[stream.request.request_id] = stream
@@ -147,6 +151,10 @@ class SpecpipeModel:
             return
         self.metrics.prompt_tokens.increment(len(prompt))
         self.wake.set()
+
+    def _queue_event(self, stream: Stream, event: RequestEvent) -> None:
+        """The engine thread's callback: hand the event to the response thread, nothing more."""
+        self.events.put((stream, event))
 
     def _reject(self, sender: Any, message: str, code: Any, outcome: str) -> None:
         error = self.pb.TritonError(message, code)
@@ -175,11 +183,23 @@ class SpecpipeModel:
             except queue.Empty:
                 pass
             else:
-                self._on_event(stream, event)
+                self._handle(stream, event)
                 while not self.events.empty():
-                    self._on_event(*self.events.get_nowait())
+                    self._handle(*self.events.get_nowait())
             self._check_cancelled()
             self.metrics.observe_engine(self.llm)
+
+    def _handle(self, stream: Stream, event: RequestEvent) -> None:
+        """One event; a failure to respond (e.g. the client went away) costs that request only."""
+        try:
+            self._on_event(stream, event)
+        except Exception:
+            log.exception("responding to %s failed", stream.request.request_id if stream.request else "?")
+            stream.done = True
+            if stream.request is not None:
+                self.llm.cancel(stream.request.request_id)
+                with self.lock:
+                    self.streams.pop(stream.request.request_id, None)
 
     def _check_cancelled(self) -> None:
         with self.lock:

@@ -1,0 +1,263 @@
+"""specpipe under a real `tritonserver` (the one bundled in nvidia-pytriton), started on
+free ports for this module: every protocol returns the in-process runtime's greedy
+text, concurrent streams equal their solo runs, bad input is refused with INVALID_ARG
+while the server keeps serving, a cancelled stream frees its KV blocks, and the metrics
+endpoint shows the traffic."""
+
+from __future__ import annotations
+
+import json
+import queue
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from build.engine import build_engine
+from runtime.engine import Engine
+from runtime.engine_dir import BuildConfig
+from runtime.llm_engine import LLMEngine, RuntimeConfig
+from runtime.sampling import SamplingParams
+from triton_repo.client import make_inputs
+from triton_repo.repository import ServingConfig
+from triton_repo.server import TritonServer
+
+MODELS = Path(__file__).resolve().parents[2] / "models"
+MODEL = "specpipe"
+INFER_MODEL = "specpipe_infer"
+PROMPTS = ["def fibonacci(n):", "class Stack:\n    def __init__(self):", "import os\n\n\ndef list_files(path):"]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("engines") / "demo-redrafter"
+    build = BuildConfig(max_batch_size=16, max_input_len=256, max_seq_len=640)
+    return build_engine(MODELS / "demo-target", out, build, drafter=MODELS / "demo-redrafter")
+
+
+@pytest.fixture(scope="module")
+def engine(engine_dir: Path) -> Engine:
+    return Engine.load(engine_dir)
+
+
+@pytest.fixture(scope="module")
+def server(engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
+    with TritonServer(ServingConfig(engine_dir=engine_dir), tmp_path_factory.mktemp("triton")) as running:
+        yield running
+
+
+def solo_text(engine: Engine, prompt: str, params: SamplingParams, method: str | None = None, **overrides: Any) -> str:
+    """What the in-process runtime emits for this request alone."""
+    llm = LLMEngine(engine, RuntimeConfig(max_batch_size=1))
+    return engine.decode(llm.generate([engine.encode(prompt)], [params], method, **overrides)[0].output_ids)
+
+
+def stream_grpc(url: str, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Send each request on its own gRPC stream (concurrently); per request the streamed
+    text, the final response's outputs and the number of FINAL flags seen."""
+    results: list[dict[str, Any]] = [{} for _ in requests]
+
+    def one(i: int) -> None:
+        client = grpcclient.InferenceServerClient(url)
+        events: queue.Queue[Any] = queue.Queue()
+        client.start_stream(callback=lambda result, error: events.put((result, error)))
+        client.async_stream_infer(MODEL, make_inputs(**requests[i], stream=True), enable_empty_final_response=True)
+        text, finals, final = [], 0, {}
+        while True:
+            result, error = events.get(timeout=120)
+            if error is not None:
+                results[i] = {"error": error}
+                break
+            response = result.get_response()
+            out = result.as_numpy("text_output")
+            if out is not None:
+                text.append(b"".join(out).decode())
+            if response.parameters["triton_final_response"].bool_param:
+                finals += 1
+                final = {n: result.as_numpy(n) for n in ("finish_reason", "num_output_tokens", "num_draft_tokens")}
+                break
+        client.stop_stream()
+        client.close()
+        if "error" not in results[i]:
+            results[i] = {"text": "".join(text), "finals": finals, **final}
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    return results
+
+
+def http_post(url: str, path: str, body: dict[str, Any]) -> tuple[int, str]:
+    req = urllib.request.Request(f"http://{url}{path}", data=json.dumps(body).encode(), method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=120) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def metrics(server: TritonServer) -> dict[str, float]:
+    with urllib.request.urlopen(server.metrics_url, timeout=30) as response:
+        text = response.read().decode()
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(specpipe_\S+) (\S+)$", text, re.M)}
+
+
+def test_every_protocol_returns_the_runtime_greedy_text(server: TritonServer, engine: Engine) -> None:
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    expected = [solo_text(engine, p, params) for p in PROMPTS]
+    streamed = stream_grpc(server.grpc_url, [{"prompt": p, "max_tokens": MAX_TOKENS} for p in PROMPTS])
+    assert [s["text"] for s in streamed] == expected
+    assert all(s["finals"] == 1 for s in streamed)
+    http = httpclient.InferenceServerClient(server.http_url)
+    grpc = grpcclient.InferenceServerClient(server.grpc_url)
+    for prompt, text in zip(PROMPTS, expected, strict=True):
+        inputs = make_inputs(prompt, max_tokens=MAX_TOKENS, stream=False)
+        assert b"".join(grpc.infer(INFER_MODEL, inputs).as_numpy("text_output")).decode() == text
+        http_inputs = [
+            httpclient.InferInput("text_input", [1], "BYTES"),
+            httpclient.InferInput("max_tokens", [1], "INT32"),
+        ]
+        http_inputs[0].set_data_from_numpy(np.array([prompt.encode()], dtype=np.object_))
+        http_inputs[1].set_data_from_numpy(np.array([MAX_TOKENS], dtype=np.int32))
+        assert b"".join(http.infer(INFER_MODEL, http_inputs).as_numpy("text_output")).decode() == text
+        status, body = http_post(
+            server.http_url, f"/v2/models/{MODEL}/generate", {"text_input": prompt, "max_tokens": MAX_TOKENS}
+        )
+        assert status == 200 and json.loads(body)["text_output"] == text
+        status, body = http_post(
+            server.http_url,
+            f"/v2/models/{MODEL}/generate_stream",
+            {"text_input": prompt, "max_tokens": MAX_TOKENS, "stream": True},
+        )
+        events = [json.loads(line[len("data: ") :]) for line in body.splitlines() if line.startswith("data: ")]
+        assert status == 200 and "".join(e["text_output"] for e in events) == text
+        assert [e.get("finish_reason") for e in events].count("length") == 1
+
+
+def test_concurrent_streams_equal_their_solo_runs(server: TritonServer, engine: Engine) -> None:
+    requests = [
+        {"prompt": PROMPTS[i % 3], "max_tokens": 16 + 2 * i, "method": method, **extra}
+        for i, (method, extra) in enumerate(
+            [
+                ("redrafter", {}),
+                ("ar", {}),
+                ("redrafter", {"beam_width": 2, "beam_length": 5}),
+                ("redrafter", {"temperature": 0.8, "seed": 3}),
+                ("ar", {"temperature": 1.0, "top_k": 20, "seed": 4}),
+                ("redrafter", {"beam_width": 8, "beam_length": 3}),
+                ("ar", {}),
+                ("redrafter", {"temperature": 0.7, "top_p": 0.9, "seed": 5}),
+                ("redrafter", {}),
+                ("redrafter", {"beam_width": 1, "beam_length": 2}),
+            ]
+        )
+    ]
+    results = stream_grpc(server.grpc_url, requests)
+    assert all("error" not in r and r["finals"] == 1 for r in results), "no request lost, one FINAL each"
+    for req, res in zip(requests, results, strict=True):
+        if "temperature" in req:
+            assert int(res["num_output_tokens"][0]) >= 1
+            continue
+        overrides = {k: req[k] for k in ("beam_width", "beam_length") if k in req}
+        expected = solo_text(
+            engine, req["prompt"], SamplingParams(max_tokens=req["max_tokens"]), req["method"], **overrides
+        )
+        assert res["text"] == expected, f"{req} diverged from its solo run"
+
+
+BAD_HTTP = [
+    ({"max_tokens": 8}, "text_input is required"),
+    ({"text_input": "", "max_tokens": 8}, "text_input is empty"),
+    ({"text_input": "x" * 4000, "max_tokens": 8}, "max_input_len 256"),
+    ({"text_input": "x", "max_tokens": 0}, "max_tokens must be >= 1"),
+    ({"text_input": "x", "max_tokens": -3}, "max_tokens must be >= 1"),
+    ({"text_input": "x", "max_tokens": 5000}, "max_seq_len 640"),
+    ({"text_input": "x", "temperature": -0.5}, "temperature must be >= 0"),
+    ({"text_input": "x", "top_p": 0.0}, "top_p must be in (0, 1]"),
+    ({"text_input": "x", "top_p": 1.5}, "top_p must be in (0, 1]"),
+    ({"text_input": "x", "method": "medusa"}, "method 'medusa' is not one of"),
+]
+
+
+@pytest.mark.parametrize(("body", "message"), BAD_HTTP, ids=[m for _, m in BAD_HTTP])
+def test_bad_input_is_refused_and_the_server_keeps_serving(
+    server: TritonServer, body: dict[str, Any], message: str
+) -> None:
+    status, text = http_post(server.http_url, f"/v2/models/{MODEL}/generate", body)
+    assert status == 400 and message in json.loads(text)["error"]
+    status, text = http_post(server.http_url, f"/v2/models/{MODEL}/generate", {"text_input": "x", "max_tokens": 2})
+    assert status == 200 and json.loads(text)["finish_reason"] in ("length", "stop")
+
+
+def grpc_infer_error(server: TritonServer, inputs: list[grpcclient.InferInput]) -> InferenceServerException:
+    with pytest.raises(InferenceServerException) as err:
+        grpcclient.InferenceServerClient(server.grpc_url).infer(INFER_MODEL, inputs)
+    return err.value
+
+
+def raw(name: str, array: np.ndarray, dtype: str) -> grpcclient.InferInput:
+    tensor = grpcclient.InferInput(name, list(array.shape), dtype)
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+def test_non_utf8_wrong_dtype_and_wrong_shape_are_invalid_arg(server: TritonServer) -> None:
+    bad_bytes = grpc_infer_error(server, [raw("text_input", np.array([b"\xff\xfe x"], dtype=np.object_), "BYTES")])
+    assert bad_bytes.status() == "StatusCode.INVALID_ARGUMENT" and "not valid UTF-8" in bad_bytes.message()
+    prompt = raw("text_input", np.array([b"x"], dtype=np.object_), "BYTES")
+    wrong_dtype = grpc_infer_error(server, [prompt, raw("max_tokens", np.array([4.0], dtype=np.float32), "FP32")])
+    assert wrong_dtype.status() == "StatusCode.INVALID_ARGUMENT" and "max_tokens" in wrong_dtype.message()
+    two = raw("text_input", np.array([b"x", b"y"], dtype=np.object_), "BYTES")
+    wrong_shape = grpc_infer_error(server, [two])
+    assert wrong_shape.status() == "StatusCode.INVALID_ARGUMENT" and "text_input" in wrong_shape.message()
+    assert stream_grpc(server.grpc_url, [{"prompt": "x", "max_tokens": 2}])[0]["finals"] == 1
+
+
+def test_cancelled_stream_frees_its_blocks(server: TritonServer) -> None:
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    received: queue.Queue[Any] = queue.Queue()
+    client.start_stream(callback=lambda result, error: received.put((result, error)))
+    before = metrics(server).get('specpipe_requests_total{outcome="cancelled"}', 0.0)
+    client.async_stream_infer(MODEL, make_inputs(PROMPTS[0], max_tokens=500, ignore_eos=True, stream=True))
+    for _ in range(3):
+        assert received.get(timeout=60)[1] is None
+    client.stop_stream(cancel_requests=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = metrics(server)
+        if (
+            m.get('specpipe_requests_total{outcome="cancelled"}', 0.0) > before
+            and m['specpipe_kv_blocks{state="used"}'] == 0
+        ):
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"cancelled stream still holds KV blocks: {m}")
+    assert stream_grpc(server.grpc_url, [{"prompt": "x", "max_tokens": 4}])[0]["finals"] == 1
+
+
+def test_metrics_show_the_traffic(server: TritonServer) -> None:
+    stream_grpc(server.grpc_url, [{"prompt": p, "max_tokens": 12, "method": "redrafter"} for p in PROMPTS])
+    m = metrics(server)
+    assert m['specpipe_requests_total{outcome="length"}'] >= 3
+    assert m["specpipe_prompt_tokens_total"] > 0 and m["specpipe_output_tokens_total"] >= 36
+    assert m["specpipe_time_to_first_token_seconds_count"] >= 3
+    assert 0 < m["specpipe_time_to_first_token_seconds_sum"] / m["specpipe_time_to_first_token_seconds_count"] < 30
+    assert m["specpipe_time_per_output_token_seconds_count"] >= 3
+    assert m["specpipe_accepted_tokens_per_step_count"] > 0
+    assert 0 < m["specpipe_accepted_tokens_total"] <= m["specpipe_draft_tokens_total"]
+    assert m["specpipe_queue_depth"] == 0 and m["specpipe_running_requests"] == 0
+    assert m['specpipe_kv_blocks{state="used"}'] == 0 and m['specpipe_kv_blocks{state="free"}'] > 0

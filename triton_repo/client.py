@@ -1,0 +1,168 @@
+"""Stream completions from a running server over gRPC, printing text as it arrives.
+
+    python -m triton_repo.client --url localhost:8001 --prompt "def fib(n):" [--prompt ...] [--max-tokens 64]
+
+Prompts are sent one after another on one bidirectional stream (`start_stream` /
+`async_stream_infer`, the way Triton's TensorRT-LLM examples stream); every response
+of a streaming request carries the text added since the previous one, the last also the
+finish reason and token counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+STATS = ("num_input_tokens", "num_output_tokens", "num_draft_tokens", "num_accepted_tokens")
+
+
+def _tensor(name: str, value: object, dtype: str, np_dtype: type | None = None) -> grpcclient.InferInput:
+    array: np.ndarray = np.array([value], dtype=np_dtype if np_dtype is not None else object)
+    tensor = grpcclient.InferInput(name, list(array.shape), dtype)
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+def make_inputs(
+    prompt: str,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stream: bool = True,
+    end_id: int | None = None,
+    stop_words: list[str] | None = None,
+    ignore_eos: bool | None = None,
+    method: str | None = None,
+    beam_width: int | None = None,
+    beam_length: int | None = None,
+) -> list[grpcclient.InferInput]:
+    """Request tensors for the specpipe model; None leaves an input out (the model's default)."""
+    inputs = [_tensor("text_input", prompt.encode(), "BYTES"), _tensor("stream", stream, "BOOL", np.bool_)]
+    optional: list[tuple[str, object, str, type | None]] = [
+        ("max_tokens", max_tokens, "INT32", np.int32),
+        ("temperature", temperature, "FP32", np.float32),
+        ("top_k", top_k, "INT32", np.int32),
+        ("top_p", top_p, "FP32", np.float32),
+        ("random_seed", seed, "UINT64", np.uint64),
+        ("end_id", end_id, "INT32", np.int32),
+        ("ignore_eos", ignore_eos, "BOOL", np.bool_),
+        ("method", None if method is None else method.encode(), "BYTES", None),
+        ("beam_width", beam_width, "INT32", np.int32),
+        ("beam_length", beam_length, "INT32", np.int32),
+    ]
+    inputs += [_tensor(name, value, dtype, np_dtype) for name, value, dtype, np_dtype in optional if value is not None]
+    if stop_words:
+        words = np.array([w.encode() for w in stop_words], dtype=object)
+        tensor = grpcclient.InferInput("stop_words", list(words.shape), "BYTES")
+        tensor.set_data_from_numpy(words)
+        inputs.append(tensor)
+    return inputs
+
+
+@dataclass
+class Completion:
+    text: str
+    finish_reason: str
+    stats: dict[str, int]
+    """The STATS outputs the final response carried."""
+
+
+def stream_completion(
+    client: grpcclient.InferenceServerClient,
+    responses: queue.Queue[tuple[grpcclient.InferResult | None, InferenceServerException | None]],
+    inputs: list[grpcclient.InferInput],
+    model: str = "specpipe",
+    on_text: Callable[[str], None] = lambda _: None,
+    timeout_s: float = 300.0,
+) -> Completion:
+    """Send one request on the client's open stream (whose callback fills `responses`) and
+    collect its responses until the final one, calling `on_text` with every text piece."""
+    client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+    pieces: list[str] = []
+    finish_reason, stats = "", {}
+    while True:
+        result, error = responses.get(timeout=timeout_s)
+        if error is not None:
+            raise error
+        assert result is not None
+        text = result.as_numpy("text_output")
+        if text is not None:
+            piece = b"".join(text.reshape(-1)).decode("utf-8")
+            pieces.append(piece)
+            on_text(piece)
+        reason = result.as_numpy("finish_reason")
+        if reason is not None:
+            finish_reason = reason.reshape(-1)[0].decode()
+        stats.update({name: int(v.reshape(-1)[0]) for name in STATS if (v := result.as_numpy(name)) is not None})
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            return Completion("".join(pieces), finish_reason, stats)
+
+
+def _print_piece(piece: str) -> None:
+    print(piece, end="", flush=True)
+
+
+def run_prompts(
+    url: str, prompts: list[str], request: Callable[[str], list[grpcclient.InferInput]], model: str = "specpipe"
+) -> list[Completion]:
+    """Stream each prompt's completion to stdout in turn, with its stats after it;
+    `request(prompt)` builds the inputs (`make_inputs` with stream=True)."""
+    completions = []
+    responses: queue.Queue[tuple[grpcclient.InferResult | None, InferenceServerException | None]] = queue.Queue()
+    with grpcclient.InferenceServerClient(url) as client:
+        client.is_server_live()  # a connection error here reads better than the stream's later one
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        try:
+            for prompt in prompts:
+                print(f"--- prompt: {prompt!r}\n{prompt}", end="", flush=True)
+                done = stream_completion(client, responses, request(prompt), model, on_text=_print_piece)
+                stats = done.stats
+                line = f"\n# {stats.get('num_output_tokens', '?')} tokens, {done.finish_reason}"
+                if stats.get("num_draft_tokens"):
+                    line += f"; drafted {stats['num_draft_tokens']}, accepted {stats.get('num_accepted_tokens', 0)}"
+                print(line, flush=True)
+                completions.append(done)
+        finally:
+            client.stop_stream()
+    return completions
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m triton_repo.client", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--url", default="localhost:8001", help="gRPC endpoint (default: %(default)s)")
+    ap.add_argument("--model", default="specpipe", help="model name (default: %(default)s)")
+    ap.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for several, sent in turn")
+    ap.add_argument("--max-tokens", type=int, default=64, help="(default: %(default)s)")
+    ap.add_argument("--temperature", type=float, help="0 = greedy (default: the model's, greedy)")
+    ap.add_argument("--top-k", type=int)
+    ap.add_argument("--top-p", type=float)
+    ap.add_argument("--seed", type=int)
+    ap.add_argument("--method", help="decoding method, e.g. ar or redrafter (default: the engine's)")
+    args = ap.parse_args(argv)
+
+    def request(prompt: str) -> list[grpcclient.InferInput]:
+        return make_inputs(
+            prompt, args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed, method=args.method
+        )
+
+    try:
+        run_prompts(args.url, args.prompt, request, args.model)
+    except InferenceServerException as e:
+        print(f"\nerror: {e.message()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""Write a Triton model repository that serves one engine directory.
+
+    python -m triton_repo.repository --engine engines/demo-redrafter --out work_dirs/triton [runtime flags]
+
+gives
+
+    <out>/<model_name>/config.pbtxt   from triton_repo/config.pbtxt.template
+    <out>/<model_name>/1/model.py     a copy of triton_repo/specpipe/1/model.py
+
+The engine and runtime settings travel as config.pbtxt `parameters` (string values, "" for
+"the runtime's default"), the way TensorRT-LLM's backend is configured, so one model.py
+serves any engine. model.py is copied rather than linked so a repository stays valid
+while the source tree changes under a running server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from string import Template
+
+from runtime.engine_dir import EngineConfig
+from runtime.kv_budget import KVBudget
+from runtime.llm_engine import RuntimeConfig
+from runtime.runtime_args import add_runtime_args
+
+HERE = Path(__file__).resolve().parent
+PROJECT_ROOT = HERE.parent
+"""model.py puts it on sys.path: the Python-backend stub does not pass PYTHONPATH on."""
+TEMPLATE = HERE / "config.pbtxt.template"
+MODEL_SOURCE = HERE / "specpipe" / "1" / "model.py"
+INFER_SOURCE = HERE / "specpipe_infer" / "1" / "model.py"
+DEVICES = ("cpu", "cuda")
+
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+"""The specpipe checkout the served model imports its code from."""
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """What one served model runs: the engine, where, and the runtime's limits (the flat
+    fields of `RuntimeConfig`, named like the `--runtime` flags and the config parameters)."""
+
+    engine_dir: Path
+    model_name: str = "specpipe"
+    device: str = "cpu"
+    """cpu or cuda; cuda instances are placed by Triton (KIND_MODEL), CPU ones are KIND_CPU."""
+    max_batch_size: int | None = None
+    max_num_tokens: int = RuntimeConfig.max_num_tokens
+    max_tokens_in_kv_cache: int | None = None
+    kv_cache_free_mem_fraction: float | None = None
+    block_size: int = RuntimeConfig.block_size
+    max_queue_size: int = RuntimeConfig.max_queue_size
+    speculation: str = RuntimeConfig.speculation
+    tp_master: str = ""
+    """host:port where tensor-parallel ranks 1..N-1 rendezvous with rank 0 (model.py); "" for tp_size 1."""
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"device {self.device!r} is not one of {DEVICES}")
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.model_name):
+            raise ValueError(f"model name {self.model_name!r}: use letters, digits, '_', '.' or '-' (a directory name)")
+        self.runtime_config()  # the runtime's own checks, before a server spends time loading
+
+    def runtime_config(self) -> RuntimeConfig:
+        return RuntimeConfig(
+            max_batch_size=self.max_batch_size,
+            max_num_tokens=self.max_num_tokens,
+            block_size=self.block_size,
+            kv=KVBudget(self.max_tokens_in_kv_cache, self.kv_cache_free_mem_fraction),
+            max_queue_size=self.max_queue_size,
+            speculation=self.speculation,
+        )
+
+    def parameters(self) -> dict[str, str]:
+        """The config.pbtxt parameters model.py reads; None becomes ""."""
+        values = {
+            "project_root": str(PROJECT_ROOT),  # model.py puts it on sys.path (the stub ignores PYTHONPATH)
+            "engine_dir": str(Path(self.engine_dir).resolve()),
+            "device": self.device,
+            "max_batch_size": self.max_batch_size,
+            "max_num_tokens": self.max_num_tokens,
+            "max_tokens_in_kv_cache": self.max_tokens_in_kv_cache,
+            "kv_cache_free_mem_fraction": self.kv_cache_free_mem_fraction,
+            "block_size": self.block_size,
+            "max_queue_size": self.max_queue_size,
+            "speculation": self.speculation,
+            "tp_master": self.tp_master,
+        }
+        return {k: "" if v is None else str(v) for k, v in values.items()}
+
+
+def serving_config(args: argparse.Namespace, tp_master: str = "") -> ServingConfig:
+    """A ServingConfig from `--engine`, `--model-name`, `--device` and the runtime flags."""
+    return ServingConfig(
+        engine_dir=args.engine,
+        model_name=args.model_name,
+        device=args.device,
+        max_batch_size=args.max_batch_size,
+        max_num_tokens=args.max_num_tokens,
+        max_tokens_in_kv_cache=args.max_tokens_in_kv_cache,
+        kv_cache_free_mem_fraction=args.kv_cache_free_mem_fraction,
+        block_size=args.block_size,
+        max_queue_size=args.max_queue_size,
+        speculation=args.speculation,
+        tp_master=tp_master,
+    )
+
+
+def add_serving_args(ap: argparse.ArgumentParser) -> None:
+    """Flags shared by the repository writer, the server launcher and the demo."""
+    ap.add_argument("--engine", type=Path, required=True, help="engine directory (from `python -m build.engine`)")
+    ap.add_argument("--model-name", default="specpipe", help="Triton model name (default: %(default)s)")
+    ap.add_argument("--device", choices=DEVICES, default="cpu", help="device model.py runs on (default: %(default)s)")
+    add_runtime_args(ap)
+
+
+def _pbtxt_string(value: str) -> str:
+    """Escape for a double-quoted protobuf text-format string."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+INFER_SUFFIX = "_infer"
+INFER_INSTANCES = 4
+"""Instances of the non-streaming front: each waits on one request at a time (they hold
+no engine, so they are cheap), and the engine batches what they forward."""
+
+
+def render_config(cfg: ServingConfig, infer_front: bool = False) -> str:
+    """config.pbtxt of the engine model, or (`infer_front`) of its non-streaming front."""
+    fields = {k: _pbtxt_string(v) for k, v in cfg.parameters().items()}
+    return Template(TEMPLATE.read_text()).substitute(
+        fields,
+        model_name=cfg.model_name + INFER_SUFFIX if infer_front else cfg.model_name,
+        decoupled="false" if infer_front else "true",
+        instance_count=INFER_INSTANCES if infer_front else 1,
+        instance_kind="KIND_MODEL" if cfg.device == "cuda" and not infer_front else "KIND_CPU",
+        target_model=cfg.model_name if infer_front else "",
+    )
+
+
+def write_repository(cfg: ServingConfig, out_dir: Path) -> Path:
+    """Write (or overwrite) `out_dir/<model_name>/` and `out_dir/<model_name>_infer/`; return
+    the engine model's directory. Fails before writing anything if the engine directory is not one."""
+    EngineConfig.load(Path(cfg.engine_dir))
+    for source in (MODEL_SOURCE, INFER_SOURCE):
+        if not source.is_file():
+            raise FileNotFoundError(f"{source}: the Triton model code is missing from this checkout")
+    for name, source, front in (
+        (cfg.model_name, MODEL_SOURCE, False),
+        (cfg.model_name + INFER_SUFFIX, INFER_SOURCE, True),
+    ):
+        model_dir = Path(out_dir) / name
+        (model_dir / "1").mkdir(parents=True, exist_ok=True)
+        (model_dir / "config.pbtxt").write_text(render_config(cfg, front))
+        shutil.copyfile(source, model_dir / "1" / "model.py")
+    return Path(out_dir) / cfg.model_name
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m triton_repo.repository",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_serving_args(ap)
+    ap.add_argument("--out", type=Path, required=True, help="model repository directory to write")
+    ap.add_argument("--tp-master", default="", help="host:port of the tensor-parallel rendezvous (tp_size > 1)")
+    args = ap.parse_args(argv)
+    try:
+        model_dir = write_repository(serving_config(args, tp_master=args.tp_master), args.out)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {model_dir}; serve with: tritonserver --model-repository {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
