@@ -46,11 +46,13 @@ $(SPEC_ENGINE)/config.json: $(STAMP) $(BUILDER) $(MODEL)/model.safetensors $(DRA
 
 engine: $(ENGINE)/config.json $(SPEC_ENGINE)/config.json  ## build $(ENGINE) (target only) and $(SPEC_ENGINE) (+ ReDrafter)
 
-demo: engine  ## set up, build the demo engines, generate with ReDrafter and auto-regressively (never trains)
+demo: engine  ## set up, build the demo engines, generate in-process (ReDrafter vs AR), then serve with Triton and stream
 	@echo "== ReDrafter (speculative, lossless) =="
 	$(BIN)/python -m runtime.generate --engine $(SPEC_ENGINE) $(DEMO_PROMPTS) --max-tokens 64
 	@echo "== auto-regressive baseline: same tokens, one target forward per token =="
 	$(BIN)/python -m runtime.generate --engine $(SPEC_ENGINE) --method ar $(DEMO_PROMPTS) --max-tokens 64
+	@echo "== Triton Inference Server: start, stream three completions over gRPC, stop =="
+	$(BIN)/python -m triton_repo.demo --engine $(SPEC_ENGINE) --max-tokens 48
 
 serve: private ENGINE = $(SPEC_ENGINE)
 serve: engine  ## serve the ReDrafter engine (or ENGINE=...) with Triton: HTTP :8000, gRPC :8001, metrics :8002

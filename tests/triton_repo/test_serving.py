@@ -59,7 +59,7 @@ def server(engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 def solo_text(engine: Engine, prompt: str, params: SamplingParams, method: str | None = None, **overrides: Any) -> str:
     """What the in-process runtime emits for this request alone."""
-    llm = LLMEngine(engine, RuntimeConfig(max_batch_size=1))
+    llm = LLMEngine(engine, RuntimeConfig(max_batch_size=1, speculation="fixed"))  # lossless: any mode
     return engine.decode(llm.generate([engine.encode(prompt)], [params], method, **overrides)[0].output_ids)
 
 
