@@ -1,9 +1,9 @@
-"""Tensor parallelism at run time: one MPI process per rank (`mpirun -n TP ...`), each
-holding its shard of the target (`build/tp_shard.py`) and of the KV cache.
+"""Tensor parallelism at run time: one process per rank, each holding its shard of the
+target (`build/tp_shard.py`) and of the KV cache.
 
 Rank 0 owns everything that decides: the `LLMEngine` (scheduler, block manager, drafter,
 sampling, verification). The other ranks only run target forwards, in rank 0's order,
-from messages rank 0 broadcasts over MPI:
+from messages rank 0 broadcasts over a `Channel`:
 
     CacheGeometry(num_blocks, block_size)   once: the other ranks allocate the same block pool
     StepInput                               one per target forward
@@ -12,8 +12,13 @@ from messages rank 0 broadcasts over MPI:
 Every rank must run exactly the same sequence of forwards, since the forwards' all-reduces
 pair up across ranks. Everything rank 0 runs goes through `ModelRunner.execute` (the
 LLMEngine's calibration forwards included), which sends the step before running it.
-Activations are all-reduced with torch.distributed (gloo on CPU, NCCL on CUDA); MPI
-launches the processes, tells each its rank and carries the (small, pickled) messages.
+Activations are all-reduced with torch.distributed (gloo on CPU, NCCL on CUDA).
+
+Two launches share this module:
+- the CLI (`mpirun -n TP python -m runtime.generate ...`): MPI starts every rank, tells
+  each its rank and carries the (small, pickled) messages (`MPIChannel`);
+- a server (`runtime/tp_worker.py`): rank 0 lives in the server's own process, outside
+  any MPI world, so the messages go over a torch.distributed gloo group (`GroupChannel`).
 
 mpi4py is imported only when an engine has more than one rank, so a `--tp-size 1` engine
 runs without MPI installed.
@@ -28,7 +33,8 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any, NamedTuple, NoReturn
+from datetime import timedelta
+from typing import Any, NamedTuple, NoReturn, Protocol, TypeAlias
 
 import torch
 import torch.distributed as dist
@@ -75,7 +81,8 @@ def rank_device(device: str) -> str:
     return f"cuda:{local_rank() % torch.cuda.device_count()}"
 
 
-def _comm() -> Any:
+def mpi_comm() -> Any:
+    """MPI's world communicator; mpi4py is imported (and MPI initialized) only here."""
     try:
         from mpi4py import MPI
     except (ImportError, RuntimeError) as e:  # no mpi4py, or no MPI library for it to load
@@ -118,19 +125,28 @@ def join_process_group(device: str = "cpu") -> tuple[int, int]:
     (rank, world_size). MASTER_ADDR (default 127.0.0.1; across nodes set it to rank 0's host)
     and MASTER_PORT (default: a free port rank 0 picks) are sent to all ranks over MPI, so
     concurrent jobs on one host never collide."""
-    comm = _comm()
+    comm = mpi_comm()
     rank, world_size = comm.Get_rank(), comm.Get_size()
     address = None
     if rank == 0:
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
         address = f"{host}:{os.environ.get('MASTER_PORT') or _free_port(host)}"
     address = comm.bcast(address, root=0)
+    init_group(address, rank, world_size, rank_device(device))
+    return rank, world_size
+
+
+def init_group(
+    address: str, rank: int, world_size: int, device: str | torch.device, timeout: timedelta | None = None
+) -> None:
+    """Join torch.distributed's default group at `tcp://address` (host:port; rank 0 listens
+    there): gloo on CPU, NCCL on CUDA with `device` made this process's current GPU. Every
+    rank waits for all the others up to `timeout` (torch's default when None)."""
     backend = "gloo"
     if torch.device(device).type == "cuda":
         backend = "nccl"
-        torch.cuda.set_device(rank_device(device))
-    dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=world_size)
-    return rank, world_size
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=world_size, timeout=timeout)
 
 
 def exit_process(code: int) -> NoReturn:
@@ -162,38 +178,92 @@ def step_to(step: StepInput, device: torch.device | str) -> StepInput:
     )
 
 
-class StepBroadcaster:
-    """Rank 0's `StepBroadcast`: each step goes to the other ranks on CPU (each moves it to
-    its own device); None tells them to stop."""
+Message: TypeAlias = CacheGeometry | StepInput | None
+"""What rank 0 tells the other ranks (see the module docstring)."""
+
+
+class Channel(Protocol):
+    """Carries rank 0's messages to every other rank, in order: rank 0 sends, the others receive."""
+
+    def send(self, message: Message) -> None: ...
+
+    def receive(self) -> Message: ...
+
+
+class MPIChannel:
+    """Over MPI, when every rank is in one MPI world (`mpirun -n TP`)."""
 
     def __init__(self, comm: Any) -> None:
         self.comm = comm
 
+    def send(self, message: Message) -> None:
+        self.comm.bcast(message, root=0)
+
+    def receive(self) -> Message:
+        message: Message = self.comm.bcast(None, root=0)
+        return message
+
+
+class GroupChannel:
+    """Over a torch.distributed gloo group, when rank 0 is not in the other ranks' MPI world.
+    gloo whatever the forwards' backend: objects travel pickled on CPU."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def send(self, message: Message) -> None:
+        dist.broadcast_object_list([message], src=0, group=self.group)
+
+    def receive(self) -> Message:
+        box: list[Message] = [None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+
+class StepBroadcaster:
+    """Rank 0's `StepBroadcast`: each step goes to the other ranks on CPU (each moves it to
+    its own device); None tells them to stop."""
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+
     def send_step(self, step: StepInput | None) -> None:
-        self.comm.bcast(None if step is None else step_to(step, "cpu"), root=0)
+        self.channel.send(None if step is None else step_to(step, "cpu"))
+
+
+def announce_cache(engine: Engine, config: RuntimeConfig, broadcaster: StepBroadcaster) -> RuntimeConfig:
+    """Rank 0: size the KV cache and send its geometry to the other ranks; returns `config`
+    pinned to that size, so the `LLMEngine` built from it allocates exactly the announced
+    pool. If sizing fails the other ranks are told to stop, so none is left waiting."""
+    try:
+        max_batch_size = config.max_batch_size or engine.config.build.max_batch_size
+        num_blocks = kv_cache_blocks(engine, config.kv, config.block_size, max_batch_size, config.max_draft_tokens)
+        broadcaster.channel.send(CacheGeometry(num_blocks, config.block_size))
+    except BaseException:
+        broadcaster.send_step(None)
+        raise
+    return replace(config, kv=KVBudget(max_tokens=num_blocks * config.block_size))
 
 
 @contextmanager
 def start_workers(engine: Engine, config: RuntimeConfig) -> Iterator[tuple[RuntimeConfig, StepBroadcaster]]:
-    """Rank 0: size the KV cache and send its geometry to the other ranks; yields `config`
-    pinned to that size (so the `LLMEngine` built from it allocates exactly the announced
-    pool) and the broadcaster to build it with. On exit, error or not, the other ranks are
+    """Rank 0 of an `mpirun` launch: `announce_cache`, then yield the pinned config and the
+    broadcaster to build the `LLMEngine` with. On exit, error or not, the other ranks are
     told to stop (what `ModelRunner.shutdown` sends), so none is left waiting."""
-    broadcaster = StepBroadcaster(_comm())
+    broadcaster = StepBroadcaster(MPIChannel(mpi_comm()))
+    pinned = announce_cache(engine, config, broadcaster)
     try:
-        max_batch_size = config.max_batch_size or engine.config.build.max_batch_size
-        num_blocks = kv_cache_blocks(engine, config.kv, config.block_size, max_batch_size, config.max_draft_tokens)
-        broadcaster.comm.bcast(CacheGeometry(num_blocks, config.block_size), root=0)
-        yield replace(config, kv=KVBudget(max_tokens=num_blocks * config.block_size)), broadcaster
+        yield pinned, broadcaster
     finally:
         broadcaster.send_step(None)
 
 
-def serve_steps(runner: ModelRunner, comm: Any) -> int:
+def serve_steps(runner: ModelRunner, channel: Channel) -> int:
     """Ranks > 0: run rank 0's steps until it sends None; returns how many ran. The LM head
     is skipped (no logits indices): only rank 0 reads logits."""
     device, count = runner.cache.k[0].device, 0
-    while (step := comm.bcast(None, root=0)) is not None:
+    while (step := channel.receive()) is not None:
+        assert isinstance(step, StepInput), step
         step = step_to(step, device)
         step.logits_indices = step.logits_indices[:0]
         runner.run(step)
@@ -201,11 +271,13 @@ def serve_steps(runner: ModelRunner, comm: Any) -> int:
     return count
 
 
-def serve_worker(engine: Engine) -> int:
+def serve_worker(engine: Engine, channel: Channel | None = None) -> int:
     """Ranks > 0: allocate the KV cache rank 0 announces, then serve its steps; returns how
-    many ran (none if rank 0 stopped before sizing the cache)."""
-    comm = _comm()
-    geometry = comm.bcast(None, root=0)
+    many ran (none if rank 0 stopped before sizing the cache). `channel` defaults to the
+    MPI world's."""
+    channel = channel or MPIChannel(mpi_comm())
+    geometry = channel.receive()
     if geometry is None:
         return 0
-    return serve_steps(ModelRunner(engine.model, engine.model.new_kv_cache(*geometry)), comm)
+    assert isinstance(geometry, CacheGeometry), geometry
+    return serve_steps(ModelRunner(engine.model, engine.model.new_kv_cache(*geometry)), channel)
