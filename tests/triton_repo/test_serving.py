@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import queue
 import re
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -28,14 +27,13 @@ from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig
 from runtime.llm_engine import LLMEngine, RuntimeConfig
 from runtime.sampling import SamplingParams
+from tests.triton_repo.streams import MODEL, PROMPTS, stream_grpc
 from triton_repo.client import make_inputs
 from triton_repo.repository import ServingConfig
 from triton_repo.server import TritonServer
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
-MODEL = "specpipe"
 INFER_MODEL = "specpipe_infer"
-PROMPTS = ["def fibonacci(n):", "class Stack:\n    def __init__(self):", "import os\n\n\ndef list_files(path):"]
 MAX_TOKENS = 24
 
 
@@ -61,43 +59,6 @@ def solo_text(engine: Engine, prompt: str, params: SamplingParams, method: str |
     """What the in-process runtime emits for this request alone."""
     llm = LLMEngine(engine, RuntimeConfig(max_batch_size=1, speculation="fixed"))  # lossless: any mode
     return engine.decode(llm.generate([engine.encode(prompt)], [params], method, **overrides)[0].output_ids)
-
-
-def stream_grpc(url: str, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Send each request on its own gRPC stream (concurrently); per request the streamed
-    text, the final response's outputs and the number of FINAL flags seen."""
-    results: list[dict[str, Any]] = [{} for _ in requests]
-
-    def one(i: int) -> None:
-        client = grpcclient.InferenceServerClient(url)
-        events: queue.Queue[Any] = queue.Queue()
-        client.start_stream(callback=lambda result, error: events.put((result, error)))
-        client.async_stream_infer(MODEL, make_inputs(**requests[i], stream=True), enable_empty_final_response=True)
-        text, finals, final = [], 0, {}
-        while True:
-            result, error = events.get(timeout=120)
-            if error is not None:
-                results[i] = {"error": error}
-                break
-            response = result.get_response()
-            out = result.as_numpy("text_output")
-            if out is not None:
-                text.append(b"".join(out).decode())
-            if response.parameters["triton_final_response"].bool_param:
-                finals += 1
-                final = {n: result.as_numpy(n) for n in ("finish_reason", "num_output_tokens", "num_draft_tokens")}
-                break
-        client.stop_stream()
-        client.close()
-        if "error" not in results[i]:
-            results[i] = {"text": "".join(text), "finals": finals, **final}
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    return results
 
 
 def http_post(url: str, path: str, body: dict[str, Any]) -> tuple[int, str]:
@@ -261,3 +222,12 @@ def test_metrics_show_the_traffic(server: TritonServer) -> None:
     assert 0 < m["specpipe_accepted_tokens_total"] <= m["specpipe_draft_tokens_total"]
     assert m["specpipe_queue_depth"] == 0 and m["specpipe_running_requests"] == 0
     assert m['specpipe_kv_blocks{state="used"}'] == 0 and m['specpipe_kv_blocks{state="free"}'] > 0
+
+
+def test_stop_words_cut_the_text_and_end_the_request(server: TritonServer, engine: Engine) -> None:
+    full = solo_text(engine, PROMPTS[0], SamplingParams(max_tokens=MAX_TOKENS))
+    word = "list"
+    assert word in full, "the stop word must occur in the greedy text for this test to mean anything"
+    [streamed] = stream_grpc(server.grpc_url, [{"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "stop_words": [word]}])
+    assert streamed["text"] == full[: full.index(word)]
+    assert streamed["finish_reason"][0] == b"stop" and streamed["finals"] == 1
