@@ -1,9 +1,11 @@
-"""Command-line flags for `RuntimeConfig`, shared by every entry point that runs an engine
-(generation CLI, benchmarks, servers), named like TensorRT-LLM's executor options."""
+"""`RuntimeConfig` as command-line flags (generation CLI, benchmarks, servers; named like
+TensorRT-LLM's executor options) and as the string parameters of a Triton model config
+("" = the runtime's default)."""
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from runtime.kv_budget import KVBudget
 from runtime.llm_engine import SPECULATION_MODES, RuntimeConfig
@@ -51,4 +53,36 @@ def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
         kv=KVBudget(args.max_tokens_in_kv_cache, args.kv_cache_free_mem_fraction),
         max_queue_size=args.max_queue_size,
         speculation=args.speculation,
+    )
+
+
+def runtime_parameters(config: RuntimeConfig) -> dict[str, str]:
+    """The settings as strings, for config.pbtxt `parameters`; None becomes ""."""
+    values = {
+        "max_batch_size": config.max_batch_size,
+        "max_num_tokens": config.max_num_tokens,
+        "max_tokens_in_kv_cache": config.kv.max_tokens,
+        "kv_cache_free_mem_fraction": config.kv.free_mem_fraction,
+        "block_size": config.block_size,
+        "max_queue_size": config.max_queue_size,
+        "speculation": config.speculation,
+    }
+    return {k: "" if v is None else str(v) for k, v in values.items()}
+
+
+def runtime_from_parameters(params: dict[str, str]) -> RuntimeConfig:
+    """The inverse of `runtime_parameters` (missing or "" = the default)."""
+    defaults = RuntimeConfig()
+
+    def get(name: str, kind: type, default: object) -> Any:
+        value = params.get(name, "")
+        return kind(value) if value != "" else default
+
+    return RuntimeConfig(
+        max_batch_size=get("max_batch_size", int, None),
+        max_num_tokens=get("max_num_tokens", int, defaults.max_num_tokens),
+        block_size=get("block_size", int, defaults.block_size),
+        kv=KVBudget(get("max_tokens_in_kv_cache", int, None), get("kv_cache_free_mem_fraction", float, None)),
+        max_queue_size=get("max_queue_size", int, defaults.max_queue_size),
+        speculation=get("speculation", str, defaults.speculation),
     )

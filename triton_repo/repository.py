@@ -4,8 +4,10 @@
 
 gives
 
-    <out>/<model_name>/config.pbtxt   from triton_repo/config.pbtxt.template
-    <out>/<model_name>/1/model.py     a copy of triton_repo/specpipe/1/model.py
+    <out>/<model_name>/config.pbtxt         from triton_repo/config.pbtxt.template
+    <out>/<model_name>/1/model.py           a copy of triton_repo/specpipe/1/model.py
+    <out>/<model_name>_infer/config.pbtxt   same template: the non-streaming front
+    <out>/<model_name>_infer/1/model.py     a copy of triton_repo/specpipe_infer/1/model.py
 
 The engine and runtime settings travel as config.pbtxt `parameters` (string values, "" for
 "the runtime's default"), the way TensorRT-LLM's backend is configured, so one model.py
@@ -19,14 +21,13 @@ import argparse
 import re
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from string import Template
 
 from runtime.engine_dir import EngineConfig
-from runtime.kv_budget import KVBudget
 from runtime.llm_engine import RuntimeConfig
-from runtime.runtime_args import add_runtime_args
+from runtime.runtime_args import add_runtime_args, runtime_config, runtime_parameters
 
 HERE = Path(__file__).resolve().parent
 PROJECT_ROOT = HERE.parent
@@ -37,26 +38,15 @@ INFER_SOURCE = HERE / "specpipe_infer" / "1" / "model.py"
 DEVICES = ("cpu", "cuda")
 
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
-"""The specpipe checkout the served model imports its code from."""
-
-
 @dataclass(frozen=True)
 class ServingConfig:
-    """What one served model runs: the engine, where, and the runtime's limits (the flat
-    fields of `RuntimeConfig`, named like the `--runtime` flags and the config parameters)."""
+    """What one served model runs: the engine, where, and the runtime's settings."""
 
     engine_dir: Path
     model_name: str = "specpipe"
     device: str = "cpu"
     """cpu or cuda; cuda instances are placed by Triton (KIND_MODEL), CPU ones are KIND_CPU."""
-    max_batch_size: int | None = None
-    max_num_tokens: int = RuntimeConfig.max_num_tokens
-    max_tokens_in_kv_cache: int | None = None
-    kv_cache_free_mem_fraction: float | None = None
-    block_size: int = RuntimeConfig.block_size
-    max_queue_size: int = RuntimeConfig.max_queue_size
-    speculation: str = RuntimeConfig.speculation
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     tp_master: str = ""
     """host:port where tensor-parallel ranks 1..N-1 rendezvous with rank 0 (model.py); "" for tp_size 1."""
 
@@ -65,51 +55,21 @@ class ServingConfig:
             raise ValueError(f"device {self.device!r} is not one of {DEVICES}")
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.model_name):
             raise ValueError(f"model name {self.model_name!r}: use letters, digits, '_', '.' or '-' (a directory name)")
-        self.runtime_config()  # the runtime's own checks, before a server spends time loading
-
-    def runtime_config(self) -> RuntimeConfig:
-        return RuntimeConfig(
-            max_batch_size=self.max_batch_size,
-            max_num_tokens=self.max_num_tokens,
-            block_size=self.block_size,
-            kv=KVBudget(self.max_tokens_in_kv_cache, self.kv_cache_free_mem_fraction),
-            max_queue_size=self.max_queue_size,
-            speculation=self.speculation,
-        )
 
     def parameters(self) -> dict[str, str]:
-        """The config.pbtxt parameters model.py reads; None becomes ""."""
-        values = {
-            "project_root": str(PROJECT_ROOT),  # model.py puts it on sys.path (the stub ignores PYTHONPATH)
+        """The config.pbtxt parameters the models read."""
+        return {
+            "project_root": str(PROJECT_ROOT),
             "engine_dir": str(Path(self.engine_dir).resolve()),
             "device": self.device,
-            "max_batch_size": self.max_batch_size,
-            "max_num_tokens": self.max_num_tokens,
-            "max_tokens_in_kv_cache": self.max_tokens_in_kv_cache,
-            "kv_cache_free_mem_fraction": self.kv_cache_free_mem_fraction,
-            "block_size": self.block_size,
-            "max_queue_size": self.max_queue_size,
-            "speculation": self.speculation,
+            **runtime_parameters(self.runtime),
             "tp_master": self.tp_master,
         }
-        return {k: "" if v is None else str(v) for k, v in values.items()}
 
 
 def serving_config(args: argparse.Namespace, tp_master: str = "") -> ServingConfig:
     """A ServingConfig from `--engine`, `--model-name`, `--device` and the runtime flags."""
-    return ServingConfig(
-        engine_dir=args.engine,
-        model_name=args.model_name,
-        device=args.device,
-        max_batch_size=args.max_batch_size,
-        max_num_tokens=args.max_num_tokens,
-        max_tokens_in_kv_cache=args.max_tokens_in_kv_cache,
-        kv_cache_free_mem_fraction=args.kv_cache_free_mem_fraction,
-        block_size=args.block_size,
-        max_queue_size=args.max_queue_size,
-        speculation=args.speculation,
-        tp_master=tp_master,
-    )
+    return ServingConfig(args.engine, args.model_name, args.device, runtime_config(args), tp_master)
 
 
 def add_serving_args(ap: argparse.ArgumentParser) -> None:

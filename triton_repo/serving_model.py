@@ -30,9 +30,9 @@ import numpy as np
 
 from runtime.detokenize import IncrementalDetokenizer
 from runtime.engine import Engine
-from runtime.kv_budget import KVBudget
-from runtime.llm_engine import LLMEngine, RuntimeConfig
+from runtime.llm_engine import LLMEngine
 from runtime.request import Request, RequestEvent
+from runtime.runtime_args import runtime_from_parameters
 from runtime.scheduler import QueueFullError
 from triton_repo.inputs import GenerateRequest, InvalidInput, parse_request
 from triton_repo.metrics import ServingMetrics
@@ -41,24 +41,6 @@ log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.02
 """How often the response thread looks for cancelled requests and refreshes gauges."""
-
-
-def runtime_config(params: dict[str, str]) -> RuntimeConfig:
-    """RuntimeConfig from the model's string parameters ("" = the default)."""
-    defaults = RuntimeConfig()
-
-    def num(name: str, kind: type, default: Any) -> Any:
-        value = params.get(name, "")
-        return kind(value) if value != "" else default
-
-    return RuntimeConfig(
-        max_batch_size=num("max_batch_size", int, None),
-        max_num_tokens=num("max_num_tokens", int, defaults.max_num_tokens),
-        block_size=num("block_size", int, defaults.block_size),
-        kv=KVBudget(num("max_tokens_in_kv_cache", int, None), num("kv_cache_free_mem_fraction", float, None)),
-        max_queue_size=num("max_queue_size", int, defaults.max_queue_size),
-        speculation=params.get("speculation") or defaults.speculation,
-    )
 
 
 @dataclass(eq=False)
@@ -89,7 +71,7 @@ class SpecpipeModel:
         device = params.get("device") or "cpu"
         broadcast = None
         self.engine = Engine.load(engine_dir, device=device)
-        settings = runtime_config(params)
+        settings = runtime_from_parameters(params)
         if self.engine.config.build.tp_size > 1:
             from runtime.tp_worker import start_leader
 

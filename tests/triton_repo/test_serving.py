@@ -212,7 +212,9 @@ def test_cancelled_stream_frees_its_blocks(server: TritonServer) -> None:
 
 def test_metrics_show_the_traffic(server: TritonServer) -> None:
     stream_grpc(server.grpc_url, [{"prompt": p, "max_tokens": 12, "method": "redrafter"} for p in PROMPTS])
-    m = metrics(server)
+    deadline = time.monotonic() + 10  # gauges refresh on the server's response thread
+    while (m := metrics(server))["specpipe_running_requests"] and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert m['specpipe_requests_total{outcome="length"}'] >= 3
     assert m["specpipe_prompt_tokens_total"] > 0 and m["specpipe_output_tokens_total"] >= 36
     assert m["specpipe_time_to_first_token_seconds_count"] >= 3
