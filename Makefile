@@ -13,10 +13,10 @@ DEMO_PROMPTS := --prompt "def fibonacci(n):" \
 	--prompt "$$(printf 'class Stack:\n    def __init__(self):')" \
 	--prompt "$$(printf 'import os\n\n\ndef list_python_files(path):')"
 
-.PHONY: help setup mpi engine demo serve test test-slow lint format model drafter bench-redrafter bench-batch bench-drafter-tp clean
+.PHONY: help setup mpi engine demo serve test test-slow lint format model drafter bench-redrafter bench-batch bench-drafter-tp loadtest bench-table2 clean
 
 help:  ## list targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 18
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 18
 
 setup: $(STAMP) mpi  ## create .venv and install pinned requirements (once), and OpenMPI
 
@@ -85,6 +85,14 @@ bench-redrafter: engine  ## W x L x T sweep: tau, acceptance, compression, speed
 
 bench-batch: engine  ## throughput + tau vs batch size: AR, fixed and load-aware ReDrafter -> benchmarks/results/
 	$(BIN)/python -m benchmarks.batch_sweep --engine $(SPEC_ENGINE)
+
+URL ?= localhost:8001
+RATE ?= 2
+loadtest: setup  ## fixed-QPS load test of a running server (URL=host:port RATE=req/s) -> benchmarks/results/loadtest.*
+	$(BIN)/python -m benchmarks.loadtest --url $(URL) --rate $(RATE)
+
+bench-table2: engine  ## serve $(SPEC_ENGINE) with Triton; ms/token + speedup vs AR at light/medium/saturated QPS
+	$(BIN)/python -m benchmarks.table2 --engine $(SPEC_ENGINE)
 
 bench-drafter-tp: engine  ## TP=2 ReDrafter beam search, drafter replicated vs sharded -> benchmarks/results/
 	OMP_NUM_THREADS=1 mpirun --allow-run-as-root --bind-to none -n 2 $(BIN)/python -m benchmarks.drafter_tp --engine $(SPEC_ENGINE)

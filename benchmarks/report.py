@@ -28,9 +28,13 @@ def machine() -> dict[str, object]:
     }
 
 
-def write_report(out: Path, meta: dict[str, Any], rows: list[dict[str, Any]], markdown: str) -> None:
-    """`<out>.json` (meta + rows) and `<out>.md`; prints the markdown."""
+def write_report(
+    out: Path, meta: dict[str, Any], rows: list[dict[str, Any]], markdown: str, summary: dict[str, Any] | None = None
+) -> None:
+    """`<out>.json` (`summary` keys at the top level, as vLLM's benchmark JSON has them, then
+    meta + rows) and `<out>.md`; prints the markdown."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    doc = {**(summary or {}), "meta": meta, "rows": rows}
+    out.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
     out.with_suffix(".md").write_text(markdown)
     print(markdown)

@@ -55,6 +55,9 @@ class Stream:
     request: Request | None = None
     text: list[str] = field(default_factory=list)
     first_token_at: float | None = None
+    tokens_seen: int = 0
+    """Tokens the engine has emitted for this request so far (streamed responses carry it, so
+    clients can count tokens, not chunks, when a speculative step streams several)."""
     stopped_by_word: bool = False
     done: bool = False
 
@@ -194,6 +197,7 @@ class SpecpipeModel:
         if stream.done:
             return  # a stop word already ended it; this is the engine's "cancelled" echo
         now = time.perf_counter()
+        stream.tokens_seen += len(event.tokens)
         if event.tokens and stream.first_token_at is None:
             stream.first_token_at = now
             self.metrics.ttft.observe(now - stream.arrival)
@@ -256,4 +260,6 @@ class SpecpipeModel:
             }
             tensors += [self.pb.Tensor(k, np.array([v], dtype=np.int32)) for k, v in stats.items()]
             tensors.append(self.pb.Tensor("finish_reason", np.array([reason.encode()], dtype=np.object_)))
+        else:
+            tensors.append(self.pb.Tensor("num_output_tokens", np.array([stream.tokens_seen], dtype=np.int32)))
         return self.pb.InferenceResponse(output_tensors=tensors)

@@ -1,0 +1,138 @@
+"""ReDrafter-paper Table 2 on this machine: ms/token and speedup over auto-regressive
+decoding at light, medium and saturating request rates, through a real Triton server.
+
+    python -m benchmarks.table2 --engine engines/demo-redrafter   (make bench-table2)
+
+1. Serve the engine with Triton (`triton_repo.server`), default runtime settings.
+2. Measure capacity: auto-regressive requests sent all at once, `--capacity-concurrency`
+   in flight, gives this machine's saturated request rate C.
+3. For each rate in `--fractions` x C (the paper's QPS 0.1 / 0.5 / 1.0 relative to what the
+   machine sustains) and each method, run the same Poisson load (same seed, same prompts,
+   methods alternating) and record ms/token = mean over requests of E2E latency / output
+   tokens, plus TTFT/TPOT percentiles and tokens per step.
+Writes `<out>.json`, `<out>.md` and `<out>.png` (ms/token vs QPS per method).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from benchmarks.arrivals import ArrivalProcess
+from benchmarks.loadtest import RequestSettings, run_load, summarize
+from benchmarks.prompts import load_prompts
+from benchmarks.report import machine, write_report
+from runtime.llm_engine import METHODS, RuntimeConfig
+from triton_repo.repository import ServingConfig
+from triton_repo.server import TritonServer
+
+
+def measure(url: str, prompts: list[Any], rate: float, method: str, args: argparse.Namespace, **kw: Any) -> dict:
+    settings = RequestSettings(max_tokens=args.max_tokens, method=method)
+    records, duration = run_load(url, prompts, ArrivalProcess(rate, "poisson", seed=args.seed), settings, **kw)
+    return summarize(records, duration, {})
+
+
+def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    methods = meta["methods"]
+    spec = [m for m in methods if m != "ar"]
+    lines = [
+        "# Table 2 on this machine: ms/token under load, speculative vs auto-regressive",
+        "",
+        f"Engine `{meta['engine']}` served by Triton (runtime speculation: {meta['speculation']}), "
+        f"{meta['num_requests']} Poisson requests per cell, {meta['max_tokens']} output tokens each, greedy, "
+        f"bundled prompts; {meta['machine']['cpu']} ({meta['machine']['torch_threads']} threads). Capacity C = "
+        f"{meta['capacity_req_s']:.2f} req/s (auto-regressive, all sent at once, "
+        f"{meta['capacity_concurrency']} in flight). ms/token = mean over requests of E2E latency / output tokens.",
+        "",
+        "| QPS (x C) | "
+        + " | ".join(f"{m} ms/token" for m in methods)
+        + " | "
+        + " | ".join(f"{m} speedup | {m} tokens/step" for m in spec)
+        + " |",
+        "|---|" + "---|" * (len(methods) + 2 * len(spec)),
+    ]
+    for row in rows:
+        cells = [f"{row['qps']:.2f} ({row['fraction']:g})"]
+        cells += [f"{row[m]['ms_per_token']:.1f}" for m in methods]
+        for m in spec:
+            cells += [
+                f"{row['ar']['ms_per_token'] / row[m]['ms_per_token']:.2f}x",
+                f"{row[m]['mean_tokens_per_step']:.2f}",
+            ]
+        lines.append("| " + " | ".join(cells) + " |")
+    failed = sum(row[m]["failed"] for row in rows for m in methods)
+    lines += ["", f"Failed requests: {failed}."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], methods: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m in methods:
+        ax.plot([r["qps"] for r in rows], [r[m]["ms_per_token"] for r in rows], marker="o", label=m)
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("ms / token")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.table2", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--engine", type=Path, default=Path("engines/demo-redrafter"), help="engine with a drafter")
+    ap.add_argument("--methods", default="ar,redrafter", help="comma-separated, ar first (default: %(default)s)")
+    ap.add_argument("--fractions", default="0.1,0.5,1.0", help="rates as fractions of capacity (default: %(default)s)")
+    ap.add_argument("--num-requests", type=int, default=16, help="requests per cell (default: %(default)s)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default: %(default)s)")
+    ap.add_argument("--capacity-concurrency", type=int, default=8, help="in flight while measuring capacity")
+    ap.add_argument("--speculation", choices=("load-aware", "fixed"), default="load-aware", help="server runtime mode")
+    ap.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/table2"), help="output path stem")
+    args = ap.parse_args(argv)
+    methods = args.methods.split(",")
+    if methods[0] != "ar" or any(m not in METHODS for m in methods):
+        raise SystemExit(f"error: --methods must start with ar and use {METHODS}")
+    fractions = [float(f) for f in args.fractions.split(",")]
+    prompts = load_prompts("bundled", args.num_requests, args.seed)
+    serving = ServingConfig(args.engine, runtime=RuntimeConfig(speculation=args.speculation))
+    with tempfile.TemporaryDirectory(prefix="specpipe-table2-") as tmp, TritonServer(serving, Path(tmp)) as server:
+        url = server.grpc_url
+        measure(url, prompts[:2], float("inf"), "ar", args, progress=False)  # warm-up
+        capacity = measure(
+            url, prompts, float("inf"), "ar", args, max_concurrency=args.capacity_concurrency, progress=False
+        )["request_throughput"]
+        rows = []
+        for fraction in fractions:
+            row: dict[str, Any] = {"fraction": fraction, "qps": fraction * capacity}
+            for m in methods:
+                row[m] = measure(url, prompts, fraction * capacity, m, args)
+            rows.append(row)
+    meta = {
+        "engine": str(args.engine),
+        "methods": methods,
+        "speculation": args.speculation,
+        "num_requests": args.num_requests,
+        "max_tokens": args.max_tokens,
+        "capacity_req_s": capacity,
+        "capacity_concurrency": args.capacity_concurrency,
+        "seed": args.seed,
+        "machine": machine(),
+    }
+    write_report(args.out, meta, rows, markdown(rows, meta))
+    plot(rows, methods, args.out.with_suffix(".png"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,81 @@
+"""The load tester against a real Triton server: every request is accounted for, tokens
+are counted per token (a speculative step streams several in one response), the JSON
+has vLLM's keys, and a server-side error is a recorded failure, not a crash."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from benchmarks.arrivals import ArrivalProcess
+from benchmarks.loadtest import RequestSettings, main, run_load, summarize
+from benchmarks.prompts import Prompt, load_prompts
+from build.engine import build_engine
+from runtime.engine_dir import BuildConfig
+from triton_repo.repository import ServingConfig
+from triton_repo.server import TritonServer
+
+MODELS = Path(__file__).resolve().parents[2] / "models"
+MAX_TOKENS = 24
+VLLM_KEYS = [
+    "duration",
+    "completed",
+    "total_input_tokens",
+    "total_output_tokens",
+    "request_throughput",
+    "request_goodput",
+    "output_throughput",
+    "total_token_throughput",
+    *(f"{stat}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for stat in ("mean", "median", "std", "p99")),
+]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
+    out = tmp_path_factory.mktemp("engines") / "demo-redrafter"
+    build = BuildConfig(max_batch_size=8, max_input_len=256, max_seq_len=512)
+    engine = build_engine(MODELS / "demo-target", out, build, drafter=MODELS / "demo-redrafter")
+    with TritonServer(ServingConfig(engine), tmp_path_factory.mktemp("triton")) as running:
+        yield running
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_every_request_is_accounted_for_and_tokens_are_counted(server: TritonServer, protocol: str) -> None:
+    prompts = load_prompts("bundled", 6, seed=0)
+    url = server.grpc_url if protocol == "grpc" else server.http_url
+    settings = RequestSettings(max_tokens=MAX_TOKENS, method="redrafter")
+    records, duration = run_load(url, prompts, ArrivalProcess(20.0, seed=1), settings, protocol, progress=False)
+    summary = summarize(records, duration, {"ttft": 60_000})
+    assert summary["completed"] + summary["failed"] == len(prompts) and summary["failed"] == 0
+    for r in records:
+        assert r.output_tokens == sum(t for _, t in r.chunks) == MAX_TOKENS  # ignore_eos: fixed length
+        assert len(r.itl()) == MAX_TOKENS - 1
+    assert any(t > 1 for r in records for _, t in r.chunks), "speculative steps stream several tokens at once"
+    assert summary["mean_tokens_per_step"] > 1 and summary["total_output_tokens"] == 6 * MAX_TOKENS
+    assert summary["request_goodput"] == pytest.approx(summary["request_throughput"])
+
+
+def test_server_errors_are_failures_with_their_message(server: TritonServer) -> None:
+    prompts = [Prompt("def f():", "ok-1"), Prompt("x " * 2000, "too-long"), Prompt("import os", "ok-2")]
+    records, duration = run_load(
+        server.grpc_url, prompts, ArrivalProcess(float("inf")), RequestSettings(max_tokens=8), progress=False
+    )
+    summary = summarize(records, duration, {})
+    assert (summary["completed"], summary["failed"]) == (2, 1)
+    assert records[1].error is not None and "max_input_len 256" in records[1].error
+    assert summary["errors"] == [records[1].error]
+
+
+def test_cli_writes_json_markdown_and_plot(server: TritonServer, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    argv = ["--url", server.grpc_url, "--rate", "10", "--num-requests", "4", "--warmup", "1"]
+    argv += ["--max-tokens", "12", "--goodput", "ttft:60000", "tpot:60000", "--out", str(out)]
+    assert main(argv) == 0
+    doc = json.loads(out.with_suffix(".json").read_text())
+    assert all(k in doc for k in VLLM_KEYS), [k for k in VLLM_KEYS if k not in doc]
+    assert doc["completed"] == 4 and len(doc["rows"]) == 4 and doc["request_goodput"] > 0
+    assert "| TTFT ms |" in out.with_suffix(".md").read_text()
+    assert (tmp_path / "run_cdf.png").stat().st_size > 1000
