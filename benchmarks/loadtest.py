@@ -1,7 +1,7 @@
 """Fixed-QPS load test of a Triton server speaking the TensorRT-LLM ensemble's tensor names.
 
     python -m benchmarks.loadtest --url localhost:8001 --rate 2 --num-requests 100 \\
-        [--arrivals poisson|constant|gamma --burstiness B --seed S] [--max-concurrency C] \\
+        [--arrivals poisson|constant|gamma --burstiness B --seed S] [--max-concurrency C] [--duration S] \\
         [--prompts bundled|question.jsonl|sharegpt.json] [--method redrafter] [--protocol grpc|http] \\
         [--goodput ttft:500 tpot:50] --out benchmarks/results/loadtest
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import queue
 import statistics
 import threading
@@ -140,6 +141,10 @@ def grpc_request(url: str, prompt: Prompt, settings: RequestSettings, record: Re
                 return
     except Exception as e:  # the load tester records failures; it never dies of one
         record.error = f"{type(e).__name__}: {e}"
+        while not responses.empty():  # the stream's callback holds the real cause
+            _, error = responses.get_nowait()
+            if error is not None:
+                record.error = error.message() if hasattr(error, "message") else str(error)
     finally:
         client.stop_stream()
         client.close()
@@ -312,7 +317,7 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
         f"- completed {summary['completed']}, failed {summary['failed']} in {summary['duration']:.1f} s",
         f"- request throughput {summary['request_throughput']:.2f} req/s, "
         f"output {summary['output_throughput']:.1f} tok/s",
-        f"- ms/token {summary['ms_per_token']:.1f}, tokens/step {summary['mean_tokens_per_step'] or 0:.2f}",
+        f"- ms/token {summary['ms_per_token'] or 0:.1f}, tokens/step {summary['mean_tokens_per_step'] or 0:.2f}",
         "",
         "| metric | mean | median | p90 | p99 |",
         "|---|---|---|---|---|",
@@ -366,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson (default: %(default)s)")
     ap.add_argument("--num-requests", type=int, default=100, help="(default: %(default)s)")
+    ap.add_argument("--duration", type=float, help="seconds of load instead: num-requests = rate x duration")
     ap.add_argument("--warmup", type=int, default=2, help="requests sent first and not measured (default: %(default)s)")
     ap.add_argument("--max-concurrency", type=int, help="most requests in flight (default: no cap)")
     ap.add_argument("--prompts", default="bundled", help="bundled | MT-Bench question.jsonl | ShareGPT .json")
@@ -377,6 +383,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--goodput", nargs="*", default=[], help="SLOs in ms, e.g. ttft:500 tpot:50 e2el:5000")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/loadtest"), help="output path stem")
     args = ap.parse_args(argv)
+    if args.duration is not None:
+        if args.duration <= 0 or args.rate == float("inf"):
+            print("error: --duration needs a finite --rate and a positive number of seconds", flush=True)
+            return 2
+        args.num_requests = max(1, math.ceil(args.rate * args.duration))
     try:
         slos = parse_slos(args.goodput)
         arrivals = ArrivalProcess(args.rate, args.arrivals, args.burstiness, args.seed)
