@@ -28,13 +28,14 @@ import time
 import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import tritonclient.grpc as grpcclient
 from tqdm import tqdm
+from tritonclient.utils import InferenceServerException
 
 from benchmarks.arrivals import ArrivalProcess
 from benchmarks.prompts import Prompt, load_prompts
@@ -55,6 +56,23 @@ class RequestSettings:
     ignore_eos: bool = True
     """Fixed-length outputs, so methods and rates are compared on equal work."""
     model: str = "specpipe"
+    server_inputs: frozenset[str] = frozenset()
+    """Inputs the served model declares (read from its config before the run); requests send
+    only those, so a TensorRT-LLM ensemble gets no specpipe-only tensors."""
+
+    def request_fields(self) -> dict[str, Any]:
+        """make_inputs() keyword arguments this server accepts. A fixed length is asked for
+        with specpipe's `ignore_eos`, or else the ensemble's `min_length`."""
+        fields: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": self.temperature}
+        if self.method is not None:
+            if "method" not in self.server_inputs:
+                raise ValueError(f"model {self.model!r} has no 'method' input; drop --method for this server")
+            fields["method"] = self.method
+        if self.ignore_eos and "ignore_eos" in self.server_inputs:
+            fields["ignore_eos"] = True
+        elif self.ignore_eos and "min_length" in self.server_inputs:
+            fields["min_length"] = self.max_tokens
+        return fields
 
 
 @dataclass
@@ -114,14 +132,7 @@ def grpc_request(url: str, prompt: Prompt, settings: RequestSettings, record: Re
     start = time.perf_counter()
     try:
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
-        inputs = make_inputs(
-            prompt.text,
-            max_tokens=settings.max_tokens,
-            temperature=settings.temperature,
-            stream=True,
-            ignore_eos=settings.ignore_eos,
-            method=settings.method,
-        )
+        inputs = make_inputs(prompt.text, stream=True, **settings.request_fields())
         client.async_stream_infer(settings.model, inputs, enable_empty_final_response=True)
         while True:
             result, error = responses.get(timeout=600)
@@ -152,15 +163,7 @@ def grpc_request(url: str, prompt: Prompt, settings: RequestSettings, record: Re
 
 def http_request(url: str, prompt: Prompt, settings: RequestSettings, record: RequestRecord) -> None:
     """One streamed request over HTTP `generate_stream` (server-sent events)."""
-    body: dict[str, Any] = {
-        "text_input": prompt.text,
-        "max_tokens": settings.max_tokens,
-        "temperature": settings.temperature,
-        "stream": True,
-        "ignore_eos": settings.ignore_eos,
-    }
-    if settings.method is not None:
-        body["method"] = settings.method
+    body: dict[str, Any] = {"text_input": prompt.text, "stream": True, **settings.request_fields()}
     req = urllib.request.Request(
         f"http://{url}/v2/models/{settings.model}/generate_stream", data=json.dumps(body).encode(), method="POST"
     )
@@ -195,6 +198,15 @@ PROTOCOLS: dict[str, Callable[[str, Prompt, RequestSettings, RequestRecord], Non
 }
 
 
+def server_inputs(url: str, model: str, protocol: str) -> frozenset[str]:
+    """Input names the served model declares (its config, over the run's protocol)."""
+    if protocol == "grpc":
+        config = grpcclient.InferenceServerClient(url).get_model_config(model).config
+        return frozenset(i.name for i in config.input)
+    with urllib.request.urlopen(f"http://{url}/v2/models/{model}/config", timeout=30) as response:
+        return frozenset(i["name"] for i in json.loads(response.read())["input"])
+
+
 def run_load(
     url: str,
     prompts: list[Prompt],
@@ -207,6 +219,8 @@ def run_load(
     """Send every prompt on the arrival schedule; returns the records (in prompt order) and
     the run's duration (first send to last completion)."""
     send = PROTOCOLS[protocol]
+    settings = replace(settings, server_inputs=server_inputs(url, settings.model, protocol))
+    settings.request_fields()  # refuse a run the server cannot take before sending anything
     records = [RequestRecord(p.id) for p in prompts]
     cap = threading.Semaphore(max_concurrency or len(prompts))
     bar = tqdm(total=len(prompts), desc=f"load {arrivals.rate:g} req/s", unit="req", disable=not progress)
@@ -396,13 +410,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", flush=True)
         return 2
     settings = RequestSettings(args.max_tokens, args.temperature, args.method, not args.stop_at_eos, args.model)
-    if args.warmup:
-        run_load(
-            args.url, prompts[: args.warmup], ArrivalProcess(float("inf")), settings, args.protocol, progress=False
+    try:
+        if args.warmup:
+            warm = prompts[: args.warmup]
+            run_load(args.url, warm, ArrivalProcess(float("inf")), settings, args.protocol, progress=False)
+        records, duration = run_load(
+            args.url, prompts[args.warmup :], arrivals, settings, args.protocol, args.max_concurrency
         )
-    records, duration = run_load(
-        args.url, prompts[args.warmup :], arrivals, settings, args.protocol, args.max_concurrency
-    )
+    except (InferenceServerException, OSError, ValueError) as e:  # no server / model / input there
+        print(f"error: {args.url} ({args.protocol}): {e}", flush=True)
+        return 2
     summary = summarize(records, duration, slos)
     meta = {
         "url": args.url,
@@ -411,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_concurrency": args.max_concurrency,
         "prompts": args.prompts,
         "arrivals": asdict(arrivals),
-        "settings": asdict(settings),
+        "settings": {k: v for k, v in asdict(settings).items() if k != "server_inputs"},
         "machine": machine(),
     }
     write_report(args.out, meta, [asdict(r) for r in records], markdown(summary, meta), summary=summary)

@@ -44,8 +44,10 @@ def make_inputs(
     method: str | None = None,
     beam_width: int | None = None,
     beam_length: int | None = None,
+    min_length: int | None = None,
 ) -> list[grpcclient.InferInput]:
-    """Request tensors for the specpipe model; None leaves an input out (the model's default)."""
+    """Request tensors for the specpipe model (or a TensorRT-LLM ensemble: same names); None
+    leaves an input out (the model's default)."""
     inputs = [_tensor("text_input", prompt.encode(), "BYTES"), _tensor("stream", stream, "BOOL", np.bool_)]
     optional: list[tuple[str, object, str, type | None]] = [
         ("max_tokens", max_tokens, "INT32", np.int32),
@@ -56,8 +58,9 @@ def make_inputs(
         ("end_id", end_id, "INT32", np.int32),
         ("ignore_eos", ignore_eos, "BOOL", np.bool_),
         ("method", None if method is None else method.encode(), "BYTES", None),
-        ("beam_width", beam_width, "INT32", np.int32),
-        ("beam_length", beam_length, "INT32", np.int32),
+        ("redrafter_beam_width", beam_width, "INT32", np.int32),  # not the ensemble's beam_width (beam search)
+        ("redrafter_beam_length", beam_length, "INT32", np.int32),
+        ("min_length", min_length, "INT32", np.int32),  # TensorRT-LLM ensemble's way to a fixed length
     ]
     inputs += [_tensor(name, value, dtype, np_dtype) for name, value, dtype, np_dtype in optional if value is not None]
     if stop_words:

@@ -1,7 +1,7 @@
 """Turning a Triton request's tensors into a generation request, with messages that say
 what to fix. Tensor names are those of Triton's TensorRT-LLM ensemble (`text_input`,
 `max_tokens`, `temperature`, `top_k`, `top_p`, `random_seed`, `stream`, `end_id`,
-`stop_words`) plus specpipe's `ignore_eos`, `method`, `beam_width`, `beam_length`, so
+`stop_words`) plus specpipe's `ignore_eos`, `method`, `redrafter_beam_width`, `redrafter_beam_length`, so
 existing clients work unchanged. Triton itself rejects wrong dtypes and shapes against
 config.pbtxt before the model sees a request; what remains is checked here (limits the
 engine knows are checked when the request is added)."""
@@ -95,8 +95,8 @@ def parse_request(get: Callable[[str], np.ndarray | None]) -> GenerateRequest:
     if method is not None and method not in METHODS:
         raise InvalidInput(f"method {method!r} is not one of {METHODS}")
     overrides = {}
-    for name in ("beam_width", "beam_length"):
-        value = _scalar(get, name)
+    for name in ("beam_width", "beam_length"):  # prefixed: the TRT-LLM ensemble's beam_width means beam search
+        value = _scalar(get, f"redrafter_{name}")
         if value is not None:
             overrides[name] = int(value)
     stream = _scalar(get, "stream")

@@ -79,3 +79,15 @@ def test_cli_writes_json_markdown_and_plot(server: TritonServer, tmp_path: Path)
     assert doc["completed"] == 4 and len(doc["rows"]) == 4 and doc["request_goodput"] > 0
     assert "| TTFT ms |" in out.with_suffix(".md").read_text()
     assert (tmp_path / "run_cdf.png").stat().st_size > 1000
+
+
+def test_requests_send_only_what_the_server_declares() -> None:
+    """Against a TensorRT-LLM ensemble (no specpipe extras) a fixed length is asked for with
+    `min_length`, and a specpipe-only option is refused before anything is sent."""
+    ensemble = frozenset({"text_input", "max_tokens", "temperature", "stream", "min_length", "end_id"})
+    fields = RequestSettings(max_tokens=32, server_inputs=ensemble).request_fields()
+    assert fields == {"max_tokens": 32, "temperature": 0.0, "min_length": 32}
+    specpipe = ensemble - {"min_length"} | {"ignore_eos", "method"}
+    assert RequestSettings(method="ar", server_inputs=specpipe).request_fields()["ignore_eos"] is True
+    with pytest.raises(ValueError, match="no 'method' input"):
+        RequestSettings(method="redrafter", server_inputs=ensemble).request_fields()

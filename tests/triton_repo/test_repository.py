@@ -32,8 +32,8 @@ INPUTS = {
     "stop_words": (T.TYPE_STRING, [-1]),
     "ignore_eos": (T.TYPE_BOOL, [1]),
     "method": (T.TYPE_STRING, [1]),
-    "beam_width": (T.TYPE_INT32, [1]),
-    "beam_length": (T.TYPE_INT32, [1]),
+    "redrafter_beam_width": (T.TYPE_INT32, [1]),
+    "redrafter_beam_length": (T.TYPE_INT32, [1]),
 }
 OUTPUTS = {
     "text_output": (T.TYPE_STRING, [-1]),
