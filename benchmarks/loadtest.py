@@ -59,10 +59,12 @@ class RequestSettings:
     server_inputs: frozenset[str] = frozenset()
     """Inputs the served model declares (read from its config before the run); requests send
     only those, so a TensorRT-LLM ensemble gets no specpipe-only tensors."""
+    batched: bool = False
+    """The served model batches (max_batch_size > 0, e.g. the ensemble): tensors get a batch dim."""
 
     def request_fields(self) -> dict[str, Any]:
         """make_inputs() keyword arguments this server accepts. A fixed length is asked for
-        with specpipe's `ignore_eos`, or else the ensemble's `min_length`."""
+        with specpipe's `ignore_eos`, or else the ensemble's `min_tokens`."""
         fields: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": self.temperature}
         if self.method is not None:
             if "method" not in self.server_inputs:
@@ -70,8 +72,8 @@ class RequestSettings:
             fields["method"] = self.method
         if self.ignore_eos and "ignore_eos" in self.server_inputs:
             fields["ignore_eos"] = True
-        elif self.ignore_eos and "min_length" in self.server_inputs:
-            fields["min_length"] = self.max_tokens
+        elif self.ignore_eos and "min_tokens" in self.server_inputs:
+            fields["min_tokens"] = self.max_tokens
         return fields
 
 
@@ -132,7 +134,7 @@ def grpc_request(url: str, prompt: Prompt, settings: RequestSettings, record: Re
     start = time.perf_counter()
     try:
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
-        inputs = make_inputs(prompt.text, stream=True, **settings.request_fields())
+        inputs = make_inputs(prompt.text, stream=True, batched=settings.batched, **settings.request_fields())
         client.async_stream_infer(settings.model, inputs, enable_empty_final_response=True)
         while True:
             result, error = responses.get(timeout=600)
@@ -198,13 +200,15 @@ PROTOCOLS: dict[str, Callable[[str, Prompt, RequestSettings, RequestRecord], Non
 }
 
 
-def server_inputs(url: str, model: str, protocol: str) -> frozenset[str]:
-    """Input names the served model declares (its config, over the run's protocol)."""
+def server_model(url: str, model: str, protocol: str) -> tuple[frozenset[str], bool]:
+    """Input names the served model declares, and whether it batches (its config, over the
+    run's protocol)."""
     if protocol == "grpc":
         config = grpcclient.InferenceServerClient(url).get_model_config(model).config
-        return frozenset(i.name for i in config.input)
+        return frozenset(i.name for i in config.input), config.max_batch_size > 0
     with urllib.request.urlopen(f"http://{url}/v2/models/{model}/config", timeout=30) as response:
-        return frozenset(i["name"] for i in json.loads(response.read())["input"])
+        doc = json.loads(response.read())
+    return frozenset(i["name"] for i in doc["input"]), doc.get("max_batch_size", 0) > 0
 
 
 def run_load(
@@ -219,7 +223,8 @@ def run_load(
     """Send every prompt on the arrival schedule; returns the records (in prompt order) and
     the run's duration (first send to last completion)."""
     send = PROTOCOLS[protocol]
-    settings = replace(settings, server_inputs=server_inputs(url, settings.model, protocol))
+    inputs, batched = server_model(url, settings.model, protocol)
+    settings = replace(settings, server_inputs=inputs, batched=batched)
     settings.request_fields()  # refuse a run the server cannot take before sending anything
     records = [RequestRecord(p.id) for p in prompts]
     cap = threading.Semaphore(max_concurrency or len(prompts))
@@ -428,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_concurrency": args.max_concurrency,
         "prompts": args.prompts,
         "arrivals": asdict(arrivals),
-        "settings": {k: v for k, v in asdict(settings).items() if k != "server_inputs"},
+        "settings": {k: v for k, v in asdict(settings).items() if k not in ("server_inputs", "batched")},
         "machine": machine(),
     }
     write_report(args.out, meta, [asdict(r) for r in records], markdown(summary, meta), summary=summary)

@@ -23,8 +23,10 @@ from tritonclient.utils import InferenceServerException
 STATS = ("num_input_tokens", "num_output_tokens", "num_draft_tokens", "num_accepted_tokens")
 
 
-def _tensor(name: str, value: object, dtype: str, np_dtype: type | None = None) -> grpcclient.InferInput:
-    array: np.ndarray = np.array([value], dtype=np_dtype if np_dtype is not None else object)
+def _tensor(name: str, values: list[object], dtype: str, np_dtype: type | None, batched: bool) -> grpcclient.InferInput:
+    array: np.ndarray = np.array(values, dtype=np_dtype if np_dtype is not None else object)
+    if batched:  # a model with max_batch_size > 0 (the TensorRT-LLM ensemble) wants [1, ...]
+        array = array[None]
     tensor = grpcclient.InferInput(name, list(array.shape), dtype)
     tensor.set_data_from_numpy(array)
     return tensor
@@ -44,30 +46,33 @@ def make_inputs(
     method: str | None = None,
     beam_width: int | None = None,
     beam_length: int | None = None,
-    min_length: int | None = None,
+    min_tokens: int | None = None,
+    seed_name: str = "random_seed",
+    batched: bool = False,
 ) -> list[grpcclient.InferInput]:
-    """Request tensors for the specpipe model (or a TensorRT-LLM ensemble: same names); None
-    leaves an input out (the model's default)."""
-    inputs = [_tensor("text_input", prompt.encode(), "BYTES"), _tensor("stream", stream, "BOOL", np.bool_)]
+    """Request tensors for the specpipe model, or a TensorRT-LLM ensemble (same names; there
+    `batched=True`, `seed_name="seed"` in current releases, and `min_tokens` for a fixed
+    length); None leaves an input out (the model's default)."""
+    inputs = [
+        _tensor("text_input", [prompt.encode()], "BYTES", None, batched),
+        _tensor("stream", [stream], "BOOL", np.bool_, batched),
+    ]
     optional: list[tuple[str, object, str, type | None]] = [
         ("max_tokens", max_tokens, "INT32", np.int32),
         ("temperature", temperature, "FP32", np.float32),
         ("top_k", top_k, "INT32", np.int32),
         ("top_p", top_p, "FP32", np.float32),
-        ("random_seed", seed, "UINT64", np.uint64),
+        (seed_name, seed, "UINT64", np.uint64),
         ("end_id", end_id, "INT32", np.int32),
         ("ignore_eos", ignore_eos, "BOOL", np.bool_),
         ("method", None if method is None else method.encode(), "BYTES", None),
         ("redrafter_beam_width", beam_width, "INT32", np.int32),  # not the ensemble's beam_width (beam search)
         ("redrafter_beam_length", beam_length, "INT32", np.int32),
-        ("min_length", min_length, "INT32", np.int32),  # TensorRT-LLM ensemble's way to a fixed length
+        ("min_tokens", min_tokens, "INT32", np.int32),  # the ensemble's way to a fixed length
     ]
-    inputs += [_tensor(name, value, dtype, np_dtype) for name, value, dtype, np_dtype in optional if value is not None]
+    inputs += [_tensor(n, [v], dtype, np_dtype, batched) for n, v, dtype, np_dtype in optional if v is not None]
     if stop_words:
-        words = np.array([w.encode() for w in stop_words], dtype=object)
-        tensor = grpcclient.InferInput("stop_words", list(words.shape), "BYTES")
-        tensor.set_data_from_numpy(words)
-        inputs.append(tensor)
+        inputs.append(_tensor("stop_words", [w.encode() for w in stop_words], "BYTES", None, batched))
     return inputs
 
 

@@ -23,11 +23,11 @@ import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from string import Template
 
 from runtime.engine_dir import EngineConfig
 from runtime.llm_engine import RuntimeConfig
 from runtime.runtime_args import add_runtime_args, runtime_config, runtime_parameters
+from triton_repo.template import pbtxt_string, render_template
 
 HERE = Path(__file__).resolve().parent
 PROJECT_ROOT = HERE.parent
@@ -80,11 +80,6 @@ def add_serving_args(ap: argparse.ArgumentParser) -> None:
     add_runtime_args(ap)
 
 
-def _pbtxt_string(value: str) -> str:
-    """Escape for a double-quoted protobuf text-format string."""
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
 INFER_SUFFIX = "_infer"
 INFER_INSTANCES = 4
 """Instances of the non-streaming front: each waits on one request at a time (they hold
@@ -93,14 +88,17 @@ no engine, so they are cheap), and the engine batches what they forward."""
 
 def render_config(cfg: ServingConfig, infer_front: bool = False) -> str:
     """config.pbtxt of the engine model, or (`infer_front`) of its non-streaming front."""
-    fields = {k: _pbtxt_string(v) for k, v in cfg.parameters().items()}
-    return Template(TEMPLATE.read_text()).substitute(
-        fields,
-        model_name=cfg.model_name + INFER_SUFFIX if infer_front else cfg.model_name,
-        decoupled="false" if infer_front else "true",
-        instance_count=INFER_INSTANCES if infer_front else 1,
-        instance_kind="KIND_MODEL" if cfg.device == "cuda" and not infer_front else "KIND_CPU",
-        target_model=cfg.model_name if infer_front else "",
+    fields = {k: pbtxt_string(v) for k, v in cfg.parameters().items()}
+    return render_template(
+        TEMPLATE,
+        {
+            **fields,
+            "model_name": cfg.model_name + INFER_SUFFIX if infer_front else cfg.model_name,
+            "decoupled": "false" if infer_front else "true",
+            "instance_count": INFER_INSTANCES if infer_front else 1,
+            "instance_kind": "KIND_MODEL" if cfg.device == "cuda" and not infer_front else "KIND_CPU",
+            "target_model": cfg.model_name if infer_front else "",
+        },
     )
 
 

@@ -83,11 +83,11 @@ def test_cli_writes_json_markdown_and_plot(server: TritonServer, tmp_path: Path)
 
 def test_requests_send_only_what_the_server_declares() -> None:
     """Against a TensorRT-LLM ensemble (no specpipe extras) a fixed length is asked for with
-    `min_length`, and a specpipe-only option is refused before anything is sent."""
-    ensemble = frozenset({"text_input", "max_tokens", "temperature", "stream", "min_length", "end_id"})
+    `min_tokens`, and a specpipe-only option is refused before anything is sent."""
+    ensemble = frozenset({"text_input", "max_tokens", "temperature", "stream", "min_tokens", "end_id"})
     fields = RequestSettings(max_tokens=32, server_inputs=ensemble).request_fields()
-    assert fields == {"max_tokens": 32, "temperature": 0.0, "min_length": 32}
-    specpipe = ensemble - {"min_length"} | {"ignore_eos", "method"}
+    assert fields == {"max_tokens": 32, "temperature": 0.0, "min_tokens": 32}
+    specpipe = ensemble - {"min_tokens"} | {"ignore_eos", "method"}
     assert RequestSettings(method="ar", server_inputs=specpipe).request_fields()["ignore_eos"] is True
     with pytest.raises(ValueError, match="no 'method' input"):
         RequestSettings(method="redrafter", server_inputs=ensemble).request_fields()

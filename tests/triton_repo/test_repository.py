@@ -4,6 +4,7 @@ fail before anything is written. Also: the bundled tritonserver is found."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -166,3 +167,10 @@ def test_finds_tritonserver_and_the_stub_for_this_python(tmp_path: Path) -> None
     python_dir = backend_directory(install, tmp_path) / "python"
     for name in ("libtriton_python.so", "triton_python_backend_utils.py", "triton_python_backend_stub"):
         assert (python_dir / name).is_file(), name
+
+
+def test_parameter_keys_are_unique(engine_dir: Path, tmp_path: Path) -> None:
+    """Protobuf text format keeps the last of repeated map keys silently: check the text."""
+    text = (write_repository(ServingConfig(engine_dir), tmp_path / "repo") / "config.pbtxt").read_text()
+    keys = re.findall(r'parameters \{ key: "([^"]+)"', text)
+    assert len(keys) == len(set(keys)), sorted(k for k in keys if keys.count(k) > 1)
