@@ -13,7 +13,7 @@ DEMO_PROMPTS := --prompt "def fibonacci(n):" \
 	--prompt "$$(printf 'class Stack:\n    def __init__(self):')" \
 	--prompt "$$(printf 'import os\n\n\ndef list_python_files(path):')"
 
-.PHONY: help setup mpi engine demo serve test test-slow lint format model drafter bench-redrafter bench-batch bench-drafter-tp loadtest bench-table2 clean
+.PHONY: help setup mpi engine demo serve test test-slow lint format model drafter bench-redrafter bench-batch bench-drafter-tp loadtest bench-table2 export-trtllm clean
 
 help:  ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 18
@@ -93,6 +93,10 @@ loadtest: setup  ## fixed-QPS load test of a running server (URL=host:port RATE=
 
 bench-table2: engine  ## serve $(SPEC_ENGINE) with Triton; ms/token + speedup vs AR at light/medium/saturated QPS
 	$(BIN)/python -m benchmarks.table2 --engine $(SPEC_ENGINE)
+
+TRTLLM_OUT ?= work_dirs/trtllm-redrafter
+export-trtllm: setup  ## TensorRT-LLM ReDrafter checkpoint + build script + tensorrtllm Triton repo -> $(TRTLLM_OUT)
+	$(BIN)/python -m build.trtllm_export --checkpoint $(MODEL) --drafter $(DRAFTER) --output $(TRTLLM_OUT)
 
 bench-drafter-tp: engine  ## TP=2 ReDrafter beam search, drafter replicated vs sharded -> benchmarks/results/
 	OMP_NUM_THREADS=1 mpirun --allow-run-as-root --bind-to none -n 2 $(BIN)/python -m benchmarks.drafter_tp --engine $(SPEC_ENGINE)
