@@ -39,7 +39,7 @@ from tritonclient.utils import InferenceServerException
 
 from benchmarks.arrivals import ArrivalProcess
 from benchmarks.prompts import Prompt, load_prompts
-from benchmarks.report import machine, write_report
+from benchmarks.report import machine, save_figure, subplots, write_report
 from triton_repo.client import make_inputs
 
 PERCENTILES = (50, 90, 99)
@@ -353,11 +353,6 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
 
 def plot_cdfs(records: list[RequestRecord], path: Path) -> None:
     """Latency CDFs (TTFT, TPOT, ITL, E2E) of one run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     done = [r for r in records if r.ok]
     series = {
         "TTFT": [r.ttft for r in done if r.ttft is not None],
@@ -365,16 +360,14 @@ def plot_cdfs(records: list[RequestRecord], path: Path) -> None:
         "ITL": [g for r in done for g in r.itl()],
         "E2E": [r.e2e for r in done if r.e2e is not None],
     }
-    fig, axes = plt.subplots(1, 4, figsize=(16, 3.5))
+    fig, axes = subplots(4, (16, 3.5))
     for ax, (name, values) in zip(axes, series.items(), strict=True):
         ms = np.sort(np.array(values, dtype=float) * 1000)
         ax.plot(ms, np.arange(1, len(ms) + 1) / max(1, len(ms)))
         ax.set_xlabel(f"{name} (ms)")
         ax.set_ylabel("fraction of " + ("tokens" if name == "ITL" else "requests"))
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,3 +38,22 @@ def write_report(
     out.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
     out.with_suffix(".md").write_text(markdown)
     print(markdown)
+
+
+def subplots(ncols: int, size: tuple[float, float]) -> tuple[Any, Any]:
+    """A headless (Agg) matplotlib figure with `ncols` axes; matplotlib is imported only by
+    the reports that draw."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(1, ncols, figsize=size)
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

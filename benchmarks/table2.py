@@ -23,7 +23,7 @@ from typing import Any
 from benchmarks.arrivals import ArrivalProcess
 from benchmarks.loadtest import RequestSettings, run_load, summarize
 from benchmarks.prompts import load_prompts
-from benchmarks.report import machine, write_report
+from benchmarks.report import machine, save_figure, subplots, write_report
 from runtime.llm_engine import METHODS, RuntimeConfig
 from triton_repo.repository import ServingConfig
 from triton_repo.server import TritonServer
@@ -69,21 +69,14 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 
 
 def plot(rows: list[dict[str, Any]], methods: list[str], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = subplots(1, (6, 4))
     for m in methods:
         ax.plot([r["qps"] for r in rows], [r[m]["ms_per_token"] for r in rows], marker="o", label=m)
     ax.set_xlabel("request rate (req/s)")
     ax.set_ylabel("ms / token")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
