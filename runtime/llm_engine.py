@@ -286,7 +286,10 @@ class LLMEngine:
         drafter, embed = self.engine.drafter, self.engine.model.model.embed_tokens
         for (width, length), requests in groups.items():
             assert drafter is not None
-            hidden = torch.stack([r.hidden for r in requests if r.hidden is not None])
+            states = [r.hidden for r in requests]
+            if any(h is None for h in states):
+                raise RuntimeError("a decoding request has no target hidden state (its prefill did not finish)")
+            hidden = torch.stack(states)  # type: ignore[arg-type]
             bonus = [r.tokens[-1] for r in requests]
             with_dists = any(not r.params.greedy for r in requests)  # per-node draft laws, for rules that use them
             drafted = draft_trees(drafter, embed, hidden, bonus, width, length, with_dists)

@@ -40,7 +40,10 @@ from triton_repo.metrics import ServingMetrics
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.02
-"""How often the response thread looks for cancelled requests and refreshes gauges."""
+"""How long the idle threads wait for work before looking again."""
+HOUSEKEEPING_SECONDS = 0.1
+"""How often the response thread asks Triton which requests were cancelled (one IPC round
+trip per request in flight) and refreshes the gauges."""
 
 
 @dataclass(eq=False)
@@ -162,6 +165,7 @@ class SpecpipeModel:
     # ---- response thread ----------------------------------------------------------------
 
     def _response_loop(self) -> None:
+        last_housekeeping = 0.0
         while self.running:
             try:
                 stream, event = self.events.get(timeout=POLL_SECONDS)
@@ -171,8 +175,10 @@ class SpecpipeModel:
                 self._handle(stream, event)
                 while not self.events.empty():
                     self._handle(*self.events.get_nowait())
-            self._check_cancelled()
-            self.metrics.observe_engine(self.llm)
+            if time.perf_counter() - last_housekeeping >= HOUSEKEEPING_SECONDS:
+                last_housekeeping = time.perf_counter()
+                self._check_cancelled()
+                self.metrics.observe_engine(self.llm)
 
     def _handle(self, stream: Stream, event: RequestEvent) -> None:
         """One event; a failure to respond (e.g. the client went away) costs that request only."""
