@@ -29,7 +29,7 @@ from tqdm import tqdm
 from benchmarks.report import machine, write_report
 from runtime.engine import Engine
 from runtime.llm_engine import LLMEngine, RuntimeConfig
-from runtime.results import GenerationResult
+from runtime.results import tokens_per_step
 from runtime.sampling import SamplingParams
 from training.corpus import heldout_prompts
 
@@ -47,12 +47,6 @@ class Row:
     ratio_to_ar: dict[str, float]
     tau: dict[str, float]
     load_aware_widths: dict[int, int] = field(default_factory=dict)
-
-
-def tau(results: list[GenerationResult]) -> float:
-    decoded = sum(len(r.output_ids) - 1 for r in results)
-    steps = sum(r.num_forwards - 1 for r in results)
-    return decoded / max(1, steps)
 
 
 def run_batch(
@@ -77,7 +71,7 @@ def run_batch(
             seconds[name] += elapsed
             tokens[name] += emitted
             rate[name] = emitted / elapsed
-            taus[name].append(tau(results))
+            taus[name].append(tokens_per_step(results))
         for name in engines:
             ratios[name].append(rate[name] / rate["ar"])
     widths = engines["redrafter-load-aware"].policy.widths_chosen

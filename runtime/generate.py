@@ -25,7 +25,7 @@ from runtime.engine import Engine
 from runtime.engine_dir import EngineConfig
 from runtime.llm_engine import LLMEngine
 from runtime.methods import METHODS
-from runtime.results import GenerationResult
+from runtime.results import GenerationResult, tokens_per_step
 from runtime.runtime_args import add_runtime_args, runtime_config
 from runtime.sampling import SamplingParams
 from runtime.tensor_parallel import exit_process, init_tensor_parallel, rank_device, serve_worker, start_workers
@@ -107,11 +107,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--- prompt: {prompt!r} ({len(r.output_ids)} tokens, {r.finish_reason})")
             print(prompt + engine.decode(r.output_ids), flush=True)
     total = sum(len(r.output_ids) for r in results)
-    steps = sum(r.num_forwards - 1 for r in results)
-    decoded = sum(len(r.output_ids) - 1 for r in results)  # tokens after the prefill's first one
     print(
         f"# {len(results)} prompt(s), {total} tokens in {seconds:.2f} s ({total / seconds:.1f} tokens/s), "
-        f"{decoded / max(1, steps):.2f} tokens per decoding forward",
+        f"{tokens_per_step(results):.2f} tokens per decoding forward",
         file=sys.stderr,
     )
     return 0

@@ -43,6 +43,14 @@ class GenerationResult:
                 return
 
 
+def tokens_per_step(results: list[GenerationResult]) -> float:
+    """Tokens per decoding forward over a set of requests (each request's own
+    `tokens_per_step`, weighted by its steps): what a run's tau is."""
+    decoded = sum(len(r.output_ids) - 1 for r in results)  # tokens after each prefill's first one
+    steps = sum(r.num_forwards - 1 for r in results)
+    return decoded / max(1, steps)
+
+
 def stop_ids(params: SamplingParams, eos_token_ids: list[int]) -> set[int]:
     """Tokens that end this request."""
     return set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
