@@ -28,19 +28,19 @@ from typing import Any
 
 import torch
 
-from runtime.attention_batch import Segment, build_groups, write_slots
+from runtime.attention_batch import Segment
 from runtime.block_manager import BlockManager
 from runtime.engine import Engine
-from runtime.engine_dir import EngineConfig
+from runtime.engine_dir import BuildConfig, EngineConfig
 from runtime.kv_budget import KVBudget, kv_cache_blocks
-from runtime.model_runner import ModelRunner, StepBroadcast, StepInput
+from runtime.model_runner import ModelRunner, StepBroadcast
 from runtime.redrafter import ReDrafterParams, draft_trees, max_tree_nodes
 from runtime.request import Callback, Request
 from runtime.results import GenerationResult, stop_ids
 from runtime.sampling import SamplingParams, next_token
 from runtime.scheduler import ScheduledWork, Scheduler
 from runtime.speculation_policy import SpeculationPolicy, StepStats
-from runtime.step_batch import assemble
+from runtime.step_batch import assemble, step_input
 from runtime.verify import DraftTree, accept
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,16 @@ class RuntimeConfig:
     speculation: str = "load-aware"
     """"load-aware": choose the drafting width per step from the batch and measured step
     costs (down to none); "fixed": always draft the request's own width."""
+
+    def batch_limit(self, build: BuildConfig) -> int:
+        """Running requests this engine may hold: `max_batch_size`, or the build's limit."""
+        limit = self.max_batch_size or build.max_batch_size
+        if limit > build.max_batch_size:
+            raise ValueError(
+                f"max_batch_size {limit} > the engine's build limit {build.max_batch_size}; "
+                "rebuild with a larger --max-batch-size"
+            )
+        return limit
 
     def __post_init__(self) -> None:
         if self.speculation not in SPECULATION_MODES:
@@ -116,13 +126,7 @@ class LLMEngine:
     def __init__(self, engine: Engine, config: RuntimeConfig | None = None, broadcast: StepBroadcast | None = None):
         self.engine = engine
         self.config = config = config or RuntimeConfig()
-        build = engine.config.build
-        self.max_batch_size = config.max_batch_size or build.max_batch_size
-        if self.max_batch_size > build.max_batch_size:
-            raise ValueError(
-                f"max_batch_size {self.max_batch_size} > the engine's build limit {build.max_batch_size}; "
-                "rebuild with a larger --max-batch-size"
-            )
+        self.max_batch_size = config.batch_limit(engine.config.build)
         num_blocks = kv_cache_blocks(engine, config.kv, config.block_size, self.max_batch_size, config.max_draft_tokens)
         self.blocks = BlockManager(num_blocks, config.block_size)
         cache = engine.model.new_kv_cache(num_blocks, config.block_size)
@@ -145,13 +149,12 @@ class LLMEngine:
         capacity = self.blocks.num_blocks * self.blocks.block_size
         for n in (1, 16, 64, 256):
             n = min(n, self.config.max_num_tokens, capacity)
-            segment = Segment(0, 0, torch.arange(n))
-            step = StepInput(
-                torch.zeros(n, dtype=torch.long, device=device),
-                torch.arange(n, device=device),
-                write_slots([segment]).to(device),
-                build_groups([segment], device),
-                torch.arange(n, device=device),
+            step = step_input(
+                torch.zeros(n, dtype=torch.long),
+                torch.arange(n),
+                [Segment(0, 0, torch.arange(n))],
+                torch.arange(n),
+                device,
             )
             for _ in range(2):
                 start = time.perf_counter()

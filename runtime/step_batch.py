@@ -66,11 +66,24 @@ def assemble(
         slots[request.request_id] = seq_slots
         segments.append(Segment(start, context, seq_slots, mask))
         spans.append(Span(start, logits_start))
-    step = StepInput(
-        torch.tensor(tokens, device=device),
-        torch.tensor(positions, device=device),
-        write_slots(segments).to(device),
-        build_groups(segments, device),
-        torch.tensor(logit_rows, dtype=torch.long, device=device),
+    step = step_input(
+        torch.tensor(tokens), torch.tensor(positions), segments, torch.tensor(logit_rows, dtype=torch.long), device
     )
     return Batch(step, spans, slots)
+
+
+def step_input(
+    tokens: torch.Tensor,  # [N]
+    positions: torch.Tensor,  # [N]
+    segments: list[Segment],
+    logits_indices: torch.Tensor,  # [K]
+    device: torch.device | str,
+) -> StepInput:
+    """A forward's input: the write slots and attention groups follow from the segments."""
+    return StepInput(
+        tokens.to(device),
+        positions.to(device),
+        write_slots(segments).to(device),
+        build_groups(segments, device),
+        logits_indices.to(device),
+    )

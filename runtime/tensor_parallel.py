@@ -236,7 +236,7 @@ def announce_cache(engine: Engine, config: RuntimeConfig, broadcaster: StepBroad
     pinned to that size, so the `LLMEngine` built from it allocates exactly the announced
     pool. If sizing fails the other ranks are told to stop, so none is left waiting."""
     try:
-        max_batch_size = config.max_batch_size or engine.config.build.max_batch_size
+        max_batch_size = config.batch_limit(engine.config.build)
         num_blocks = kv_cache_blocks(engine, config.kv, config.block_size, max_batch_size, config.max_draft_tokens)
         broadcaster.channel.send(CacheGeometry(num_blocks, config.block_size))
     except BaseException:

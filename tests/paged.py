@@ -9,9 +9,10 @@ import torch
 
 from model_defs.llama import LlamaForCausalLM, LlamaOutput
 from model_defs.paged_kv_cache import PagedKVCache
-from runtime.attention_batch import Segment, build_groups, write_slots
+from runtime.attention_batch import Segment
 from runtime.block_manager import BlockManager
-from runtime.model_runner import ModelRunner, StepInput
+from runtime.model_runner import ModelRunner
+from runtime.step_batch import step_input
 
 
 @dataclass
@@ -41,13 +42,8 @@ class PagedModel:
                 Segment(start, c.context_len, self.blocks.slots(c.request_id, 0, c.context_len + n), c.tree_mask)
             )
             start += n
-        step = StepInput(
-            torch.cat([c.tokens for c in chunks]),
-            torch.cat([c.positions for c in chunks]),
-            write_slots(segments),
-            build_groups(segments),
-            torch.arange(start),
-        )
+        tokens, positions = torch.cat([c.tokens for c in chunks]), torch.cat([c.positions for c in chunks])
+        step = step_input(tokens, positions, segments, torch.arange(start), "cpu")
         with torch.no_grad():
             out = self.runner.run(step)
         return [
