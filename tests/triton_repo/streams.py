@@ -5,44 +5,48 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Any
 
 import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 
-from triton_repo.client import make_inputs
+from triton_repo.client import make_inputs, stream_completion
 
 MODEL = "specpipe"
 PROMPTS = ["def fibonacci(n):", "class Stack:\n    def __init__(self):", "import os\n\n\ndef list_files(path):"]
 
 
+LATE_RESPONSE_GRACE_S = 0.3
+"""How long a stream stays open after its FINAL response, to catch a second one."""
+
+
 def stream_grpc(url: str, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Send each request on its own gRPC stream (concurrently); per request the streamed
-    text, the final response's outputs and the number of FINAL flags seen."""
+    """Send each request on its own gRPC stream (concurrently) through the demo client's
+    `stream_completion`; per request the streamed text, the final response's finish reason
+    and statistics, and the number of FINAL flags seen (a second one arriving within
+    LATE_RESPONSE_GRACE_S is counted), or the error."""
     results: list[dict[str, Any]] = [{} for _ in requests]
 
     def one(i: int) -> None:
-        client = grpcclient.InferenceServerClient(url)
-        events: queue.Queue[Any] = queue.Queue()
-        client.start_stream(callback=lambda result, error: events.put((result, error)))
-        client.async_stream_infer(MODEL, make_inputs(**requests[i], stream=True), enable_empty_final_response=True)
-        text, finals, final = [], 0, {}
-        while True:
-            result, error = events.get(timeout=120)
-            if error is not None:
-                results[i] = {"error": error}
-                break
-            response = result.get_response()
-            out = result.as_numpy("text_output")
-            if out is not None:
-                text.append(b"".join(out).decode())
-            if response.parameters["triton_final_response"].bool_param:
-                finals += 1
-                final = {n: result.as_numpy(n) for n in ("finish_reason", "num_output_tokens", "num_draft_tokens")}
-                break
-        client.stop_stream()
-        client.close()
-        if "error" not in results[i]:
-            results[i] = {"text": "".join(text), "finals": finals, **final}
+        responses: queue.Queue[Any] = queue.Queue()
+        with grpcclient.InferenceServerClient(url) as client:
+            client.start_stream(callback=lambda result, error: responses.put((result, error)))
+            try:
+                done = stream_completion(
+                    client, responses, make_inputs(**requests[i], stream=True), MODEL, timeout_s=120
+                )
+            except InferenceServerException as e:
+                results[i] = {"error": e}
+                return
+            finally:
+                time.sleep(LATE_RESPONSE_GRACE_S)
+                client.stop_stream()
+        late_finals = sum(
+            r is not None and r.get_response().parameters["triton_final_response"].bool_param
+            for r, _ in list(responses.queue)
+        )
+        results[i] = {"text": done.text, "finals": 1 + late_finals, "finish_reason": done.finish_reason, **done.stats}
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
     for t in threads:
