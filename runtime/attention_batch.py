@@ -4,7 +4,8 @@ request's new tokens are written to and read from, and the block-diagonal mask.
 Each request contributes a `Segment`: `num_new` consecutive tokens of the flat batch,
 written to the slots of its positions `[context, context + num_new)`, attending to its
 committed context plus, among its new tokens, a causal chunk (prefill, decode) or its
-draft tree's ancestor mask. Tree nodes occupy consecutive slots in packed order; their
+draft tree's ancestor mask (which may also cover tree nodes already cached: a drafter
+fed one tree level at a time). Tree nodes occupy consecutive slots in packed order; their
 RoPE positions (context + depth) are the caller's business.
 
 Requests are grouped so that padding stays small: every segment of at most
@@ -32,7 +33,9 @@ class Segment:
     slots: torch.Tensor
     """[context_len + num_new] cache slots of positions 0 .. context_len + num_new - 1."""
     tree_mask: torch.Tensor | None = None
-    """[num_new, num_new] bool among the new tokens; None = causal."""
+    """[num_new, K] bool over the last K key columns (K >= num_new: the new tokens and the
+    K - num_new cached ones before them, e.g. a draft tree's earlier levels); every
+    earlier column is visible. None = causal."""
 
     @property
     def num_new(self) -> int:
@@ -57,8 +60,10 @@ def group(segments: list[Segment], device: torch.device | str = "cpu") -> Attent
         n, c = s.num_new, s.context_len
         query_index[g, :n] = torch.arange(s.start, s.start + n)
         key_slots[g, : c + n] = s.slots
-        mask[g, :n, :c] = True
-        mask[g, :n, c : c + n] = torch.ones(n, n, dtype=torch.bool).tril_() if s.tree_mask is None else s.tree_mask
+        own = torch.ones(n, n, dtype=torch.bool).tril_() if s.tree_mask is None else s.tree_mask
+        k = own.shape[1]
+        mask[g, :n, : c + n - k] = True
+        mask[g, :n, c + n - k : c + n] = own
         valid[g, :n] = True
     return AttentionGroup(
         query_index.to(device), key_slots.to(device), mask.to(device), valid.to(device), query_index[valid].to(device)

@@ -21,11 +21,15 @@ class Engine:
     model: LlamaForCausalLM
     tokenizer: Tokenizer
     drafter: redrafter.ReDrafter | None = None
+    """The ReDrafter RNN drafter (engines built with --drafter)."""
+    draft_model: LlamaForCausalLM | None = None
+    """A draft LM (engines built with --draft-model); it keeps its own KV cache."""
 
     @classmethod
     def load(cls, engine_dir: str | Path, device: str = "cpu", rank: int = 0) -> Engine:
         """Load tensor-parallel rank `rank`'s shard of the target (the whole target when the
-        engine was built with --tp-size 1) and the drafter, which every rank file carries whole."""
+        engine was built with --tp-size 1) and the drafter (RNN or draft LM), which every
+        rank file carries whole."""
         engine_dir = Path(engine_dir)
         config = EngineConfig.load(engine_dir)
         model_cfg = LlamaConfig.from_hf(config.model)
@@ -47,8 +51,13 @@ class Engine:
         validate_tensors(tensors, dict.fromkeys(tensors, weights_path), expected_shapes(model_cfg, tp_size))
         model = LlamaForCausalLM.from_tensors(model_cfg, tensors, config.build.torch_dtype, tp_size).to(device)
         tokenizer = Tokenizer.from_file(str(engine_dir / config.tokenizer))
-        drafter = None
-        if config.drafter is not None:
+        drafter, draft_model = None, None
+        if config.drafter is not None and config.drafter.kind == "draft-lm":
+            draft_cfg = LlamaConfig.from_hf(config.drafter.config)
+            validate_tensors(drafter_tensors, dict.fromkeys(drafter_tensors, weights_path), expected_shapes(draft_cfg))
+            draft_model = LlamaForCausalLM.from_tensors(draft_cfg, drafter_tensors, config.build.drafter_torch_dtype)
+            draft_model = draft_model.to(device)
+        elif config.drafter is not None:
             drafter_cfg = redrafter.ReDrafterConfig.from_json(config.drafter.config)
             validate_tensors(
                 drafter_tensors, dict.fromkeys(drafter_tensors, weights_path), redrafter.expected_shapes(drafter_cfg)
@@ -56,7 +65,7 @@ class Engine:
             drafter = redrafter.ReDrafter.from_tensors(
                 drafter_cfg, drafter_tensors, config.build.drafter_torch_dtype
             ).to(device)
-        return cls(config, model, tokenizer, drafter)
+        return cls(config, model, tokenizer, drafter, draft_model)
 
     @property
     def eos_token_ids(self) -> list[int]:

@@ -69,7 +69,7 @@ class BuildConfig:
         return DTYPES[self.drafter_dtype]
 
 
-DRAFTER_KINDS = ("redrafter",)
+DRAFTER_KINDS = ("redrafter", "draft-lm")
 DRAFTER_PREFIX = "drafter."
 """Drafter tensors live in the rank files under this prefix (TensorRT-LLM's convention)."""
 
@@ -79,11 +79,13 @@ class DrafterSpec:
     """The drafter an engine carries, and the default effort of its method."""
 
     kind: str
-    """Drafting method the weights belong to: "redrafter"."""
+    """What the weights are: "redrafter" (the RNN drafter) or "draft-lm" (a small Llama
+    sharing the target's vocabulary)."""
     config: dict[str, Any]
-    """The drafter's own config.json (Apple's keys for ReDrafter)."""
+    """The drafter's own config.json (Apple's keys for ReDrafter, HF Llama keys for a draft LM)."""
     settings: dict[str, Any] = field(default_factory=dict)
-    """Default method settings, overridable per run (ReDrafter: beam_width, beam_length)."""
+    """Default method settings, overridable per request: method, beam_width, beam_length,
+    branching (`runtime.drafting.DraftSettings`)."""
 
     def __post_init__(self) -> None:
         if self.kind not in DRAFTER_KINDS:

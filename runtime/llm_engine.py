@@ -5,8 +5,9 @@ One `step()`:
 1. drop cancelled requests (their KV blocks are freed now);
 2. pick this step's drafting width (`runtime/speculation_policy.py`, load-aware);
 3. schedule prefill chunks and decoding steps under the token budget (`runtime/scheduler.py`);
-4. **draft**: one tree per decoding request (ReDrafter beams, or the root alone for an
-   auto-regressive step);
+4. **draft**: one tree per decoding request (ReDrafter beams; an RSD tree sampled without
+   replacement from the RNN drafter or a draft LM, `runtime/rsd.py`; or the root alone
+   for an auto-regressive step);
 5. **pack + verify**: all prefill chunks and trees in one flat target forward over the
    paged cache with a block-diagonal tree mask (`runtime/step_batch.py`);
 6. **accept** (`runtime/verify.py`), **compact** the accepted path's KV to consecutive
@@ -23,7 +24,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -33,19 +34,23 @@ from runtime.block_manager import BlockManager
 from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig, EngineConfig
 from runtime.kv_budget import KVBudget, kv_cache_blocks
+from runtime.level_drafters import DraftLMLevels, RNNLevels
 from runtime.model_runner import ModelRunner, StepBroadcast
 from runtime.redrafter import ReDrafterParams, draft_trees, max_tree_nodes
-from runtime.request import Callback, Request
+from runtime.request import Callback, Request, SpecParams
 from runtime.results import GenerationResult, stop_ids
+from runtime.rsd import DEFAULT_BRANCHING, RSD_METHODS, TreeSpec, draft_rsd_trees
 from runtime.sampling import SamplingParams, next_token
 from runtime.scheduler import ScheduledWork, Scheduler
 from runtime.speculation_policy import SpeculationPolicy, StepStats
 from runtime.step_batch import assemble, step_input
-from runtime.verify import DraftTree, accept
+from runtime.verify import Acceptance, DraftTree, accept_batch
 
 log = logging.getLogger(__name__)
 
-METHODS = ("ar", "redrafter")
+METHODS = ("ar", "redrafter", *RSD_METHODS)
+DEFAULT_METHOD = {"redrafter": "redrafter", "draft-lm": "sd"}
+"""Method of requests that name none, by the engine's drafter kind."""
 SPECULATION_MODES = ("load-aware", "fixed")
 
 
@@ -58,7 +63,7 @@ class RuntimeConfig:
     max_num_tokens: int = 512
     """Most new tokens in one forward (prefill chunks + draft trees), the step's token budget."""
     max_draft_tokens: int = 64
-    """Most drafted tokens a request may ask for per step (beam_width * beam_length)."""
+    """Most drafted tokens a request may ask for per step (tree nodes besides the root)."""
     block_size: int = 16
     """Tokens per KV-cache block."""
     kv: KVBudget = field(default_factory=KVBudget)
@@ -115,9 +120,22 @@ def check_request(config: EngineConfig, prompt: list[int], params: SamplingParam
 
 def tree_nodes(request: Request, width: int) -> int:
     """Most tree nodes (root included) a decoding step of `request` at `width` writes."""
-    if width == 0 or request.spec is None:
+    spec = request.spec
+    if width == 0 or spec is None:
         return 1
-    return max_tree_nodes(width, request.spec.beam_length)
+    if isinstance(spec, TreeSpec):
+        return spec.max_nodes
+    return max_tree_nodes(width, spec.beam_length)
+
+
+def full_width(request: Request, policy_width: int) -> int:
+    """Drafting width of a decoding request: ReDrafter beams follow the load-aware policy;
+    an RSD tree (width 1 = its whole tree) is drafted whole, or not at all (0) when the
+    step's token budget cannot hold it."""
+    spec = request.spec
+    if spec is None:
+        return 0
+    return 1 if isinstance(spec, TreeSpec) else min(policy_width, spec.beam_width)
 
 
 class LLMEngine:
@@ -131,6 +149,9 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, config.block_size)
         cache = engine.model.new_kv_cache(num_blocks, config.block_size)
         self.runner = ModelRunner(engine.model, cache, broadcast)
+        # a draft LM's own cache, same blocks and slots as the target's (rank 0 only drafts)
+        draft = engine.draft_model
+        self.draft_cache = draft.new_kv_cache(num_blocks, config.block_size) if draft is not None else None
         self.scheduler = Scheduler(self.blocks, self.max_batch_size, config.max_num_tokens, config.max_queue_size)
         settings = engine.config.drafter.settings if engine.config.drafter else {}
         self.policy = SpeculationPolicy(
@@ -205,21 +226,33 @@ class LLMEngine:
     @property
     def default_method(self) -> str:
         drafter = self.engine.config.drafter
-        return drafter.kind if drafter else "ar"
+        return DEFAULT_METHOD[drafter.kind] if drafter else "ar"
 
-    def _spec(self, method: str, overrides: dict[str, Any]) -> ReDrafterParams | None:
+    def _spec(self, method: str, overrides: dict[str, Any]) -> SpecParams | None:
+        """The request's drafting parameters: the engine's defaults, then its overrides
+        (beam_width, beam_length, branching)."""
         if method == "ar":
             return None
-        if method != "redrafter":
+        if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
-        if self.engine.drafter is None or self.engine.config.drafter is None:
-            raise ValueError("this engine has no ReDrafter drafter; rebuild it with --drafter, or use method ar")
-        spec = ReDrafterParams(**self.engine.config.drafter.settings)
-        spec = replace(spec, **{k: v for k, v in overrides.items() if v is not None})
-        if spec.beam_width * spec.beam_length > self.config.max_draft_tokens:
+        drafter = self.engine.config.drafter
+        if drafter is None:
             raise ValueError(
-                f"beam_width {spec.beam_width} x beam_length {spec.beam_length} drafts more than "
-                f"max_draft_tokens {self.config.max_draft_tokens} per step"
+                f"method {method!r} needs a drafter; rebuild the engine with --drafter or --draft-model, or use ar"
+            )
+        settings = asdict(ReDrafterParams()) | {"branching": DEFAULT_BRANCHING} | drafter.settings
+        settings |= {k: v for k, v in overrides.items() if v is not None}
+        beams = ReDrafterParams(settings["beam_width"], settings["beam_length"])
+        spec: SpecParams
+        if method == "redrafter" and drafter.kind == "redrafter":
+            spec, drafted = beams, beams.beam_width * beams.beam_length
+        else:
+            spec = TreeSpec.for_method(method, beams.beam_width, beams.beam_length, tuple(settings["branching"]))
+            drafted = spec.max_nodes - 1
+        if drafted > self.config.max_draft_tokens:
+            raise ValueError(
+                f"{method} with {settings} drafts {drafted} tokens, more than max_draft_tokens "
+                f"{self.config.max_draft_tokens} per step"
             )
         return spec
 
@@ -237,9 +270,10 @@ class LLMEngine:
     def step(self) -> list[Request]:
         """Run one scheduling + forward step; returns the requests that finished in it."""
         finished = self._drop_cancelled()
-        decoding = [r.spec for r in self.scheduler.running.values() if not r.in_prefill and r.spec is not None]
-        width = self.policy.width(len(self.scheduler.running), [spec.beam_width for spec in decoding])
-        work = self.scheduler.schedule(lambda r: 0 if r.spec is None else min(width, r.spec.beam_width), tree_nodes)
+        running = self.scheduler.running.values()
+        beams = [r.spec.beam_width for r in running if not r.in_prefill and isinstance(r.spec, ReDrafterParams)]
+        width = self.policy.width(len(self.scheduler.running), beams)
+        work = self.scheduler.schedule(lambda r: full_width(r, width), tree_nodes)
         if not work:
             return finished
         try:
@@ -258,15 +292,29 @@ class LLMEngine:
                 raise  # ... except under TP: the other ranks may be inside that forward, out of step
             return finished
         stats = StepStats(len(batch.step.tokens), drafted - start, done - drafted)
+        decodes = [(item, span) for item, span in zip(work, batch.spans, strict=True) if not item.prefill]
+        verified = (
+            accept_batch(
+                [trees[item.request.request_id] for item, _ in decodes],
+                [
+                    logits[span.logits_start : span.logits_start + len(trees[item.request.request_id].tokens)]
+                    for item, span in decodes
+                ],
+                [item.request.params for item, _ in decodes],
+                [item.request.generator for item, _ in decodes],
+            )
+            if decodes
+            else []
+        )
+        acceptances = {item.request.request_id: acc for (item, _), acc in zip(decodes, verified, strict=True)}
         for item, span in zip(work, batch.spans, strict=True):
             request = item.request
             if item.prefill:
                 self._after_prefill(request, item.num_new, logits, hidden, span.logits_start, span.start)
             else:
-                tree = trees[request.request_id]
-                rows = logits[span.logits_start : span.logits_start + len(tree.tokens)]
+                tree, acc = trees[request.request_id], acceptances[request.request_id]
                 self._after_decode(
-                    request, tree, rows, hidden, span.start, batch.slots[request.request_id], item.width, stats
+                    request, tree, acc, hidden, span.start, batch.slots[request.request_id], item.width, stats
                 )
             if request.finished:
                 finished.append(self._finish(request, request.result.finish_reason))
@@ -274,31 +322,50 @@ class LLMEngine:
         return finished
 
     def _draft(self, work: list[ScheduledWork]) -> dict[str, DraftTree]:
-        """Trees for the decoding requests: ReDrafter beams grouped by (width, length),
-        the root alone for auto-regressive steps."""
+        """Trees for the decoding requests: ReDrafter beams grouped by (width, length), RSD
+        trees grouped by shape, the root alone for auto-regressive steps."""
         trees: dict[str, DraftTree] = {}
-        groups: dict[tuple[int, int], list[Request]] = {}
+        beams: dict[tuple[int, int], list[Request]] = {}
+        shapes: dict[TreeSpec, list[Request]] = {}
         for item in work:
             if item.prefill:
                 continue
             request, spec = item.request, item.request.spec
             if item.width == 0 or spec is None:
                 trees[request.request_id] = DraftTree.root(request.tokens[-1])
+            elif isinstance(spec, TreeSpec):
+                shapes.setdefault(spec, []).append(request)
             else:
-                groups.setdefault((item.width, spec.beam_length), []).append(request)
+                beams.setdefault((item.width, spec.beam_length), []).append(request)
         drafter, embed = self.engine.drafter, self.engine.model.model.embed_tokens
-        for (width, length), requests in groups.items():
+        for (width, length), requests in beams.items():
             assert drafter is not None
-            states = [r.hidden for r in requests]
-            if any(h is None for h in states):
-                raise RuntimeError("a decoding request has no target hidden state (its prefill did not finish)")
-            hidden = torch.stack(states)  # type: ignore[arg-type]
-            bonus = [r.tokens[-1] for r in requests]
             with_dists = any(not r.params.greedy for r in requests)  # per-node draft laws, for rules that use them
-            drafted = draft_trees(drafter, embed, hidden, bonus, width, length, with_dists)
-            for r, tree in zip(requests, drafted, strict=True):
-                trees[r.request_id] = tree
+            drafted = draft_trees(
+                drafter, embed, self._hidden(requests), [r.tokens[-1] for r in requests], width, length, with_dists
+            )
+            trees |= {r.request_id: tree for r, tree in zip(requests, drafted, strict=True)}
+        for spec, requests in shapes.items():
+            roots = [r.tokens[-1] for r in requests]
+            levels: RNNLevels | DraftLMLevels
+            if self.engine.draft_model is not None:
+                assert self.draft_cache is not None
+                levels = DraftLMLevels(self.engine.draft_model, self.draft_cache, self.blocks, requests)
+            else:
+                assert drafter is not None
+                levels = RNNLevels(drafter, embed, self._hidden(requests), roots, spec.max_nodes)
+            params, gens = [r.params for r in requests], [r.generator for r in requests]
+            drafted = draft_rsd_trees(levels, roots, params, gens, spec)
+            trees |= {r.request_id: tree for r, tree in zip(requests, drafted, strict=True)}
         return trees
+
+    @staticmethod
+    def _hidden(requests: list[Request]) -> torch.Tensor:
+        """[B, D] target hidden states at the requests' last committed tokens (the RNN's input)."""
+        states = [r.hidden for r in requests]
+        if any(h is None for h in states):
+            raise RuntimeError("a decoding request has no target hidden state (its prefill did not finish)")
+        return torch.stack(states)  # type: ignore[arg-type]
 
     def _after_prefill(
         self, request: Request, num_new: int, logits: torch.Tensor, hidden: torch.Tensor, logits_row: int, start: int
@@ -316,19 +383,24 @@ class LLMEngine:
         self,
         request: Request,
         tree: DraftTree,
-        logits: torch.Tensor,  # [N, V] at the tree's nodes
+        acc: Acceptance,
         hidden: torch.Tensor,
         start: int,
         slots: torch.Tensor,  # [context + N] slots of the request's positions
         width: int,
         stats: StepStats,
     ) -> None:
-        acc = accept(tree, logits, request.params, request.generator)
         context = request.num_computed
         moved = [(context + p, context + i) for i, p in enumerate(acc.path) if p != i]
         if moved:  # accepted path -> consecutive positions
             src, dst = zip(*moved, strict=True)
             self.runner.move(slots[list(src)], slots[list(dst)])
+            if self.draft_cache is not None:  # local, so at once (before any block is reused)
+                self.draft_cache.copy(slots[list(src)], slots[list(dst)])
+        if isinstance(request.spec, TreeSpec) and len(tree.tokens) > 1:
+            # the draft LM fed every node above the last level; a last-level leaf it did not
+            fed = tree.depths[acc.path[-1]] < request.spec.length
+            request.draft_computed = context + len(acc.path) - (0 if fed else 1)
         request.num_computed = context + len(acc.path)
         self.blocks.truncate(request.request_id, request.num_computed)  # rejected nodes' blocks
         request.hidden = hidden[start + acc.path[-1]]

@@ -23,9 +23,14 @@ import torch
 
 from runtime.redrafter import ReDrafterParams
 from runtime.results import GenerationResult
+from runtime.rsd import TreeSpec
 from runtime.sampling import SamplingParams
 
 FINISH_REASONS = ("length", "stop", "cancelled", "error")
+
+SpecParams = ReDrafterParams | TreeSpec
+"""A decoding method's drafting parameters: ReDrafter beams over the RNN, or a tree drafted
+level by level (RSD methods, beams over a draft LM)."""
 
 
 @dataclass(frozen=True)
@@ -55,8 +60,8 @@ class Request:
     prompt: list[int]
     params: SamplingParams
     method: str
-    """"ar" or a speculative method the engine carries ("redrafter")."""
-    spec: ReDrafterParams | None
+    """"ar" or a speculative method (`runtime.llm_engine.METHODS`)."""
+    spec: SpecParams | None
     """Method parameters; None for ar."""
     generator: torch.Generator
     """The request's own sampling generator (its tokens do not depend on its batch)."""
@@ -68,6 +73,8 @@ class Request:
     """Tokens whose K/V are committed in the cache."""
     hidden: torch.Tensor | None = None
     """[D] target final-norm hidden state at the last computed token (the drafter's input)."""
+    draft_computed: int = 0
+    """Tokens with K/V in the draft LM's cache (it catches up before drafting)."""
     num_preemptions: int = 0
     cancel_requested: bool = False
 

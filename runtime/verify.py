@@ -10,16 +10,21 @@ Terms (used the same way everywhere in specpipe):
 
 Greedy: walk down while some child equals the target's argmax. Exact by construction.
 
-Sampling: recursive rejection sampling over *point-mass* (deterministic) candidates —
-RSD (Jeon et al. 2024, Algorithm 1) with draft distributions that are deltas on the
-children, tried in their order. Child x is accepted with probability
-min(1, q(x)/p(x)) = q(x); on rejection the residual is q <- norm([q - δ_x]^+), i.e. x is
-zeroed out and q renormalised; if every child is rejected the bonus is drawn from the
-last residual. Because siblings are distinct tokens (dedup_prefix guarantees it), the
-emitted token at every level is distributed exactly as q, the target's distribution
-after temperature/top-k/top-p (`runtime.sampling.target_probs`). Apple's ReDrafter
-instead flips independent coins per beam and keeps the longest beam; its README notes
-that "might not give the exact distribution match", so it is not used.
+Sampling: recursive rejection sampling (RSD, Jeon et al. 2024, Algorithm 1) at every
+accepted node: its children are tried in packed order (their draw order), child x with
+probability min(1, q(x)/p(x)); on rejection the target residual becomes
+q <- norm([q - p]^+) and the draft law p drops x and renormalises; when every child is
+rejected (or at a leaf) the bonus is drawn from the residual. The emitted token at every
+level is then distributed exactly as q, the target's distribution after
+temperature/top-k/top-p (`runtime.sampling.target_probs`), whichever way the candidates
+were proposed, as long as p is the law they were really drawn from:
+- *sampled* trees (RSD-C, RSD-S, SD: `DraftTree.sampled`) carry p, the drafter's
+  distribution, and siblings are draws *without replacement* from it;
+- *deterministic* candidates (ReDrafter's beam search, an auto-regressive root) are point
+  masses, p = delta_x: acceptance q(x), residual = q with x removed. Siblings are distinct
+  tokens (dedup_prefix guarantees it).
+Apple's ReDrafter instead flips independent coins per beam and keeps the longest beam; its
+README notes that "might not give the exact distribution match", so it is not used.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from runtime.sampling import SamplingParams, sample, target_probs
 
@@ -41,8 +47,8 @@ class DraftTree:
     parents: list[int]
     """[N] parent node index, -1 for the root."""
     draft_log_probs: torch.Tensor | None = None
-    """[N, V] draft log-distribution each node was drawn from (row 0 unused); None when
-    the acceptance rule does not need it (greedy, point-mass candidates)."""
+    """[N, V] draft log-distribution each node was proposed from (row 0 unused; siblings
+    share a row); None when nothing needs it."""
     depths: list[int] = field(default_factory=list)
     """[N] distance from the root (RoPE position = context length + depth); derived from parents if empty."""
     mask: torch.Tensor | None = None
@@ -50,6 +56,10 @@ class DraftTree:
     first_beam: list[int] = field(default_factory=list)
     """[N] first (best) drafted beam through each node; empty when not drafted as beams.
     Lets load-aware speculation tell what a narrower tree would have accepted."""
+    sampled: bool = False
+    """True: every node was *drawn* from its `draft_log_probs` row, siblings without
+    replacement in packed order, so verification uses those laws; False: nodes are
+    deterministic candidates, verified as point masses."""
 
     def __post_init__(self) -> None:
         if not self.depths:
@@ -103,29 +113,125 @@ def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> Acceptance:
         node = nxt
 
 
+def rejection_step(
+    q: torch.Tensor, p: torch.Tensor, x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One trial of recursive rejection sampling (RSD, Jeon et al. 2024, Algorithm 1),
+    batched over leading dims: `q` `[..., V]` the current target residual q^(k), `p`
+    `[..., V]` the distribution the k-th candidate `x` `[...]` was drawn from, p^(k).
+
+    Returns
+    - the acceptance probability min(1, q^(k)(x) / p^(k)(x))                  (RSD eq. 3),
+    - the next target residual q^(k+1) = norm([q^(k) - p^(k)]^+)              (RSD eq. 4),
+    - the next draft law p^(k+1) = norm(p^(k) without x): sampling without replacement
+      removes x and renormalises (RSD Algorithm 1, line 9).
+
+    Theorem 3.1 of the paper: trying candidates x^(1..K) drawn this way, in order, and
+    drawing from q^(K+1) when all are rejected, emits a token distributed exactly as q^(1).
+    A point-mass candidate is p^(k) = delta_x: acceptance q(x), residual q without x."""
+    qx = q.gather(-1, x[..., None]).squeeze(-1)
+    px = p.gather(-1, x[..., None]).squeeze(-1)
+    accept_prob = (qx / px.clamp(min=torch.finfo(p.dtype).tiny)).clamp(max=1.0)
+    residual = (q - p).clamp(min=0.0)
+    mass = residual.sum(-1, keepdim=True)
+    # mass 0 only when q == p, where nothing is ever rejected; keep q rather than divide by 0
+    q_next = torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(q.dtype).tiny), q)
+    rest = p.scatter(-1, x[..., None], 0.0)
+    p_next = rest / rest.sum(-1, keepdim=True).clamp(min=torch.finfo(p.dtype).tiny)
+    return accept_prob, q_next, p_next
+
+
+def accept_sampled_batch(
+    trees: list[DraftTree],
+    logits: list[torch.Tensor],
+    params: list[SamplingParams],
+    generators: list[torch.Generator],
+) -> list[Acceptance]:
+    """Recursive rejection sampling down every tree at once (`logits[i]` `[N_i, V]`: target
+    logits at tree i's nodes). At the accepted node the children are tried in packed
+    order, each with `rejection_step`; an accepted child becomes the node (its target
+    distribution q and its children's draft law p take over); a node whose children were
+    all rejected, or a leaf, ends the walk with the bonus drawn from the residual q.
+
+    Vectorised over the batch: one iteration tries one child in every unfinished tree, so
+    the loop runs at most max N_i times. Every uniform comes from the request's own
+    generator (one per node: a node is tried at most once), so a request's tokens do not
+    depend on its batch."""
+    b, n, device = len(trees), max(len(t.tokens) for t in trees), logits[0].device
+    v = logits[0].shape[-1]
+    kids = [children_lists(t.parents) for t in trees]
+    k_max = max(1, max(len(c) for ks in kids for c in ks))
+    child = torch.full((b, n, k_max), -1, dtype=torch.long)
+    tokens = torch.zeros(b, n, dtype=torch.long)
+    uniform = torch.ones(b, n, device=device)
+    q_all = torch.zeros(b, n, v, device=device)  # target law at every node
+    p_all = torch.zeros(b, n, v, device=device)  # law the node's children were sampled from
+    sampled = torch.tensor([t.sampled for t in trees], device=device)
+    for i, (tree, rows, prm, gen) in enumerate(zip(trees, logits, params, generators, strict=True)):
+        num = len(tree.tokens)
+        q_all[i, :num] = target_probs(rows, prm)
+        tokens[i, :num] = torch.tensor(tree.tokens)
+        for parent, cs in enumerate(kids[i]):
+            child[i, parent, : len(cs)] = torch.tensor(cs, dtype=torch.long)
+            if tree.sampled and cs:
+                assert tree.draft_log_probs is not None
+                p_all[i, parent] = tree.draft_log_probs[cs[0]].exp()  # siblings share it
+        if num > 1:
+            uniform[i, 1:num] = torch.rand(num - 1, generator=gen, device=device)
+    child, tokens = child.to(device), tokens.to(device)
+
+    rows_ = torch.arange(b, device=device)
+    node = torch.zeros(b, dtype=torch.long, device=device)
+    tried = torch.zeros(b, dtype=torch.long, device=device)  # children of `node` rejected so far
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    q, p = q_all[:, 0].clone(), p_all[:, 0].clone()
+    paths: list[list[int]] = [[0] for _ in trees]
+    while True:
+        c = child[rows_, node, tried.clamp(max=k_max - 1)]
+        c = torch.where(tried < k_max, c, -1)
+        done |= c < 0  # leaf, or every child rejected: the bonus comes from q
+        if bool(done.all()):
+            break
+        c = c.clamp(min=0)
+        x = tokens[rows_, c]
+        p_k = torch.where(sampled[:, None], p, F.one_hot(x, v).to(p.dtype))
+        accept_prob, q_next, p_next = rejection_step(q, p_k, x)
+        accepted = ~done & (uniform[rows_, c] < accept_prob)
+        rejected = ~done & ~accepted
+        for i in accepted.nonzero().flatten().tolist():
+            paths[i].append(int(c[i]))
+        node = torch.where(accepted, c, node)
+        tried = torch.where(accepted, 0, tried + rejected.long())
+        q = torch.where(accepted[:, None], q_all[rows_, c], torch.where(rejected[:, None], q_next, q))
+        p = torch.where(accepted[:, None], p_all[rows_, c], torch.where(rejected[:, None], p_next, p))
+    out = []
+    for i, (tree, gen) in enumerate(zip(trees, generators, strict=True)):
+        drafted = [tree.tokens[c] for c in paths[i][1:]]
+        out.append(Acceptance(paths[i], [*drafted, sample(q[i], gen)]))
+    return out
+
+
 def accept_sampled(
     tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
 ) -> Acceptance:
-    """logits `[N, V]`: target logits at every node."""
-    tokens, children = tree.tokens, children_lists(tree.parents)
-    node, path, out = 0, [0], list[int]()
-    while True:
-        q = target_probs(logits[node], params)  # [V] target distribution at this node
-        for child in children[node]:
-            x = tokens[child]
-            if torch.rand((), generator=generator, device=q.device) < q[x]:
-                path.append(child)
-                out.append(x)
-                node = child
-                break
-            q[x] = 0.0  # residual norm([q - δ_x]^+)
-            q /= q.sum()
-        else:
-            return Acceptance(path, [*out, sample(q, generator)])
+    """`accept_sampled_batch` for one tree."""
+    return accept_sampled_batch([tree], [logits], [params], [generator])[0]
 
 
-def accept(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> Acceptance:
-    """Greedy or sampled acceptance, as the request's sampling parameters ask."""
-    if params.greedy:
-        return accept_greedy(tree, logits)
-    return accept_sampled(tree, logits, params, generator)
+def accept_batch(
+    trees: list[DraftTree],
+    logits: list[torch.Tensor],
+    params: list[SamplingParams],
+    generators: list[torch.Generator],
+) -> list[Acceptance]:
+    """Greedy or sampled acceptance of every tree, as each request's sampling parameters ask."""
+    out: list[Acceptance | None] = [None] * len(trees)
+    sampled = [i for i, prm in enumerate(params) if not prm.greedy]
+    for i, prm in enumerate(params):
+        if prm.greedy:
+            out[i] = accept_greedy(trees[i], logits[i])
+    if sampled:
+        pick = [trees[i] for i in sampled], [logits[i] for i in sampled], [params[i] for i in sampled]
+        for i, acc in zip(sampled, accept_sampled_batch(*pick, [generators[i] for i in sampled]), strict=True):
+            out[i] = acc
+    return [acc for acc in out if acc is not None]

@@ -122,9 +122,15 @@ def apple_per_beam_accept(
     return Acceptance(kept, [tree.tokens[n] for n in kept[1:]] + [sample(q, gen)])
 
 
+def apple_rule_batch(
+    trees: list[DraftTree], logits: list[torch.Tensor], params: list[SamplingParams], gens: list[torch.Generator]
+) -> list[Acceptance]:
+    return [apple_per_beam_accept(*args) for args in zip(trees, logits, params, gens, strict=True)]
+
+
 def test_apple_per_beam_rule_fails_the_same_test(monkeypatch: pytest.MonkeyPatch) -> None:
     params = SamplingParams(temperature=1.0)
     engine = toy_engine()
-    monkeypatch.setattr(llm_engine, "accept", apple_per_beam_accept)
+    monkeypatch.setattr(llm_engine, "accept_batch", apple_rule_batch)
     counts = emitted_first_three(engine, params)
     assert not passes_chi_square(counts, exact_first_three(engine.model, params))

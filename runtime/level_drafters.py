@@ -1,0 +1,114 @@
+"""Drafters fed one tree level at a time (`runtime.rsd.LevelDrafter`), for the RSD methods.
+
+- `RNNLevels`: the ReDrafter RNN drafter. A node's state is the recurrence over its path
+  (s_node = step(s_parent, E(token))); every node reads the target hidden state of its
+  request, exactly as ReDrafter's beam search does.
+- `DraftLMLevels`: a small draft LM with its own paged KV cache that shares the target's
+  block tables, so a position has the same slot in both caches: tree node i of a request
+  with `context` committed tokens sits at slot `context + i` in each. `first()` catches
+  the draft cache up on the request's tokens it has not seen (after prefill: the prompt;
+  later: the last accepted token, if it was a leaf, and the pending root); `extend()` runs
+  one level of every tree in one forward, each node attending to the context and its own
+  ancestors. The engine applies the target's accepted-path compaction to this cache too.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from model_defs.llama import LlamaForCausalLM
+from model_defs.paged_kv_cache import PagedBatch, PagedKVCache
+from model_defs.redrafter import ReDrafter
+from runtime.attention_batch import Segment
+from runtime.block_manager import BlockManager
+from runtime.request import Request
+from runtime.step_batch import step_input
+
+
+class RNNLevels:
+    def __init__(
+        self, drafter: ReDrafter, embed: nn.Embedding, hidden: torch.Tensor, roots: list[int], max_nodes: int
+    ) -> None:
+        self.drafter, self.embed, self.hidden = drafter, embed, hidden  # hidden [B, D]
+        self.roots = torch.tensor(roots, device=hidden.device)
+        self.states = drafter.init_state((len(roots), max_nodes))  # [B, N, D] per node
+
+    @torch.inference_mode()
+    def first(self) -> torch.Tensor:
+        s = self.drafter.step(self.drafter.init_state(len(self.roots)), self.embed(self.roots))
+        self.states[:, 0] = s
+        return self.drafter.logits(self.hidden, s)
+
+    @torch.inference_mode()
+    def extend(self, rows: list[int], parents: list[int], nodes: list[int], tokens: list[int]) -> torch.Tensor:
+        device = self.hidden.device
+        r, p = torch.tensor(rows, device=device), torch.tensor(parents, device=device)
+        s = self.drafter.step(self.states[r, p], self.embed(torch.tensor(tokens, device=device)))
+        self.states[r, torch.tensor(nodes, device=device)] = s
+        return self.drafter.logits(self.hidden[r], s)
+
+
+class DraftLMLevels:
+    def __init__(
+        self, model: LlamaForCausalLM, cache: PagedKVCache, blocks: BlockManager, requests: list[Request]
+    ) -> None:
+        self.model, self.cache, self.blocks, self.requests = model, cache, blocks, requests
+        self.device = model.lm_head.weight.device
+        self.depths: list[list[int]] = [[0] for _ in requests]
+        self.ancestors: list[list[torch.Tensor]] = [[torch.ones(1, dtype=torch.bool)] for _ in requests]
+
+    @torch.inference_mode()
+    def _run(self, tokens: list[int], positions: list[int], segments: list[Segment], rows: list[int]) -> torch.Tensor:
+        """One draft-LM forward over the flat batch; logits [len(rows), V] at `rows`."""
+        step = step_input(
+            torch.tensor(tokens), torch.tensor(positions), segments, torch.tensor(rows, dtype=torch.long), self.device
+        )
+        paged = PagedBatch(self.cache, step.slots, step.groups)
+        out = self.model(step.tokens[None], step.positions[None], paged, logits_indices=step.logits_indices[None])
+        return out.logits[0]
+
+    def first(self) -> torch.Tensor:
+        tokens: list[int] = []
+        positions: list[int] = []
+        segments, rows = [], []
+        for r in self.requests:
+            context = r.num_computed  # the root (pending token) sits at position `context`
+            start = min(r.draft_computed, context)  # 0 again after a preemption
+            segments.append(Segment(len(tokens), start, self.blocks.slots(r.request_id, 0, context + 1)))
+            tokens += r.tokens[start : context + 1]
+            positions += range(start, context + 1)
+            rows.append(len(tokens) - 1)
+            r.draft_computed = context + 1
+        return self._run(tokens, positions, segments, rows)
+
+    def extend(self, rows: list[int], parents: list[int], nodes: list[int], tokens: list[int]) -> torch.Tensor:
+        """One level per request: its nodes are consecutive in packed (breadth-first) order."""
+        by_row: dict[int, list[int]] = {}
+        for k, row in enumerate(rows):
+            by_row.setdefault(row, []).append(k)
+        flat_tokens: list[int] = []
+        positions: list[int] = []
+        segments, order = [], []
+        for row, ks in by_row.items():
+            r, depths, anc = self.requests[row], self.depths[row], self.ancestors[row]
+            first = nodes[ks[0]]
+            if [nodes[k] for k in ks] != list(range(first, first + len(ks))) or first != len(depths):
+                raise ValueError("a level's nodes must follow the earlier ones consecutively")
+            for k in ks:
+                depths.append(depths[parents[k]] + 1)
+                row_mask = torch.zeros(first + len(ks), dtype=torch.bool)
+                row_mask[: len(anc[parents[k]])] = anc[parents[k]]
+                row_mask[nodes[k]] = True
+                anc.append(row_mask)
+            mask = torch.stack([anc[nodes[k]] for k in ks])  # [m, first + m] over the whole tree so far
+            context = r.num_computed
+            slots = self.blocks.slots(r.request_id, 0, context + first + len(ks))
+            segments.append(Segment(len(flat_tokens), context + first, slots, mask))
+            flat_tokens += [tokens[k] for k in ks]
+            positions += [context + depths[nodes[k]] for k in ks]
+            order += ks
+        logits = self._run(flat_tokens, positions, segments, list(range(len(flat_tokens))))
+        out = torch.empty_like(logits)
+        out[torch.tensor(order, device=logits.device)] = logits
+        return out
