@@ -5,6 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat requirements.txt constraints.txt | cksum | cut -d' ' -f1)
 MODEL  ?= models/demo-target
 DRAFTER ?= models/demo-redrafter
+DRAFT_LM ?= models/demo-draft-lm
 ENGINE ?= engines/demo
 SPEC_ENGINE ?= engines/demo-redrafter
 PYTEST_ARGS ?=
@@ -13,7 +14,7 @@ DEMO_PROMPTS := --prompt "def fibonacci(n):" \
 	--prompt "$$(printf 'class Stack:\n    def __init__(self):')" \
 	--prompt "$$(printf 'import os\n\n\ndef list_python_files(path):')"
 
-.PHONY: help setup mpi engine demo serve test test-slow lint format model drafter bench-redrafter bench-batch bench-drafter-tp loadtest bench-table2 export-trtllm clean
+.PHONY: help setup mpi engine demo serve test test-slow lint format model drafter draft-lm bench-redrafter bench-batch bench-drafter-tp loadtest bench-table2 export-trtllm clean
 
 help:  ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 18
@@ -79,6 +80,9 @@ model: setup  ## re-train the bundled demo target (~30 min on 2 CPU cores)
 
 drafter: setup  ## re-train the demo ReDrafter drafter by distillation from $(MODEL)
 	$(BIN)/python -m training.train_redrafter --target $(MODEL) --out $(DRAFTER)
+
+draft-lm: setup  ## re-train the demo draft LM by distillation from $(MODEL)
+	$(BIN)/python -m training.train_draft_lm --target $(MODEL) --out $(DRAFT_LM)
 
 bench-redrafter: engine  ## W x L x T sweep: tau, acceptance, compression, speedup -> benchmarks/results/
 	$(BIN)/python -m benchmarks.redrafter_sweep --engine $(SPEC_ENGINE)

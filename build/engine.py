@@ -2,6 +2,10 @@
 
     python -m build.engine --checkpoint models/demo-target --output engines/demo
     python -m build.engine --checkpoint models/demo-target --output engines/demo-tp2 --tp-size 2
+    python -m build.engine --checkpoint models/demo-target --output engines/demo-redrafter \
+        --drafter models/demo-redrafter
+    python -m build.engine --checkpoint models/demo-target --output engines/demo-draft-lm \
+        --draft-model models/demo-draft-lm
 
 Validates everything first (config, tensor names and shapes, tokenizer vocabulary) and
 writes into a temporary sibling directory that is renamed into place only when complete,
@@ -16,6 +20,7 @@ import shutil
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -27,6 +32,7 @@ from model_defs.llama import ARCHITECTURE, LlamaConfig
 from model_defs.redrafter import ReDrafter
 from runtime.engine_dir import DRAFTER_PREFIX, DTYPES, TOKENIZER_FILE, BuildConfig, DrafterSpec, EngineConfig, rank_file
 from runtime.redrafter import ReDrafterParams
+from runtime.rsd import DEFAULT_BRANCHING, parse_branching
 
 
 class BuildError(ValueError):
@@ -53,8 +59,32 @@ def check_tokenizer(path: Path, cfg: LlamaConfig) -> None:
         raise BuildError(f"config.json: special token ids {bad} are outside the vocabulary [0, {cfg.vocab_size})")
 
 
+def load_draft_model(
+    path: Path, target: LlamaConfig, target_tokenizer: Path, settings: dict[str, Any]
+) -> tuple[DrafterSpec, dict[str, torch.Tensor]]:
+    """Load and check a draft LM (a smaller HF Llama) against the target: it must share the
+    vocabulary, since its token ids are verified by the target as they are."""
+    try:
+        cfg, tensors = load_llama_checkpoint(path)
+    except CheckpointError as e:
+        raise BuildError(str(e)) from e
+    if cfg.vocab_size != target.vocab_size:
+        raise BuildError(
+            f"{path / 'config.json'}: draft model vocab_size {cfg.vocab_size} != target vocab_size "
+            f"{target.vocab_size}; a draft LM must share the target's tokenizer"
+        )
+    own = path / TOKENIZER_FILE
+    if (
+        own.is_file()
+        and Tokenizer.from_file(str(own)).get_vocab() != Tokenizer.from_file(str(target_tokenizer)).get_vocab()
+    ):
+        raise BuildError(f"{own}: the draft model's tokenizer differs from the target's ({target_tokenizer})")
+    spec = DrafterSpec("draft-lm", cfg.to_hf(), settings)
+    return spec, {DRAFTER_PREFIX + k: v for k, v in tensors.items()}
+
+
 def load_drafter(
-    path: Path, target: LlamaConfig, settings: dict[str, int]
+    path: Path, target: LlamaConfig, settings: dict[str, Any]
 ) -> tuple[DrafterSpec, dict[str, torch.Tensor]]:
     """Load and check a ReDrafter checkpoint against the target it will draft for."""
     try:
@@ -79,9 +109,11 @@ def build_engine(
     tokenizer: Path | None = None,
     force: bool = False,
     drafter: Path | None = None,
-    drafter_settings: dict[str, int] | None = None,
+    drafter_settings: dict[str, Any] | None = None,
+    draft_model: Path | None = None,
 ) -> Path:
-    """Validate `checkpoint` (and `drafter`) and write the engine dir `output`; returns `output`."""
+    """Validate `checkpoint` (and `drafter`, the ReDrafter RNN, or `draft_model`, a draft LM:
+    at most one) and write the engine dir `output`; returns `output`."""
     if output.exists() and not force:
         raise BuildError(f"{output}: already exists (pass --force to replace it)")
     try:
@@ -95,8 +127,13 @@ def build_engine(
     tok_path = tokenizer or checkpoint / TOKENIZER_FILE
     check_tokenizer(tok_path, cfg)
     spec = None
+    if drafter is not None and draft_model is not None:
+        raise BuildError("give --drafter (ReDrafter RNN) or --draft-model (draft LM), not both")
     if drafter is not None:
         spec, drafter_tensors = load_drafter(drafter, cfg, drafter_settings or {})
+        tensors = tensors | drafter_tensors
+    if draft_model is not None:
+        spec, drafter_tensors = load_draft_model(draft_model, cfg, tok_path, drafter_settings or {})
         tensors = tensors | drafter_tensors
     if build.max_seq_len > cfg.max_position_embeddings:
         print(
@@ -172,6 +209,11 @@ def main(argv: list[str] | None = None) -> int:
         "--drafter", type=Path, help="ReDrafter drafter directory (Apple's config.json + model.safetensors)"
     )
     drafting.add_argument(
+        "--draft-model",
+        type=Path,
+        help="draft LM directory (HF LlamaForCausalLM sharing the target's vocabulary), for sd / rsd-c / rsd-s",
+    )
+    drafting.add_argument(
         "--drafter-dtype", choices=sorted(DTYPES), default=defaults.drafter_dtype, help=BUILD_HELP["drafter_dtype"]
     )
     spec = ReDrafterParams()
@@ -184,9 +226,16 @@ def main(argv: list[str] | None = None) -> int:
         default=spec.beam_length,
         help="default draft tokens per beam (L) (default: %(default)s)",
     )
+    drafting.add_argument(
+        "--branching",
+        type=parse_branching,
+        default=DEFAULT_BRANCHING,
+        help=f"default rsd-c children per node at each depth, e.g. 2,2,1,1 "
+        f"(default: {','.join(map(str, DEFAULT_BRANCHING))})",
+    )
     args = ap.parse_args(argv)
     try:
-        settings = asdict(ReDrafterParams(args.beam_width, args.beam_length))
+        settings = asdict(ReDrafterParams(args.beam_width, args.beam_length)) | {"branching": list(args.branching)}
         out = build_engine(
             args.checkpoint,
             args.output,
@@ -195,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             args.force,
             args.drafter,
             settings,
+            args.draft_model,
         )
     except ValueError as e:  # BuildError, CheckpointError and config validation
         print(f"error: {e}", file=sys.stderr)

@@ -2,6 +2,7 @@
 
     python -m runtime.generate --engine engines/demo --prompt "def fib(n):" --max-tokens 64
     python -m runtime.generate --engine engines/demo-redrafter --method redrafter --beam-width 4 ...
+    python -m runtime.generate --engine engines/demo-draft-lm --method rsd-c --branching 2,2,1,1 ...
 
 An engine built with --tp-size N runs under `mpirun -n N python -m runtime.generate ...`:
 rank 0 schedules, drafts and prints, the other ranks run their shards of each forward.
@@ -26,6 +27,7 @@ from runtime.engine_dir import EngineConfig
 from runtime.llm_engine import LLMEngine
 from runtime.methods import METHODS
 from runtime.results import GenerationResult, tokens_per_step
+from runtime.rsd import parse_branching
 from runtime.runtime_args import add_runtime_args, runtime_config
 from runtime.sampling import SamplingParams
 from runtime.tensor_parallel import exit_process, init_tensor_parallel, rank_device, serve_worker, start_workers
@@ -36,7 +38,7 @@ def run(
 ) -> tuple[list[GenerationResult], float]:
     """Rank 0's generation and its seconds (start-up calibration excluded, like engine
     loading); with tensor parallelism it drives the other ranks' forwards."""
-    overrides = {"beam_width": args.beam_width, "beam_length": args.beam_length}
+    overrides = {"beam_width": args.beam_width, "beam_length": args.beam_length, "branching": args.branching}
     with ExitStack() as stack:
         config, broadcast = runtime_config(args), None
         if world_size > 1:
@@ -61,9 +63,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     ap.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
     ap.add_argument("--device", default="cpu", help="torch device to run on, e.g. cuda (default: %(default)s)")
-    ap.add_argument("--method", choices=METHODS, help="decoding method (default: the engine's drafter, else ar)")
-    ap.add_argument("--beam-width", type=int, help="ReDrafter beams per step W (default: the engine's)")
-    ap.add_argument("--beam-length", type=int, help="ReDrafter draft tokens per beam L (default: the engine's)")
+    ap.add_argument(
+        "--method",
+        choices=METHODS,
+        help="decoding method: ar; redrafter (beam search, point-mass verification); rsd-c (constant "
+        "branching, Gumbel-top-k); rsd-s (stochastic beam search); sd (one sampled chain). Default: "
+        "redrafter for an engine with the RNN drafter, sd with a draft LM, else ar",
+    )
+    ap.add_argument("--beam-width", type=int, help="beams per step W of redrafter / rsd-s (default: the engine's)")
+    ap.add_argument(
+        "--beam-length", type=int, help="draft tokens per beam L of redrafter / rsd-s / sd (default: the engine's)"
+    )
+    ap.add_argument(
+        "--branching",
+        type=parse_branching,
+        help="rsd-c children per node at each depth, e.g. 2,2,1,1 (default: the engine's)",
+    )
     add_runtime_args(ap)
     args = ap.parse_args(argv)
     try:

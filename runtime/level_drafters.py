@@ -74,7 +74,7 @@ class DraftLMLevels:
         segments, rows = [], []
         for r in self.requests:
             context = r.num_computed  # the root (pending token) sits at position `context`
-            start = min(r.draft_computed, context)  # 0 again after a preemption
+            start = min(r.draft_computed, context)
             segments.append(Segment(len(tokens), start, self.blocks.slots(r.request_id, 0, context + 1)))
             tokens += r.tokens[start : context + 1]
             positions += range(start, context + 1)

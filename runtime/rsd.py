@@ -27,13 +27,14 @@ after k children is a stopping rule the recursive rejection sampler allows.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from runtime.gumbel import gumbel_noise, gumbel_top_k, top_k_valid, truncated_gumbel
-from runtime.sampling import SamplingParams, target_probs
+from runtime.sampling import SamplingParams, target_probs_rows
 from runtime.verify import DraftTree
 
 RSD_METHODS = ("rsd-c", "rsd-s", "sd")
@@ -97,6 +98,19 @@ class TreeSpec:
         return total
 
 
+def parse_branching(text: str) -> tuple[int, ...]:
+    """ "2,2,1" -> (2, 2, 1): the --branching flag of the CLIs."""
+    try:
+        out = tuple(int(b) for b in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"branching must be comma-separated integers like 2,2,1, got {text!r}"
+        ) from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"branching factors must be >= 1, got {text!r}")
+    return out
+
+
 class LevelDrafter(Protocol):
     """A drafter seen one tree level at a time (state per node lives inside)."""
 
@@ -122,12 +136,11 @@ class _Growing:
     gumbels: list[float]  # rsd-s: perturbed (truncated-Gumbel) value of each frontier node
 
 
-def draft_log_law(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """[M, V] log of the law siblings are drawn from: the request's own warp of the drafter's
-    logits (greedy requests: the plain softmax, only ranked)."""
-    if params.greedy:
-        return torch.log_softmax(logits.float(), dim=-1)
-    return target_probs(logits, params).log()
+def draft_log_laws(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """[M, V] log of the law siblings are drawn from, row m under `params[m]`: the request's
+    own warp of the drafter's logits (greedy requests: the plain softmax, only ranked)."""
+    warped = [prm if not prm.greedy else SamplingParams(temperature=1.0) for prm in params]
+    return target_probs_rows(logits, warped).log()
 
 
 def draft_rsd_trees(
@@ -142,9 +155,8 @@ def draft_rsd_trees(
     logits = drafter.first()  # [B, V]
     owners = [(i, 0) for i in range(len(roots))]  # (request row, node) of every logits row
     for depth in range(spec.length):
-        laws: dict[tuple[int, int], torch.Tensor] = {}
-        for (i, node), row in zip(owners, logits, strict=True):
-            laws[i, node] = draft_log_law(row, params[i])
+        rows_laws = draft_log_laws(logits, [params[i] for i, _ in owners])
+        laws = {owner: law for owner, law in zip(owners, rows_laws, strict=True)}
         new: list[tuple[int, int, int, int]] = []  # (row, parent, node, token)
         for i, tree in enumerate(trees):
             sample = not params[i].greedy and spec.stochastic

@@ -75,6 +75,19 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
+def target_probs_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """`target_probs` of every row of `logits` `[M, V]` under its own `params[m]`, one call
+    per distinct setting (a batch usually shares a few)."""
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    groups: dict[tuple[float, int, float], list[int]] = {}
+    for m, prm in enumerate(params):
+        groups.setdefault((prm.temperature, prm.top_k, prm.top_p), []).append(m)
+    for rows in groups.values():
+        index = torch.tensor(rows, device=logits.device)
+        out[index] = target_probs(logits[index], params[rows[0]])
+    return out
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     """Draw one token from `probs` `[V]` with the request's own generator, so a request's
     tokens do not depend on which other requests share its batch."""

@@ -76,7 +76,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         del self.running[request.request_id]
         self.blocks.free(request.request_id)
-        request.num_computed = 0
+        request.num_computed = request.draft_computed = 0
         request.hidden = None
         request.num_preemptions += 1
         self.num_preemptions += 1

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from runtime.sampling import SamplingParams, sample, target_probs
+from runtime.sampling import SamplingParams, sample, target_probs_rows
 
 
 @dataclass
@@ -167,9 +167,13 @@ def accept_sampled_batch(
     q_all = torch.zeros(b, n, v, device=device)  # target law at every node
     p_all = torch.zeros(b, n, v, device=device)  # law the node's children were sampled from
     sampled = torch.tensor([t.sampled for t in trees], device=device)
-    for i, (tree, rows, prm, gen) in enumerate(zip(trees, logits, params, generators, strict=True)):
+    sizes = [len(t.tokens) for t in trees]
+    q_rows = target_probs_rows(
+        torch.cat(logits), [prm for prm, size in zip(params, sizes, strict=True) for _ in range(size)]
+    )
+    for i, (tree, rows, gen) in enumerate(zip(trees, q_rows.split(sizes), generators, strict=True)):
         num = len(tree.tokens)
-        q_all[i, :num] = target_probs(rows, prm)
+        q_all[i, :num] = rows
         tokens[i, :num] = torch.tensor(tree.tokens)
         for parent, cs in enumerate(kids[i]):
             child[i, parent, : len(cs)] = torch.tensor(cs, dtype=torch.long)

@@ -22,9 +22,10 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from model_defs.llama import ARCHITECTURE, LlamaForCausalLM
-from runtime.ar import generate
 from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig, EngineConfig
+from runtime.llm_engine import RuntimeConfig
+from runtime.methods import generate
 from runtime.sampling import SamplingParams
 
 
@@ -59,7 +60,7 @@ def make_distill_data(
     hidden, tokens = [], []
     for i in tqdm(range(0, len(prompts), batch_size), desc="distill data", unit="batch"):
         chunk = prompts[i : i + batch_size]
-        results = generate(engine, chunk, [params] * len(chunk))
+        results = generate(engine, chunk, [params] * len(chunk), method="ar", config=RuntimeConfig())
         for prompt, r in zip(chunk, results, strict=True):
             seq = torch.tensor(prompt + r.output_ids)
             h = target(seq[None], torch.arange(len(seq))[None]).hidden[0]  # [S, D]

@@ -129,3 +129,88 @@ Reproduce (`make drafter` runs exactly this):
     path = drafter_dir / "README.md"
     path.write_text(text)
     return path
+
+
+def write_draft_lm_card(model_dir: Path, command: str) -> Path:
+    """README.md for a draft LM distilled from a target, from its training log."""
+    log = json.loads((model_dir / "training_log.json").read_text())
+    cfg, m = log["config"], log["metrics"]
+    model_cfg = json.loads((model_dir / "config.json").read_text())
+    size_mb = sum(p.stat().st_size for p in model_dir.glob("*.safetensors")) / 1e6
+    shape = (
+        f"{model_cfg['num_hidden_layers']} layers, width {model_cfg['hidden_size']}, "
+        f"SwiGLU {model_cfg['intermediate_size']}, {model_cfg['num_attention_heads']} query / "
+        f"{model_cfg['num_key_value_heads']} KV heads, tied embeddings"
+    )
+    loss = "forward KL(target ‖ draft) at temperature 1 over every position of each window"
+    if cfg["hard_weight"]:
+        loss += f" + {cfg['hard_weight']} x cross-entropy on the corpus tokens"
+    init = "embedding = the target's, projected onto its top principal directions" if cfg["init_from_target"] else ""
+    rows = [
+        ("target", f"`{log['target']}` ({m['target_parameters']:,} parameters); same tokenizer and vocabulary"),
+        ("parameters", f"{m['parameters']:,} ({shape})"),
+        ("weights", f"bfloat16 safetensors, {size_mb:.1f} MB"),
+        (
+            "data",
+            f"random windows of the training split of the target's corpus: {m['train_tokens']:,} tokens seen "
+            f"(batch {cfg['batch_size']} x {cfg['seq_len']}, {cfg['steps']} steps) of "
+            f"{m['corpus_train_tokens']:,}",
+        ),
+        ("loss", loss + (f"; {init}" if init else "")),
+        (
+            "optimiser",
+            f"AdamW (lr {cfg['lr']}, cosine to {cfg['min_lr_ratio']}x, warm-up {cfg['warmup_steps']}, "
+            f"wd {cfg['weight_decay']}), bf16 autocast, seed {cfg['seed']}",
+        ),
+        (
+            "held-out expected acceptance",
+            f"**{m['heldout_acceptance']:.3f}**: E[Σ_x min(p_draft(x), p_target(x))] at temperature 1, "
+            "the probability that speculative sampling accepts one drafted token",
+        ),
+        ("held-out KL(target ‖ draft)", f"{m['heldout_kl']:.3f} nats/token"),
+        ("held-out top-1 agreement", f"{m['heldout_top1_agreement']:.3f} (draft argmax = target argmax)"),
+        (
+            "held-out loss on the corpus",
+            f"draft {m['heldout_student_loss']:.3f}, target {m['heldout_target_loss']:.3f} nats/token "
+            f"({m['heldout_tokens']:,} held-out tokens)",
+        ),
+        (
+            "training time",
+            f"{m['train_minutes']:.1f} min on a 2-core CPU"
+            + (f" ({m['torch_threads']} torch threads)" if "torch_threads" in m else "")
+            + ", teacher forward and evaluations included",
+        ),
+    ]
+    table = "\n".join(f"| {k} | {v} |" for k, v in rows)
+    curve = "\n".join(
+        f"| {r['step']} | {r['train_kl']:.3f} | {r['heldout_kl']:.3f} | {r['heldout_top1_agreement']:.3f} | "
+        f"{r['heldout_acceptance']:.3f} |"
+        if "train_kl" in r
+        else f"| {r['step']} | – | {r['heldout_kl']:.3f} | {r['heldout_top1_agreement']:.3f} | "
+        f"{r['heldout_acceptance']:.3f} |"
+        for r in log["log"]
+    )
+    text = f"""# specpipe demo draft LM
+
+A small Llama (`LlamaForCausalLM`, Hugging Face format) distilled from the demo target by
+`training/train_draft_lm.py`, to draft for standard speculative sampling and Recursive
+Speculative Decoding. It is trained to match the target's next-token *distribution*, so
+the figure that matters is the expected acceptance rate, not its own perplexity.
+
+| | |
+|---|---|
+{table}
+
+Reproduce (`make draft-lm` runs exactly this):
+
+```
+{command}
+```
+
+| step | train KL | held-out KL | held-out top-1 agreement | held-out expected acceptance |
+|---|---|---|---|---|
+{curve}
+"""
+    path = model_dir / "README.md"
+    path.write_text(text)
+    return path

@@ -46,6 +46,7 @@ def make_inputs(
     method: str | None = None,
     beam_width: int | None = None,
     beam_length: int | None = None,
+    branching: tuple[int, ...] | None = None,
     min_tokens: int | None = None,
     seed_name: str = "random_seed",
     batched: bool = False,
@@ -71,6 +72,8 @@ def make_inputs(
         ("min_tokens", min_tokens, "INT32", np.int32),  # the ensemble's way to a fixed length
     ]
     inputs += [_tensor(n, [v], dtype, np_dtype, batched) for n, v, dtype, np_dtype in optional if v is not None]
+    if branching:
+        inputs.append(_tensor("rsd_branching", list(branching), "INT32", np.int32, batched))
     if stop_words:
         inputs.append(_tensor("stop_words", [w.encode() for w in stop_words], "BYTES", None, batched))
     return inputs

@@ -1,10 +1,11 @@
 """Turning a Triton request's tensors into a generation request, with messages that say
 what to fix. Tensor names are those of Triton's TensorRT-LLM ensemble (`text_input`,
 `max_tokens`, `temperature`, `top_k`, `top_p`, `random_seed`, `stream`, `end_id`,
-`stop_words`) plus specpipe's `ignore_eos`, `method`, `redrafter_beam_width`, `redrafter_beam_length`, so
-existing clients work unchanged. Triton itself rejects wrong dtypes and shapes against
-config.pbtxt before the model sees a request; what remains is checked here (limits the
-engine knows are checked when the request is added)."""
+`stop_words`) plus specpipe's `ignore_eos`, `method`, `redrafter_beam_width`,
+`redrafter_beam_length`, `rsd_branching`, so existing clients work unchanged. Triton
+itself rejects wrong dtypes and shapes against config.pbtxt before the model sees a
+request; what remains is checked here (limits the engine knows are checked when the
+request is added)."""
 
 from __future__ import annotations
 
@@ -94,11 +95,17 @@ def parse_request(get: Callable[[str], np.ndarray | None]) -> GenerateRequest:
     method = None if method is None else _text(method, "method")
     if method is not None and method not in METHODS:
         raise InvalidInput(f"method {method!r} is not one of {METHODS}")
-    overrides = {}
+    overrides: dict[str, Any] = {}
     for name in ("beam_width", "beam_length"):  # prefixed: the TRT-LLM ensemble's beam_width means beam search
         value = _scalar(get, f"redrafter_{name}")
         if value is not None:
             overrides[name] = int(value)
+    branching = get("rsd_branching")
+    if branching is not None:
+        factors = tuple(int(b) for b in branching.reshape(-1))
+        if not factors or min(factors) < 1:
+            raise InvalidInput(f"rsd_branching must be factors >= 1 (children per node at each depth), got {factors}")
+        overrides["branching"] = factors
     stream = _scalar(get, "stream")
     return GenerateRequest(text, params, bool(stream), stop_words, method, overrides)
 

@@ -15,67 +15,23 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models
 
-from model_defs.llama import ARCHITECTURE, LlamaForCausalLM
-from model_defs.redrafter import ReDrafter, ReDrafterConfig
-from runtime import llm_engine, methods
+from runtime import llm_engine
 from runtime.engine import Engine
-from runtime.engine_dir import BuildConfig, DrafterSpec, EngineConfig
-from runtime.llm_engine import RuntimeConfig
 from runtime.sampling import SamplingParams, sample, target_probs
 from runtime.verify import Acceptance, DraftTree, children_lists
+from tests import toy_sampling
 from tests.stats import passes_chi_square
-from tests.tiny_models import tiny_target
 
-V = 4
-PROMPT = [1, 3, 2]
-TRIALS = 20000
 SPEC = {"beam_width": 3, "beam_length": 2}
-# all trials in flight at once, every step drafting the full tree
-CONFIG = RuntimeConfig(max_num_tokens=8 * TRIALS, max_queue_size=TRIALS, speculation="fixed")
 
 
 def toy_engine() -> Engine:
-    target = tiny_target(seed=7, vocab_size=V)
-    torch.manual_seed(11)
-    drafter = ReDrafter(ReDrafterConfig(vocab_size=V, hidden_size=32, exit_dim=64, num_draft_layers=1, rnn=True)).eval()
-    with torch.no_grad():
-        for p in drafter.parameters():
-            p.normal_(0, 0.4)  # confident and often wrong: acceptance rules are exercised hard
-    build = BuildConfig(max_batch_size=TRIALS, max_input_len=8, max_seq_len=16)
-    spec = DrafterSpec("redrafter", drafter.config.to_json(), SPEC)
-    config = EngineConfig(ARCHITECTURE, target.config.to_hf(), build, drafter=spec)
-    return Engine(config, target, Tokenizer(models.BPE()), drafter)
-
-
-def exact_first_three(target: LlamaForCausalLM, params: SamplingParams) -> torch.Tensor:
-    """P(x1, x2, x3) under the target, `[V, V, V]`, by enumerating prefixes."""
-
-    def q(prefix: list[int]) -> torch.Tensor:
-        ids = torch.tensor([prefix])
-        with torch.no_grad():
-            return target_probs(target(ids, torch.arange(len(prefix))[None]).logits[0, -1], params)
-
-    law = torch.zeros(V, V, V)
-    q1 = q(PROMPT)
-    for a in range(V):
-        q2 = q([*PROMPT, a])
-        for b in range(V):
-            law[a, b] = q1[a] * q2[b] * q([*PROMPT, a, b])
-    return law
+    return toy_sampling.toy_engine("redrafter", SPEC)
 
 
 def emitted_first_three(engine: Engine, params: SamplingParams) -> torch.Tensor:
-    per_request = [
-        SamplingParams(max_tokens=3, temperature=params.temperature, top_k=params.top_k, seed=i) for i in range(TRIALS)
-    ]
-    results = methods.generate(engine, [PROMPT] * TRIALS, per_request, "redrafter", CONFIG)
-    counts = torch.zeros(V, V, V)
-    for r in results:
-        counts[tuple(r.output_ids)] += 1
-    assert sum(r.num_accepted for r in results) > TRIALS // 4, "drafts must get accepted for the test to mean anything"
-    return counts
+    return toy_sampling.emitted_first_three(engine, params, "redrafter")
 
 
 @pytest.mark.parametrize(
@@ -84,7 +40,7 @@ def emitted_first_three(engine: Engine, params: SamplingParams) -> torch.Tensor:
 def test_sampled_redrafter_follows_target_distribution(params: SamplingParams) -> None:
     engine = toy_engine()
     counts = emitted_first_three(engine, params)
-    assert passes_chi_square(counts, exact_first_three(engine.model, params))
+    assert passes_chi_square(counts, toy_sampling.exact_first_three(engine.model, params))
 
 
 def apple_per_beam_accept(
@@ -133,4 +89,4 @@ def test_apple_per_beam_rule_fails_the_same_test(monkeypatch: pytest.MonkeyPatch
     engine = toy_engine()
     monkeypatch.setattr(llm_engine, "accept_batch", apple_rule_batch)
     counts = emitted_first_three(engine, params)
-    assert not passes_chi_square(counts, exact_first_three(engine.model, params))
+    assert not passes_chi_square(counts, toy_sampling.exact_first_three(engine.model, params))

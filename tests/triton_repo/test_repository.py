@@ -35,6 +35,7 @@ INPUTS = {
     "method": (T.TYPE_STRING, [1]),
     "redrafter_beam_width": (T.TYPE_INT32, [1]),
     "redrafter_beam_length": (T.TYPE_INT32, [1]),
+    "rsd_branching": (T.TYPE_INT32, [-1]),
 }
 OUTPUTS = {
     "text_output": (T.TYPE_STRING, [-1]),

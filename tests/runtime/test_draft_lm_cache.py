@@ -1,0 +1,75 @@
+"""The draft LM's own paged KV cache stays right through in-flight batching, chunked
+prefill, accepted-path compaction and preemption.
+
+Losslessness cannot see a corrupted draft cache (a bad draft is merely rejected), so this
+test uses a draft LM *identical* to the target: then no drafted token may ever be
+rejected (every accepted path runs to a leaf of its tree), at every step of every
+request, and any stale, misplaced or missing draft K/V shows up as a rejection. Greedy
+(argmax) and sampled (q = p, so min(1, q/p) = 1) alike.
+Outputs must also equal the target's own greedy output.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models
+
+from model_defs.llama import ARCHITECTURE
+from runtime import llm_engine
+from runtime.engine import Engine
+from runtime.engine_dir import BuildConfig, DrafterSpec, EngineConfig
+from runtime.kv_budget import KVBudget
+from runtime.llm_engine import LLMEngine, RuntimeConfig
+from runtime.sampling import SamplingParams
+from runtime.verify import Acceptance, DraftTree, children_lists
+from tests.tiny_models import tiny_target
+
+V = 11
+SETTINGS: dict[str, Any] = {"beam_width": 2, "beam_length": 3, "branching": (2, 2, 1)}
+
+
+def self_drafting_engine() -> Engine:
+    target, draft = tiny_target(seed=7, vocab_size=V), tiny_target(seed=7, vocab_size=V)
+    build = BuildConfig(max_batch_size=6, max_input_len=64, max_seq_len=128)
+    spec = DrafterSpec("draft-lm", draft.config.to_hf(), SETTINGS)
+    config = EngineConfig(ARCHITECTURE, target.config.to_hf(), build, drafter=spec)
+    return Engine(config, target, Tokenizer(models.BPE()), draft_model=draft)
+
+
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    lengths = [3, 17, 40, 9, 25, 60, 5, 33]
+    return [torch.randint(1, V, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("method", ["sd", "rsd-c", "rsd-s"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_identical_draft_is_always_accepted(method: str, temperature: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    verified: list[bool] = []  # per drafted tree: was its accepted path cut by a rejection?
+
+    def recording(trees: list[DraftTree], *args: Any) -> list[Acceptance]:
+        accs = real_accept(trees, *args)
+        for tree, acc in zip(trees, accs, strict=True):
+            if len(tree.tokens) > 1:
+                verified.append(bool(children_lists(tree.parents)[acc.path[-1]]))
+        return accs
+
+    real_accept = llm_engine.accept_batch
+    monkeypatch.setattr(llm_engine, "accept_batch", recording)
+    engine = self_drafting_engine()
+    # 6 running of 8, 48-token steps (prompts are chunked), a KV cache small enough to preempt
+    config = RuntimeConfig(
+        max_batch_size=6, max_num_tokens=48, max_draft_tokens=16, kv=KVBudget(max_tokens=240), speculation="fixed"
+    )
+    llm = LLMEngine(engine, config)
+    params = [SamplingParams(max_tokens=40, temperature=temperature, seed=i, ignore_eos=True) for i in range(8)]
+    results = llm.generate(prompts(), params, method)
+    assert llm.scheduler.num_decode_preemptions > 0, "the KV budget must force preemption mid-decode"
+    assert len(verified) > 50
+    assert not any(verified), f"{sum(verified)} of {len(verified)} trees had a drafted token rejected"
+    if temperature == 0:
+        reference = LLMEngine(engine, RuntimeConfig(max_batch_size=6)).generate(prompts(), params, "ar")
+        assert [r.output_ids for r in results] == [r.output_ids for r in reference]

@@ -1,0 +1,177 @@
+"""Recursive rejection sampling is exact (RSD Theorem 3.1), and the samplers that feed it
+draw without replacement.
+
+- Exact enumeration: for K = 1..4 candidates drawn without replacement from p, the law of
+  the emitted token is computed in closed form from `rejection_step` over every ordered
+  K-tuple and must equal q to 1e-12, including adversarial p (mass where q is zero,
+  p = q, disjoint supports, p with zeros). Two plausible bugs (not renormalising the
+  draft after a rejection; not removing the rejected token from it) fail the same check.
+- Monte Carlo through the production code: single-level trees drafted by Gumbel-top-k
+  and verified by `accept_sampled_batch` (chi-square, p = 0.001).
+- Gumbel-top-k orders follow the without-replacement law; truncated Gumbels keep order
+  and hit the parent's value; Stochastic Beam Search's best beam is a sample of the
+  sequence law.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from runtime.gumbel import gumbel_noise, gumbel_top_k, truncated_gumbel
+from runtime.rsd import _beam_level, _Growing
+from runtime.sampling import SamplingParams
+from runtime.verify import DraftTree, accept_sampled_batch, rejection_step
+from tests.stats import passes_chi_square
+
+Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def output_law(q: torch.Tensor, p: torch.Tensor, k: int, step: Step = rejection_step) -> torch.Tensor:
+    """Exact law of the emitted token when k candidates are drawn from p without
+    replacement and tried in order with `step`, the residual sampled if all fail."""
+    law = torch.zeros_like(q)
+    support = p.nonzero().flatten().tolist()
+    for xs in itertools.permutations(support, k):
+        prob_tuple, remaining = 1.0, 1.0
+        for x in xs:  # probability of this ordered draw without replacement
+            prob_tuple *= float(p[x]) / remaining
+            remaining -= float(p[x])
+        reach = 1.0  # probability every earlier candidate was rejected
+        q_k, p_k = q.clone(), p.clone()
+        for x in xs:
+            a, q_next, p_next = step(q_k, p_k, torch.tensor(x))
+            law[x] += prob_tuple * reach * float(a)
+            reach *= 1 - float(a)
+            q_k, p_k = q_next, p_next
+        law += prob_tuple * reach * q_k
+    return law
+
+
+def random_law(gen: torch.Generator, v: int, zeros: int = 0) -> torch.Tensor:
+    w = torch.rand(v, generator=gen, dtype=torch.float64) ** 3  # uneven
+    w[torch.randperm(v, generator=gen)[:zeros]] = 0
+    return w / w.sum()
+
+
+def cases() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    v = 6
+    out = [(f"random-{i}", random_law(gen, v), random_law(gen, v)) for i in range(4)]
+    q = random_law(gen, v, zeros=2)
+    out.append(("draft-mass-where-target-is-zero", q, random_law(gen, v)))
+    out.append(("draft-equals-target", q, q.clone()))
+    disjoint_q = torch.tensor([0.5, 0.3, 0.2, 0, 0, 0], dtype=torch.float64)
+    disjoint_p = torch.tensor([0, 0, 0, 0.1, 0.6, 0.3], dtype=torch.float64)
+    out.append(("disjoint-supports", disjoint_q, disjoint_p))
+    out.append(("draft-with-zeros", random_law(gen, v), random_law(gen, v, zeros=1)))
+    return out
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+@pytest.mark.parametrize(("name", "q", "p"), cases(), ids=[c[0] for c in cases()])
+def test_theorem_3_1_exact_by_enumeration(name: str, q: torch.Tensor, p: torch.Tensor, k: int) -> None:
+    k = min(k, int((p > 0).sum()))  # cannot draw more distinct tokens than p's support
+    torch.testing.assert_close(output_law(q, p, k), q, atol=1e-12, rtol=0)
+
+
+def step_without_renormalising(q: torch.Tensor, p: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    a, q_next, _ = rejection_step(q, p, x)
+    return a, q_next, p.scatter(-1, x[..., None], 0.0)  # bug: x removed, p not renormalised
+
+
+def step_with_replacement(q: torch.Tensor, p: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    a, q_next, _ = rejection_step(q, p, x)
+    return a, q_next, p  # bug: the draft law is not updated at all
+
+
+@pytest.mark.parametrize("wrong", [step_without_renormalising, step_with_replacement])
+def test_wrong_variants_fail_the_enumeration(wrong: Step) -> None:
+    errors = [float((output_law(q, p, k, wrong) - q).abs().max()) for _, q, p in cases() for k in (2, 3)]
+    assert max(errors) > 1e-2
+
+
+def test_point_mass_step_removes_the_token() -> None:
+    q = torch.tensor([0.1, 0.6, 0.3], dtype=torch.float64)
+    a, q_next, _ = rejection_step(q, torch.tensor([0.0, 1.0, 0.0], dtype=torch.float64), torch.tensor(1))
+    assert float(a) == pytest.approx(0.6)
+    torch.testing.assert_close(q_next, torch.tensor([0.25, 0.0, 0.75], dtype=torch.float64))
+
+
+def test_batched_acceptance_of_sampled_siblings_is_exact() -> None:
+    """Production path: a root with K = 3 children drawn by Gumbel-top-k from p, verified
+    by `accept_sampled_batch` many trees at once; the emitted token must follow q, and a
+    test of the test: the same counts are far from p."""
+    v, k, trials = 5, 3, 12000
+    logits = torch.tensor([1.2, -0.3, 0.4, 0.9, -1.5])  # target at the root
+    p = torch.tensor([0.05, 0.4, 0.3, 0.05, 0.2])  # a draft that disagrees
+    params = SamplingParams(temperature=1.0)
+    gens = [torch.Generator().manual_seed(i) for i in range(trials)]
+    trees = []
+    for g in gens:
+        kids = gumbel_top_k(p.log(), k, g).tolist()
+        trees.append(DraftTree([0, *kids], [-1] + [0] * k, p.log().expand(k + 1, v).clone(), sampled=True))
+    rows = [logits.expand(k + 1, v)] * trials  # children's rows unused: they are leaves of one level
+    accs = accept_sampled_batch(trees, rows, [params] * trials, gens)
+    counts = torch.zeros(v)
+    for acc in accs:
+        counts[acc.tokens[0]] += 1
+    q = torch.softmax(logits, -1)
+    assert passes_chi_square(counts, q)
+    assert not passes_chi_square(counts, p)
+    assert sum(a.num_accepted for a in accs) > trials // 3
+
+
+def test_gumbel_top_k_draws_without_replacement() -> None:
+    p = torch.tensor([0.5, 0.25, 0.15, 0.1])
+    gen = torch.Generator().manual_seed(1)
+    counts = torch.zeros(4, 4)
+    for _ in range(8000):
+        a, b = gumbel_top_k(p.log(), 2, gen).tolist()
+        counts[a, b] += 1
+    law = p[:, None] * p[None, :] / (1 - p[:, None])  # P(x1) P(x2 | x1 removed)
+    law.fill_diagonal_(0)
+    assert passes_chi_square(counts, law)
+
+
+def test_gumbel_top_k_never_draws_zero_probability_tokens() -> None:
+    log_p = torch.tensor([0.0, float("-inf"), float("-inf"), float("-inf")])
+    assert gumbel_top_k(log_p, 3, torch.Generator().manual_seed(0)).tolist() == [0]
+    assert gumbel_top_k(torch.tensor([-1.0, -0.1, -3.0]), 2, None).tolist() == [1, 0]
+
+
+def test_truncated_gumbel_keeps_order_and_hits_the_bound() -> None:
+    gen = torch.Generator().manual_seed(2)
+    perturbed = torch.tensor([[-1.0, 0.5, float("-inf"), -3.0]], dtype=torch.float64)
+    perturbed = perturbed + gumbel_noise((1, 4), gen, "cpu")
+    upper = torch.tensor([-0.7], dtype=torch.float64)
+    out = truncated_gumbel(perturbed, upper)
+    assert float(out.max()) == pytest.approx(-0.7, abs=1e-12)
+    assert out[0, 2] == float("-inf")
+    finite = perturbed[0] > float("-inf")
+    assert torch.equal(torch.argsort(out[0, finite]), torch.argsort(perturbed[0, finite]))
+    assert bool((out <= upper[:, None] + 1e-12).all())
+
+
+def test_stochastic_beam_search_best_beam_is_a_sample_of_the_sequence_law() -> None:
+    """Two SBS levels over a 3-token Markov law: the best surviving beam (first in the
+    returned order) must be distributed as the 2-token sequence law (Kool et al. 2019)."""
+    first = torch.tensor([0.6, 0.3, 0.1])
+    after = torch.tensor([[0.2, 0.5, 0.3], [0.7, 0.2, 0.1], [0.1, 0.1, 0.8]])  # row = previous token
+    counts = torch.zeros(3, 3)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(6000):
+        tree = _Growing([0], [-1], [torch.zeros(0)], [0], [0.0], [0.0])
+        laws = {(0, 0): first.log()}
+        picks = _beam_level(tree, laws, 0, 2, gen)
+        tree.tokens += [t for _, t in picks]
+        tree.frontier = [1, 2][: len(picks)]
+        for node, (_, t) in zip(tree.frontier, picks, strict=True):
+            laws[0, node] = after[t].log()
+        second = _beam_level(tree, laws, 0, 2, gen)
+        parent, token = second[0]
+        counts[tree.tokens[parent], token] += 1
+    assert passes_chi_square(counts, first[:, None] * after)

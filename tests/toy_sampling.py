@@ -1,0 +1,76 @@
+"""Toy engines and exact sequence laws for the sampling-distribution tests: a random
+tiny-vocabulary target, drafters that disagree with it, and the exact law of the first
+three emitted tokens, against which production runs are counted and chi-square tested."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer, models
+
+from model_defs.llama import ARCHITECTURE, LlamaForCausalLM
+from model_defs.redrafter import ReDrafter, ReDrafterConfig
+from runtime import methods
+from runtime.engine import Engine
+from runtime.engine_dir import BuildConfig, DrafterSpec, EngineConfig
+from runtime.llm_engine import RuntimeConfig
+from runtime.sampling import SamplingParams, target_probs
+from tests.tiny_models import tiny_target
+
+V = 4
+PROMPT = [1, 3, 2]
+TRIALS = 20000
+# all trials in flight at once, every step drafting the full tree
+CONFIG = RuntimeConfig(max_num_tokens=16 * TRIALS, max_queue_size=TRIALS, speculation="fixed")
+
+
+def toy_engine(drafter_kind: str, settings: dict[str, Any]) -> Engine:
+    """The toy target with a "redrafter" RNN drafter or a "draft-lm" (another random
+    tiny Llama), both confident and often wrong, so acceptance rules are exercised hard."""
+    target = tiny_target(seed=7, vocab_size=V)
+    build = BuildConfig(max_batch_size=TRIALS, max_input_len=8, max_seq_len=16)
+    torch.manual_seed(11)
+    if drafter_kind == "redrafter":
+        rnn = ReDrafter(ReDrafterConfig(vocab_size=V, hidden_size=32, exit_dim=64, num_draft_layers=1, rnn=True))
+        with torch.no_grad():
+            for p in rnn.parameters():
+                p.normal_(0, 0.4)
+        spec = DrafterSpec("redrafter", rnn.config.to_json(), settings)
+        config = EngineConfig(ARCHITECTURE, target.config.to_hf(), build, drafter=spec)
+        return Engine(config, target, Tokenizer(models.BPE()), drafter=rnn.eval())
+    draft = tiny_target(seed=5, vocab_size=V)
+    spec = DrafterSpec("draft-lm", draft.config.to_hf(), settings)
+    config = EngineConfig(ARCHITECTURE, target.config.to_hf(), build, drafter=spec)
+    return Engine(config, target, Tokenizer(models.BPE()), draft_model=draft)
+
+
+def exact_first_three(target: LlamaForCausalLM, params: SamplingParams) -> torch.Tensor:
+    """P(x1, x2, x3) under the target, `[V, V, V]`, by enumerating prefixes."""
+
+    def q(prefix: list[int]) -> torch.Tensor:
+        ids = torch.tensor([prefix])
+        with torch.no_grad():
+            return target_probs(target(ids, torch.arange(len(prefix))[None]).logits[0, -1], params)
+
+    law = torch.zeros(V, V, V)
+    q1 = q(PROMPT)
+    for a in range(V):
+        q2 = q([*PROMPT, a])
+        for b in range(V):
+            law[a, b] = q1[a] * q2[b] * q([*PROMPT, a, b])
+    return law
+
+
+def emitted_first_three(engine: Engine, params: SamplingParams, method: str) -> torch.Tensor:
+    """Counts of the first three tokens of TRIALS seeded requests, all in flight at once."""
+    per_request = [
+        SamplingParams(max_tokens=3, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=i)
+        for i in range(TRIALS)
+    ]
+    results = methods.generate(engine, [PROMPT] * TRIALS, per_request, method, CONFIG)
+    counts = torch.zeros(V, V, V)
+    for r in results:
+        counts[tuple(r.output_ids)] += 1
+    assert sum(r.num_accepted for r in results) > TRIALS // 4, "drafts must get accepted for the test to mean anything"
+    return counts
