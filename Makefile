@@ -8,6 +8,7 @@ DRAFTER ?= models/demo-redrafter
 DRAFT_LM ?= models/demo-draft-lm
 ENGINE ?= engines/demo
 SPEC_ENGINE ?= engines/demo-redrafter
+DRAFT_ENGINE ?= engines/demo-draft-lm
 PYTEST_ARGS ?=
 
 DEMO_PROMPTS := --prompt "def fibonacci(n):" \
@@ -45,7 +46,10 @@ $(ENGINE)/config.json: $(STAMP) $(BUILDER) $(MODEL)/config.json $(MODEL)/model.s
 $(SPEC_ENGINE)/config.json: $(STAMP) $(BUILDER) $(MODEL)/model.safetensors $(DRAFTER)/config.json $(DRAFTER)/model.safetensors
 	$(BIN)/python -m build.engine --checkpoint $(MODEL) --drafter $(DRAFTER) --output $(SPEC_ENGINE) --max-batch-size 32 --force
 
-engine: $(ENGINE)/config.json $(SPEC_ENGINE)/config.json  ## build $(ENGINE) (target only) and $(SPEC_ENGINE) (+ ReDrafter)
+$(DRAFT_ENGINE)/config.json: $(STAMP) $(BUILDER) $(MODEL)/model.safetensors $(DRAFT_LM)/config.json $(DRAFT_LM)/model.safetensors
+	$(BIN)/python -m build.engine --checkpoint $(MODEL) --draft-model $(DRAFT_LM) --output $(DRAFT_ENGINE) --max-batch-size 32 --force
+
+engine: $(ENGINE)/config.json $(SPEC_ENGINE)/config.json $(DRAFT_ENGINE)/config.json  ## build $(ENGINE) (target only), $(SPEC_ENGINE) (+ ReDrafter RNN) and $(DRAFT_ENGINE) (+ draft LM)
 
 demo: engine  ## set up, build the demo engines, generate in-process (ReDrafter vs AR), then serve with Triton and stream
 	@echo "== ReDrafter (speculative, lossless) =="

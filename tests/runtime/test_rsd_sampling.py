@@ -23,7 +23,9 @@ SETTINGS = {"beam_width": 3, "beam_length": 2, "branching": (3, 2)}
 PARAMS = SamplingParams(temperature=0.9, top_p=0.9)
 
 
-@pytest.mark.parametrize("drafter", ["redrafter", "draft-lm"])
+# the draft LM exercises the most code (its own cache, catch-up, compaction); the RNN runs
+# the same verifier, so its three runs (~1 min each) are in the slow suite
+@pytest.mark.parametrize("drafter", [pytest.param("redrafter", marks=pytest.mark.slow), "draft-lm"])
 @pytest.mark.parametrize("method", ["rsd-c", "rsd-s", "sd"])
 def test_rsd_follows_target_distribution(method: str, drafter: str) -> None:
     engine = toy_sampling.toy_engine(drafter, SETTINGS)
