@@ -31,6 +31,7 @@ from model_defs.checkpoint import CheckpointError, load_llama_checkpoint, read_l
 from model_defs.llama import ARCHITECTURE, LlamaConfig
 from model_defs.redrafter import ReDrafter
 from runtime.engine_dir import DRAFTER_PREFIX, DTYPES, TOKENIZER_FILE, BuildConfig, DrafterSpec, EngineConfig, rank_file
+from runtime.llm_engine import METHODS
 from runtime.redrafter import ReDrafterParams
 from runtime.rsd import DEFAULT_BRANCHING, parse_branching
 
@@ -227,6 +228,12 @@ def main(argv: list[str] | None = None) -> int:
         help="default draft tokens per beam (L) (default: %(default)s)",
     )
     drafting.add_argument(
+        "--method",
+        choices=[m for m in METHODS if m != "ar"],
+        help="the engine's default decoding method (requests may name another); "
+        "default: redrafter with --drafter, sd with --draft-model",
+    )
+    drafting.add_argument(
         "--branching",
         type=parse_branching,
         default=DEFAULT_BRANCHING,
@@ -236,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         settings = asdict(ReDrafterParams(args.beam_width, args.beam_length)) | {"branching": list(args.branching)}
+        if args.method:
+            settings["method"] = args.method
         out = build_engine(
             args.checkpoint,
             args.output,

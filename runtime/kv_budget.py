@@ -42,10 +42,14 @@ def kv_cache_blocks(
     engine: Engine, budget: KVBudget, block_size: int, max_batch_size: int, max_draft_tokens: int
 ) -> int:
     """Blocks to allocate; at least enough for one request of max_seq_len plus a full
-    draft tree, so preemption can always make progress."""
-    cfg = engine.model.config
-    per_token = PagedKVCache.bytes_per_token(
-        cfg.num_hidden_layers, engine.model.num_local_kv_heads, cfg.head_dim, engine.model.lm_head.weight.dtype
+    draft tree, so preemption can always make progress. A draft LM's cache has as many
+    blocks (it shares the block tables), so its bytes count against the same budget."""
+    per_token = sum(
+        PagedKVCache.bytes_per_token(
+            m.config.num_hidden_layers, m.num_local_kv_heads, m.config.head_dim, m.lm_head.weight.dtype
+        )
+        for m in (engine.model, engine.draft_model)
+        if m is not None
     )
     longest = engine.config.build.max_seq_len + max_draft_tokens + 1
     limits = []

@@ -226,7 +226,7 @@ class LLMEngine:
     @property
     def default_method(self) -> str:
         drafter = self.engine.config.drafter
-        return DEFAULT_METHOD[drafter.kind] if drafter else "ar"
+        return drafter.settings.get("method", DEFAULT_METHOD[drafter.kind]) if drafter else "ar"
 
     def _spec(self, method: str, overrides: dict[str, Any]) -> SpecParams | None:
         """The request's drafting parameters: the engine's defaults, then its overrides
@@ -242,6 +242,7 @@ class LLMEngine:
             )
         settings = asdict(ReDrafterParams()) | {"branching": DEFAULT_BRANCHING} | drafter.settings
         settings |= {k: v for k, v in overrides.items() if v is not None}
+        settings.pop("method", None)
         beams = ReDrafterParams(settings["beam_width"], settings["beam_length"])
         spec: SpecParams
         if method == "redrafter" and drafter.kind == "redrafter":

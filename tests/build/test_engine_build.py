@@ -19,6 +19,7 @@ from build.engine import BuildError, build_engine, main
 from model_defs.redrafter import ReDrafter, ReDrafterConfig
 from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig
+from runtime.llm_engine import LLMEngine
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = BuildConfig(max_batch_size=2, max_input_len=32, max_seq_len=64)
@@ -186,3 +187,31 @@ def test_drafter_for_another_target_is_refused(tiny_checkpoint: Path, tmp_path: 
     with pytest.raises(BuildError, match=r"drafter/config.json: drafter vocab_size 321 != target vocab_size 320"):
         build_engine(tiny_checkpoint, tmp_path / "eng", SMALL, drafter=drafter)
     assert not (tmp_path / "eng").exists()
+
+
+def test_draft_model_engine_round_trips(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """A draft LM (here the tiny checkpoint drafting for itself) is carried under the
+    drafter prefix, loads back as a Llama with its own weights, and sets the default method."""
+    build = BuildConfig(max_batch_size=2, max_input_len=32, max_seq_len=64, drafter_dtype="float32")
+    out = build_engine(
+        tiny_checkpoint, tmp_path / "eng", build, draft_model=tiny_checkpoint, drafter_settings={"method": "rsd-s"}
+    )
+    engine = Engine.load(out)
+    assert engine.drafter is None and engine.draft_model is not None
+    assert engine.config.drafter is not None and engine.config.drafter.kind == "draft-lm"
+    for (name, a), b in zip(engine.model.state_dict().items(), engine.draft_model.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, msg=name)  # same checkpoint, same dtype
+    assert LLMEngine(engine).default_method == "rsd-s"
+
+
+def test_draft_model_must_share_the_vocabulary(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    draft = copy_ckpt(tiny_checkpoint, tmp_path / "draft")
+    config = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps(config | {"vocab_size": 400}))
+    tensors = load_file(str(draft / "model.safetensors"))
+    tensors["model.embed_tokens.weight"], tensors["lm_head.weight"] = torch.zeros(400, 32), torch.zeros(400, 32)
+    save_file(tensors, str(draft / "model.safetensors"))
+    with pytest.raises(BuildError, match="draft model vocab_size 400 != target vocab_size 320"):
+        build_engine(tiny_checkpoint, tmp_path / "eng", SMALL, draft_model=draft)
+    with pytest.raises(BuildError, match="not both"):
+        build_engine(tiny_checkpoint, tmp_path / "eng", SMALL, drafter=draft, draft_model=draft)

@@ -123,6 +123,10 @@ def test_concurrent_streams_equal_their_solo_runs(server: TritonServer, engine: 
                 ("redrafter", {"temperature": 0.7, "top_p": 0.9, "seed": 5}),
                 ("redrafter", {}),
                 ("redrafter", {"beam_width": 1, "beam_length": 2}),
+                ("rsd-s", {"beam_width": 3, "beam_length": 3}),
+                ("rsd-c", {"branching": (3, 1, 1)}),
+                ("sd", {"beam_length": 3}),
+                ("rsd-c", {"temperature": 0.9, "top_p": 0.95, "seed": 6}),
             ]
         )
     ]
@@ -132,7 +136,7 @@ def test_concurrent_streams_equal_their_solo_runs(server: TritonServer, engine: 
         if "temperature" in req:
             assert res["num_output_tokens"] >= 1
             continue
-        overrides = {k: req[k] for k in ("beam_width", "beam_length") if k in req}
+        overrides = {k: req[k] for k in ("beam_width", "beam_length", "branching") if k in req}
         expected = solo_text(
             engine, req["prompt"], SamplingParams(max_tokens=req["max_tokens"]), req["method"], **overrides
         )
