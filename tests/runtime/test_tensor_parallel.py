@@ -145,13 +145,31 @@ def demo_engines(tmp_path_factory: pytest.TempPathFactory) -> tuple[Engine, Path
     return Engine.load(tp1), tp2
 
 
+@pytest.fixture(scope="module")
+def draft_lm_engines(tmp_path_factory: pytest.TempPathFactory) -> tuple[Engine, Path]:
+    """The demo target + its draft LM (which runs on rank 0 only, with its own cache)."""
+    out = tmp_path_factory.mktemp("tp-draft-engines")
+    tp1, tp2 = (
+        build_engine(
+            MODELS / "demo-target",
+            out / f"tp{n}",
+            replace(BUILD, tp_size=n),
+            draft_model=MODELS / "demo-draft-lm",
+        )
+        for n in (1, 2)
+    )
+    return Engine.load(tp1), tp2
+
+
 @needs_mpirun
-@pytest.mark.parametrize("method", ["ar", "redrafter"])
-def test_tp2_greedy_equals_tp1(demo_engines: tuple[Engine, Path], method: str) -> None:
-    engine, tp2 = demo_engines
+@pytest.mark.parametrize(
+    ("drafter", "method"), [("rnn", "ar"), ("rnn", "redrafter"), ("rnn", "rsd-s"), ("draft-lm", "rsd-c")]
+)
+def test_tp2_greedy_equals_tp1(drafter: str, method: str, request: pytest.FixtureRequest) -> None:
+    engine, tp2 = request.getfixturevalue("demo_engines" if drafter == "rnn" else "draft_lm_engines")
     outputs = tp2_outputs(tp2, method)
     assert [o["output_ids"] for o in outputs] == tp1_output_ids(engine, method)
-    if method == "redrafter":
+    if method != "ar":
         assert sum(o["num_accepted"] for o in outputs) > 0, "no draft was accepted: KV moves went untested"
 
 
