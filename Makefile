@@ -51,11 +51,13 @@ $(DRAFT_ENGINE)/config.json: $(STAMP) $(BUILDER) $(MODEL)/model.safetensors $(DR
 
 engine: $(ENGINE)/config.json $(SPEC_ENGINE)/config.json $(DRAFT_ENGINE)/config.json  ## build $(ENGINE) (target only), $(SPEC_ENGINE) (+ ReDrafter RNN) and $(DRAFT_ENGINE) (+ draft LM)
 
-demo: engine  ## set up, build the demo engines, generate in-process (ReDrafter vs AR), then serve with Triton and stream
+demo: engine  ## set up, build the demo engines, generate in-process (ReDrafter vs AR, RSD-S), then serve with Triton and stream
 	@echo "== ReDrafter (speculative, lossless) =="
 	$(BIN)/python -m runtime.generate --engine $(SPEC_ENGINE) $(DEMO_PROMPTS) --max-tokens 64
 	@echo "== auto-regressive baseline: same tokens, one target forward per token =="
 	$(BIN)/python -m runtime.generate --engine $(SPEC_ENGINE) --method ar $(DEMO_PROMPTS) --max-tokens 64
+	@echo "== Recursive Speculative Decoding (RSD-S) with the draft LM, sampling at temperature 0.7: same distribution as the target =="
+	$(BIN)/python -m runtime.generate --engine $(DRAFT_ENGINE) --method rsd-s $(DEMO_PROMPTS) --max-tokens 64 --temperature 0.7 --seed 0
 	@echo "== Triton Inference Server: start, stream three completions over gRPC, stop =="
 	$(BIN)/python -m triton_repo.demo --engine $(SPEC_ENGINE) --max-tokens 48
 
