@@ -6,16 +6,18 @@ STAMP  := $(VENV)/.installed-$(shell cat requirements.txt constraints.txt | cksu
 MODEL  ?= models/demo-target
 DRAFTER ?= models/demo-redrafter
 DRAFT_LM ?= models/demo-draft-lm
+LYANNA ?= models/demo-lyanna
 ENGINE ?= engines/demo
 SPEC_ENGINE ?= engines/demo-redrafter
 DRAFT_ENGINE ?= engines/demo-draft-lm
+LYANNA_ENGINE ?= engines/demo-lyanna
 PYTEST_ARGS ?=
 
 DEMO_PROMPTS := --prompt "def fibonacci(n):" \
 	--prompt "$$(printf 'class Stack:\n    def __init__(self):')" \
 	--prompt "$$(printf 'import os\n\n\ndef list_python_files(path):')"
 
-.PHONY: help setup mpi engine demo serve test test-slow lint format model drafter draft-lm bench-redrafter bench-batch bench-drafter-tp loadtest bench-table2 export-trtllm clean
+.PHONY: help setup mpi engine demo serve test test-slow lint format model drafter draft-lm lyanna bench-redrafter bench-batch bench-rsd bench-lyanna bench-drafter-tp loadtest bench-table2 export-trtllm clean
 
 help:  ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 18
@@ -49,7 +51,10 @@ $(SPEC_ENGINE)/config.json: $(STAMP) $(BUILDER) $(MODEL)/model.safetensors $(DRA
 $(DRAFT_ENGINE)/config.json: $(STAMP) $(BUILDER) $(MODEL)/model.safetensors $(DRAFT_LM)/config.json $(DRAFT_LM)/model.safetensors
 	$(BIN)/python -m build.engine --checkpoint $(MODEL) --draft-model $(DRAFT_LM) --output $(DRAFT_ENGINE) --max-batch-size 32 --force
 
-engine: $(ENGINE)/config.json $(SPEC_ENGINE)/config.json $(DRAFT_ENGINE)/config.json  ## build $(ENGINE) (target only), $(SPEC_ENGINE) (+ ReDrafter RNN) and $(DRAFT_ENGINE) (+ draft LM)
+$(LYANNA_ENGINE)/config.json: $(STAMP) $(BUILDER) $(MODEL)/model.safetensors $(LYANNA)/config.json $(LYANNA)/model.safetensors
+	$(BIN)/python -m build.engine --checkpoint $(MODEL) --lyanna $(LYANNA) --output $(LYANNA_ENGINE) --max-batch-size 32 --force
+
+engine: $(ENGINE)/config.json $(SPEC_ENGINE)/config.json $(DRAFT_ENGINE)/config.json $(LYANNA_ENGINE)/config.json  ## build $(ENGINE) (target only) and one engine per drafter: $(SPEC_ENGINE) (ReDrafter RNN), $(DRAFT_ENGINE) (draft LM), $(LYANNA_ENGINE) (Lyanna)
 
 demo: engine  ## set up, build the demo engines, generate in-process (ReDrafter vs AR, RSD-S), then serve with Triton and stream
 	@echo "== ReDrafter (speculative, lossless) =="
@@ -90,11 +95,20 @@ drafter: setup  ## re-train the demo ReDrafter drafter by distillation from $(MO
 draft-lm: setup  ## re-train the demo draft LM by distillation from $(MODEL)
 	$(BIN)/python -m training.train_draft_lm --target $(MODEL) --out $(DRAFT_LM)
 
+lyanna: setup  ## re-train the demo Lyanna drafter (one-layer chain + token-info bias) from $(MODEL)
+	$(BIN)/python -m training.train_lyanna --target $(MODEL) --out $(LYANNA)
+
 bench-redrafter: engine  ## W x L x T sweep: tau, acceptance, compression, speedup -> benchmarks/results/
 	$(BIN)/python -m benchmarks.redrafter_sweep --engine $(SPEC_ENGINE)
 
 bench-batch: engine  ## throughput + tau vs batch size: AR, fixed and load-aware ReDrafter -> benchmarks/results/
 	$(BIN)/python -m benchmarks.batch_sweep --engine $(SPEC_ENGINE)
+
+bench-rsd: engine  ## RSD Exp1/Exp2: tau + speedup vs AR for sd, rsd-c, rsd-s, redrafter on both drafters -> benchmarks/results/
+	$(BIN)/python -m benchmarks.rsd_sweep
+
+bench-lyanna: engine  ## Lyanna §7 tables: conditional acceptance, tau/speedup vs AR and ReDrafter, hot-token table, one-pass LM head -> benchmarks/results/
+	$(BIN)/python -m benchmarks.lyanna_sweep
 
 URL ?= localhost:8001
 RATE ?= 2

@@ -29,9 +29,11 @@ from tokenizers import Tokenizer
 from build.tp_shard import shard_tensors
 from model_defs.checkpoint import CheckpointError, load_llama_checkpoint, read_llama_config
 from model_defs.llama import ARCHITECTURE, LlamaConfig
+from model_defs.lyanna import LyannaDrafter
 from model_defs.redrafter import ReDrafter
 from runtime.engine_dir import DRAFTER_PREFIX, DTYPES, TOKENIZER_FILE, BuildConfig, DrafterSpec, EngineConfig, rank_file
 from runtime.llm_engine import METHODS
+from runtime.lyanna import LyannaParams
 from runtime.redrafter import ReDrafterParams
 from runtime.rsd import DEFAULT_BRANCHING, parse_branching
 
@@ -84,6 +86,26 @@ def load_draft_model(
     return spec, {DRAFTER_PREFIX + k: v for k, v in tensors.items()}
 
 
+def load_lyanna(
+    path: Path, target: LlamaConfig, settings: dict[str, Any]
+) -> tuple[DrafterSpec, dict[str, torch.Tensor]]:
+    """Load and check a Lyanna drafter against the target whose hidden states, embedding and
+    LM head it uses."""
+    try:
+        drafter = LyannaDrafter.from_pretrained(path)
+    except CheckpointError as e:
+        raise BuildError(str(e)) from e
+    cfg = drafter.config
+    for name, ours, theirs in (
+        ("vocab_size", cfg.vocab_size, target.vocab_size),
+        ("hidden_size", cfg.hidden_size, target.hidden_size),
+    ):
+        if ours != theirs:
+            raise BuildError(f"{path / 'config.json'}: drafter {name} {ours} != target {name} {theirs}; wrong target?")
+    spec = DrafterSpec("lyanna", cfg.to_json(), asdict(LyannaParams()) | settings)
+    return spec, {DRAFTER_PREFIX + k: v for k, v in drafter.state_dict().items()}
+
+
 def load_drafter(
     path: Path, target: LlamaConfig, settings: dict[str, Any]
 ) -> tuple[DrafterSpec, dict[str, torch.Tensor]]:
@@ -112,9 +134,10 @@ def build_engine(
     drafter: Path | None = None,
     drafter_settings: dict[str, Any] | None = None,
     draft_model: Path | None = None,
+    lyanna: Path | None = None,
 ) -> Path:
-    """Validate `checkpoint` (and `drafter`, the ReDrafter RNN, or `draft_model`, a draft LM:
-    at most one) and write the engine dir `output`; returns `output`."""
+    """Validate `checkpoint` (and at most one of `drafter`, the ReDrafter RNN, `draft_model`,
+    a draft LM, and `lyanna`, a Lyanna drafter) and write the engine dir `output`."""
     if output.exists() and not force:
         raise BuildError(f"{output}: already exists (pass --force to replace it)")
     try:
@@ -128,13 +151,16 @@ def build_engine(
     tok_path = tokenizer or checkpoint / TOKENIZER_FILE
     check_tokenizer(tok_path, cfg)
     spec = None
-    if drafter is not None and draft_model is not None:
-        raise BuildError("give --drafter (ReDrafter RNN) or --draft-model (draft LM), not both")
+    if sum(d is not None for d in (drafter, draft_model, lyanna)) > 1:
+        raise BuildError("give one of --drafter (ReDrafter RNN), --draft-model (draft LM) or --lyanna, not both")
     if drafter is not None:
         spec, drafter_tensors = load_drafter(drafter, cfg, drafter_settings or {})
         tensors = tensors | drafter_tensors
     if draft_model is not None:
         spec, drafter_tensors = load_draft_model(draft_model, cfg, tok_path, drafter_settings or {})
+        tensors = tensors | drafter_tensors
+    if lyanna is not None:
+        spec, drafter_tensors = load_lyanna(lyanna, cfg, drafter_settings or {})
         tensors = tensors | drafter_tensors
     if build.max_seq_len > cfg.max_position_embeddings:
         print(
@@ -150,6 +176,8 @@ def build_engine(
     try:
         weights = {
             k: v.to(build.drafter_torch_dtype if k.startswith(DRAFTER_PREFIX) else build.torch_dtype).contiguous()
+            if v.is_floating_point()
+            else v.contiguous()  # integer tensors (Lyanna's hot token ids) keep their dtype
             for k, v in tensors.items()
         }
         for rank in range(build.tp_size):
@@ -215,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
         help="draft LM directory (HF LlamaForCausalLM sharing the target's vocabulary), for sd / rsd-c / rsd-s",
     )
     drafting.add_argument(
+        "--lyanna",
+        type=Path,
+        help="Lyanna drafter directory (config.json + model.safetensors, training/train_lyanna.py)",
+    )
+    drafting.add_argument(
         "--drafter-dtype", choices=sorted(DTYPES), default=defaults.drafter_dtype, help=BUILD_HELP["drafter_dtype"]
     )
     spec = ReDrafterParams()
@@ -231,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         "--method",
         choices=[m for m in METHODS if m != "ar"],
         help="the engine's default decoding method (requests may name another); "
-        "default: redrafter with --drafter, sd with --draft-model",
+        "default: redrafter with --drafter, sd with --draft-model, lyanna with --lyanna",
     )
     drafting.add_argument(
         "--branching",
@@ -254,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             args.drafter,
             settings,
             args.draft_model,
+            args.lyanna,
         )
     except ValueError as e:  # BuildError, CheckpointError and config validation
         print(f"error: {e}", file=sys.stderr)

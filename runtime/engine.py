@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from model_defs import redrafter
+from model_defs import lyanna, redrafter
 from model_defs.checkpoint import validate_tensors
 from model_defs.llama import LlamaConfig, LlamaForCausalLM, expected_shapes
 from runtime.engine_dir import DRAFTER_PREFIX, EngineConfig, rank_file
@@ -24,6 +24,10 @@ class Engine:
     """The ReDrafter RNN drafter (engines built with --drafter)."""
     draft_model: LlamaForCausalLM | None = None
     """A draft LM (engines built with --draft-model); it keeps its own KV cache."""
+    lyanna_drafter: lyanna.LyannaDrafter | None = None
+    """The Lyanna drafter (engines built with --lyanna)."""
+    token_table: lyanna.HotTokenTable | None = None
+    """Lyanna's token-info bias collapsed to its hot tokens (computed at load)."""
 
     @classmethod
     def load(cls, engine_dir: str | Path, device: str = "cpu", rank: int = 0) -> Engine:
@@ -51,8 +55,17 @@ class Engine:
         validate_tensors(tensors, dict.fromkeys(tensors, weights_path), expected_shapes(model_cfg, tp_size))
         model = LlamaForCausalLM.from_tensors(model_cfg, tensors, config.build.torch_dtype, tp_size).to(device)
         tokenizer = Tokenizer.from_file(str(engine_dir / config.tokenizer))
-        drafter, draft_model = None, None
-        if config.drafter is not None and config.drafter.kind == "draft-lm":
+        drafter, draft_model, lyanna_drafter, table = None, None, None, None
+        if config.drafter is not None and config.drafter.kind == "lyanna":
+            lyanna_cfg = lyanna.LyannaConfig.from_json(config.drafter.config)
+            validate_tensors(
+                drafter_tensors, dict.fromkeys(drafter_tensors, weights_path), lyanna.expected_shapes(lyanna_cfg)
+            )
+            dtype = config.build.drafter_torch_dtype
+            lyanna_drafter = lyanna.LyannaDrafter.from_tensors(lyanna_cfg, drafter_tensors, dtype).to(device)
+            if lyanna_drafter.token_info is not None and lyanna_cfg.num_hot_tokens:
+                table = lyanna_drafter.hot_table(model.model.embed_tokens, dtype)
+        elif config.drafter is not None and config.drafter.kind == "draft-lm":
             draft_cfg = LlamaConfig.from_hf(config.drafter.config)
             validate_tensors(drafter_tensors, dict.fromkeys(drafter_tensors, weights_path), expected_shapes(draft_cfg))
             draft_model = LlamaForCausalLM.from_tensors(draft_cfg, drafter_tensors, config.build.drafter_torch_dtype)
@@ -65,7 +78,7 @@ class Engine:
             drafter = redrafter.ReDrafter.from_tensors(
                 drafter_cfg, drafter_tensors, config.build.drafter_torch_dtype
             ).to(device)
-        return cls(config, model, tokenizer, drafter, draft_model)
+        return cls(config, model, tokenizer, drafter, draft_model, lyanna_drafter, table)
 
     @property
     def eos_token_ids(self) -> list[int]:

@@ -69,7 +69,7 @@ class BuildConfig:
         return DTYPES[self.drafter_dtype]
 
 
-DRAFTER_KINDS = ("redrafter", "draft-lm")
+DRAFTER_KINDS = ("redrafter", "draft-lm", "lyanna")
 DRAFTER_PREFIX = "drafter."
 """Drafter tensors live in the rank files under this prefix (TensorRT-LLM's convention)."""
 
@@ -79,13 +79,14 @@ class DrafterSpec:
     """The drafter an engine carries, and the default effort of its method."""
 
     kind: str
-    """What the weights are: "redrafter" (the RNN drafter) or "draft-lm" (a small Llama
-    sharing the target's vocabulary)."""
+    """What the weights are: "redrafter" (the RNN drafter), "draft-lm" (a small Llama
+    sharing the target's vocabulary) or "lyanna" (the one-layer hidden-state drafter)."""
     config: dict[str, Any]
-    """The drafter's own config.json (Apple's keys for ReDrafter, HF Llama keys for a draft LM)."""
+    """The drafter's own config.json (Apple's keys for ReDrafter, HF Llama keys for a draft
+    LM, `LyannaConfig` keys for Lyanna)."""
     settings: dict[str, Any] = field(default_factory=dict)
     """Default method settings, overridable per request: method, beam_width, beam_length,
-    branching (`runtime.drafting.DraftSettings`)."""
+    branching; Lyanna: the `runtime.lyanna.LyannaParams` fields."""
 
     def __post_init__(self) -> None:
         if self.kind not in DRAFTER_KINDS:

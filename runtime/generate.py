@@ -38,7 +38,16 @@ def run(
 ) -> tuple[list[GenerationResult], float]:
     """Rank 0's generation and its seconds (start-up calibration excluded, like engine
     loading); with tensor parallelism it drives the other ranks' forwards."""
-    overrides = {"beam_width": args.beam_width, "beam_length": args.beam_length, "branching": args.branching}
+    overrides = {
+        "beam_width": args.beam_width,
+        "beam_length": args.beam_length,
+        "branching": args.branching,
+        "depth": args.lyanna_depth,
+        "width": args.lyanna_width,
+        "budget": args.lyanna_budget,
+        "resample": args.lyanna_resample,
+        "fuse": args.lyanna_fuse,
+    }
     with ExitStack() as stack:
         config, broadcast = runtime_config(args), None
         if world_size > 1:
@@ -67,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         "--method",
         choices=METHODS,
         help="decoding method: ar; redrafter (beam search, point-mass verification); rsd-c (constant "
-        "branching, Gumbel-top-k); rsd-s (stochastic beam search); sd (one sampled chain). Default: "
-        "redrafter for an engine with the RNN drafter, sd with a draft LM, else ar",
+        "branching, Gumbel-top-k); rsd-s (stochastic beam search); sd (one sampled chain); lyanna "
+        "(hidden-state chain + token info). Default: the engine's (set at build), else ar",
     )
     ap.add_argument("--beam-width", type=int, help="beams per step W of redrafter / rsd-s (default: the engine's)")
     ap.add_argument(
@@ -78,6 +87,18 @@ def main(argv: list[str] | None = None) -> int:
         "--branching",
         type=parse_branching,
         help="rsd-c children per node at each depth, e.g. 2,2,1,1 (default: the engine's)",
+    )
+    lyanna = ap.add_argument_group("lyanna (defaults: the engine's)")
+    lyanna.add_argument("--lyanna-depth", type=int, help="chain steps k = tree depth")
+    lyanna.add_argument("--lyanna-width", type=int, help="nodes kept per level")
+    lyanna.add_argument("--lyanna-budget", type=int, help="drafted nodes verified per step (B)")
+    lyanna.add_argument(
+        "--lyanna-resample", action=argparse.BooleanOptionalAction, help="re-sample rejected drafts (Algorithm 2)"
+    )
+    lyanna.add_argument(
+        "--lyanna-fuse",
+        action=argparse.BooleanOptionalAction,
+        help="verify re-sampled drafts inside the next step's forward (else as the next step's own tree)",
     )
     add_runtime_args(ap)
     args = ap.parse_args(argv)

@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -35,6 +35,7 @@ from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig, EngineConfig
 from runtime.kv_budget import KVBudget, kv_cache_blocks
 from runtime.level_drafters import DraftLMLevels, RNNLevels
+from runtime.lyanna import LyannaParams, merge, resample_subtree, to_draft_tree, token_info_tree
 from runtime.model_runner import ModelRunner, StepBroadcast
 from runtime.redrafter import ReDrafterParams, draft_trees, max_tree_nodes
 from runtime.request import Callback, Request, SpecParams
@@ -48,8 +49,8 @@ from runtime.verify import Acceptance, DraftTree, accept_batch
 
 log = logging.getLogger(__name__)
 
-METHODS = ("ar", "redrafter", *RSD_METHODS)
-DEFAULT_METHOD = {"redrafter": "redrafter", "draft-lm": "sd"}
+METHODS = ("ar", "redrafter", *RSD_METHODS, "lyanna")
+DEFAULT_METHOD = {"redrafter": "redrafter", "draft-lm": "sd", "lyanna": "lyanna"}
 """Method of requests that name none, by the engine's drafter kind."""
 SPECULATION_MODES = ("load-aware", "fixed")
 
@@ -123,19 +124,19 @@ def tree_nodes(request: Request, width: int) -> int:
     spec = request.spec
     if width == 0 or spec is None:
         return 1
-    if isinstance(spec, TreeSpec):
+    if isinstance(spec, TreeSpec | LyannaParams):
         return spec.max_nodes
     return max_tree_nodes(width, spec.beam_length)
 
 
 def full_width(request: Request, policy_width: int) -> int:
     """Drafting width of a decoding request: ReDrafter beams follow the load-aware policy;
-    an RSD tree (width 1 = its whole tree) is drafted whole, or not at all (0) when the
-    step's token budget cannot hold it."""
+    an RSD or Lyanna tree (width 1 = its whole tree) is drafted whole, or not at all (0)
+    when the step's token budget cannot hold it."""
     spec = request.spec
     if spec is None:
         return 0
-    return 1 if isinstance(spec, TreeSpec) else min(policy_width, spec.beam_width)
+    return min(policy_width, spec.beam_width) if isinstance(spec, ReDrafterParams) else 1
 
 
 class LLMEngine:
@@ -242,7 +243,16 @@ class LLMEngine:
             )
         settings = asdict(ReDrafterParams()) | {"branching": DEFAULT_BRANCHING} | drafter.settings
         settings |= {k: v for k, v in overrides.items() if v is not None}
-        settings.pop("method", None)
+        if (method == "lyanna") != (drafter.kind == "lyanna"):
+            raise ValueError(f"method {method!r} does not run on this engine's {drafter.kind} drafter")
+        if method == "lyanna":
+            lyanna = LyannaParams(**{f.name: settings[f.name] for f in fields(LyannaParams) if f.name in settings})
+            if lyanna.max_nodes - 1 > self.config.max_draft_tokens:
+                raise ValueError(
+                    f"lyanna verifies up to {lyanna.max_nodes - 1} drafted tokens per step, more than "
+                    f"max_draft_tokens {self.config.max_draft_tokens}"
+                )
+            return lyanna
         beams = ReDrafterParams(settings["beam_width"], settings["beam_length"])
         spec: SpecParams
         if method == "redrafter" and drafter.kind == "redrafter":
@@ -328,12 +338,20 @@ class LLMEngine:
         trees: dict[str, DraftTree] = {}
         beams: dict[tuple[int, int], list[Request]] = {}
         shapes: dict[TreeSpec, list[Request]] = {}
+        chains: dict[LyannaParams, list[Request]] = {}
         for item in work:
             if item.prefill:
                 continue
             request, spec = item.request, item.request.spec
             if item.width == 0 or spec is None:
                 trees[request.request_id] = DraftTree.root(request.tokens[-1])
+                request.resampled = request.chain_logits = None  # rooted at a token this step moves past
+            elif isinstance(spec, LyannaParams):
+                if request.resampled is not None and not spec.fuse:  # verified alone, no new chain
+                    trees[request.request_id] = to_draft_tree(request.resampled)
+                    request.chain_logits = None
+                else:
+                    chains.setdefault(spec, []).append(request)
             elif isinstance(spec, TreeSpec):
                 shapes.setdefault(spec, []).append(request)
             else:
@@ -358,6 +376,27 @@ class LLMEngine:
             params, gens = [r.params for r in requests], [r.generator for r in requests]
             drafted = draft_rsd_trees(levels, roots, params, gens, spec)
             trees |= {r.request_id: tree for r, tree in zip(requests, drafted, strict=True)}
+        for lyanna, requests in chains.items():
+            trees |= self._draft_lyanna(lyanna, requests)
+        return trees
+
+    @torch.inference_mode()
+    def _draft_lyanna(self, params: LyannaParams, requests: list[Request]) -> dict[str, DraftTree]:
+        """One chain per request (`depth` layer steps), ONE LM-head product over all of them,
+        then token-info sampling per request; a pending re-sampled subtree is merged in."""
+        drafter, model = self.engine.lyanna_drafter, self.engine.model
+        assert drafter is not None
+        roots = torch.tensor([r.tokens[-1] for r in requests], device=self.engine.device)
+        chain = drafter.draft_chain(self._hidden(requests), roots, model.model.embed_tokens, params.depth)
+        logits = drafter.head_logits(chain, model.lm_head)  # [B, k, V]
+        bias = self.engine.token_table.bias if self.engine.token_table is not None else None
+        trees = {}
+        for r, rows in zip(requests, logits, strict=True):
+            r.chain_logits = rows
+            tree = token_info_tree(r.tokens[-1], rows, bias, params.width, params.budget)
+            if r.resampled is not None:
+                tree = merge(tree, r.resampled)
+            trees[r.request_id] = to_draft_tree(tree)
         return trees
 
     @staticmethod
@@ -398,6 +437,8 @@ class LLMEngine:
             self.runner.move(slots[list(src)], slots[list(dst)])
             if self.draft_cache is not None:  # local, so at once (before any block is reused)
                 self.draft_cache.copy(slots[list(src)], slots[list(dst)])
+        if isinstance(request.spec, LyannaParams):
+            self._resample(request, request.spec, acc)
         if isinstance(request.spec, TreeSpec) and len(tree.tokens) > 1:
             # the draft LM fed every node above the last level; a last-level leaf it did not
             fed = tree.depths[acc.path[-1]] < request.spec.length
@@ -412,6 +453,13 @@ class LLMEngine:
         if tree.first_beam:
             stats.record(width, len(tree.tokens), [tree.first_beam[node] for node in acc.path[1:]])
         self._notify(request, request.emit(acc.tokens))
+
+    def _resample(self, request: Request, params: LyannaParams, acc: Acceptance) -> None:
+        """Algorithm 2: candidates for the next step from the chain rows this step left unused."""
+        rows, request.resampled, request.chain_logits = request.chain_logits, None, None
+        if params.resample and rows is not None:
+            bias = self.engine.token_table.bias if self.engine.token_table is not None else None
+            request.resampled = resample_subtree(acc.tokens[-1], rows, acc.num_accepted, bias, params)
 
     def _notify(self, request: Request, tokens: list[int], error: str | None = None) -> None:
         try:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.lyanna import LyannaParams, Subtree
 from runtime.redrafter import ReDrafterParams
 from runtime.results import GenerationResult
 from runtime.rsd import TreeSpec
@@ -28,9 +29,9 @@ from runtime.sampling import SamplingParams
 
 FINISH_REASONS = ("length", "stop", "cancelled", "error")
 
-SpecParams = ReDrafterParams | TreeSpec
-"""A decoding method's drafting parameters: ReDrafter beams over the RNN, or a tree drafted
-level by level (RSD methods, beams over a draft LM)."""
+SpecParams = ReDrafterParams | TreeSpec | LyannaParams
+"""A decoding method's drafting parameters: ReDrafter beams over the RNN, a tree drafted
+level by level (RSD methods, beams over a draft LM), or Lyanna's chain + token info."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,10 @@ class Request:
     """[D] target final-norm hidden state at the last computed token (the drafter's input)."""
     draft_computed: int = 0
     """Tokens with K/V in the draft LM's cache (it catches up before drafting)."""
+    chain_logits: torch.Tensor | None = None
+    """Lyanna: [k, V] logits of the chain drafted this step (re-sampling reads its unused rows)."""
+    resampled: Subtree | None = None
+    """Lyanna: candidates re-sampled after the last step's rejection, rooted at the pending token."""
     num_preemptions: int = 0
     cancel_requested: bool = False
 

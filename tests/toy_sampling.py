@@ -10,6 +10,7 @@ import torch
 from tokenizers import Tokenizer, models
 
 from model_defs.llama import ARCHITECTURE, LlamaForCausalLM
+from model_defs.lyanna import LyannaConfig, LyannaDrafter
 from model_defs.redrafter import ReDrafter, ReDrafterConfig
 from runtime import methods
 from runtime.engine import Engine
@@ -21,13 +22,13 @@ from tests.tiny_models import tiny_target
 V = 4
 PROMPT = [1, 3, 2]
 TRIALS = 20000
-# all trials in flight at once, every step drafting the full tree
-CONFIG = RuntimeConfig(max_num_tokens=16 * TRIALS, max_queue_size=TRIALS, speculation="fixed")
+"""Requests per distribution test: ~300 expected per cell of the 64 (x1, x2, x3) cells."""
 
 
 def toy_engine(drafter_kind: str, settings: dict[str, Any]) -> Engine:
-    """The toy target with a "redrafter" RNN drafter or a "draft-lm" (another random
-    tiny Llama), both confident and often wrong, so acceptance rules are exercised hard."""
+    """The toy target with a "redrafter" RNN drafter, a "draft-lm" (another random tiny
+    Llama) or a "lyanna" drafter (random, token info over every token), all confident and
+    often wrong, so acceptance rules are exercised hard."""
     target = tiny_target(seed=7, vocab_size=V)
     build = BuildConfig(max_batch_size=TRIALS, max_input_len=8, max_seq_len=16)
     torch.manual_seed(11)
@@ -39,6 +40,16 @@ def toy_engine(drafter_kind: str, settings: dict[str, Any]) -> Engine:
         spec = DrafterSpec("redrafter", rnn.config.to_json(), settings)
         config = EngineConfig(ARCHITECTURE, target.config.to_hf(), build, drafter=spec)
         return Engine(config, target, Tokenizer(models.BPE()), drafter=rnn.eval())
+    if drafter_kind == "lyanna":
+        lyanna = LyannaDrafter(LyannaConfig.from_target(target.config, num_hot_tokens=V, token_info_rank=4))
+        with torch.no_grad():
+            for p in lyanna.parameters():
+                p.normal_(0, 0.4)
+        lyanna.hot_token_ids = torch.arange(V)
+        spec = DrafterSpec("lyanna", lyanna.config.to_json(), settings)
+        config = EngineConfig(ARCHITECTURE, target.config.to_hf(), build, drafter=spec)
+        table = lyanna.eval().hot_table(target.model.embed_tokens, torch.float32)
+        return Engine(config, target, Tokenizer(models.BPE()), lyanna_drafter=lyanna, token_table=table)
     draft = tiny_target(seed=5, vocab_size=V)
     spec = DrafterSpec("draft-lm", draft.config.to_hf(), settings)
     config = EngineConfig(ARCHITECTURE, target.config.to_hf(), build, drafter=spec)
@@ -62,15 +73,16 @@ def exact_first_three(target: LlamaForCausalLM, params: SamplingParams) -> torch
     return law
 
 
-def emitted_first_three(engine: Engine, params: SamplingParams, method: str) -> torch.Tensor:
-    """Counts of the first three tokens of TRIALS seeded requests, all in flight at once."""
+def emitted_first_three(engine: Engine, params: SamplingParams, method: str, trials: int = TRIALS) -> torch.Tensor:
+    """Counts of the first three tokens of `trials` seeded requests, all in flight at once."""
     per_request = [
         SamplingParams(max_tokens=3, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=i)
-        for i in range(TRIALS)
+        for i in range(trials)
     ]
-    results = methods.generate(engine, [PROMPT] * TRIALS, per_request, method, CONFIG)
+    config = RuntimeConfig(max_num_tokens=16 * trials, max_queue_size=trials, speculation="fixed")
+    results = methods.generate(engine, [PROMPT] * trials, per_request, method, config)
     counts = torch.zeros(V, V, V)
     for r in results:
         counts[tuple(r.output_ids)] += 1
-    assert sum(r.num_accepted for r in results) > TRIALS // 4, "drafts must get accepted for the test to mean anything"
+    assert sum(r.num_accepted for r in results) > trials // 4, "drafts must get accepted for the test to mean anything"
     return counts

@@ -214,3 +214,92 @@ Reproduce (`make draft-lm` runs exactly this):
     path = model_dir / "README.md"
     path.write_text(text)
     return path
+
+
+def write_lyanna_card(drafter_dir: Path, command: str) -> Path:
+    """README.md for a Lyanna drafter, from its training log."""
+    log = json.loads((drafter_dir / "training_log.json").read_text())
+    cfg, m = log["config"], log["metrics"]
+    dcfg = json.loads((drafter_dir / "config.json").read_text())
+    size_mb = sum(p.stat().st_size for p in drafter_dir.glob("*.safetensors")) / 1e6
+
+    def steps(values: list[float]) -> str:
+        return ", ".join(f"{v:.3f}" for v in values)
+
+    def num(row: dict[str, float], key: str) -> str:
+        return f"{row[key]:.3f}" if key in row else "–"
+
+    parts = ["one decoder layer of the target's shape over its own chain"]
+    parts.append("step 1 fuses h_0 with E(t_1)" if dcfg["first_token_fusion"] else "step 1 reads h_0 only (no t_1)")
+    if dcfg["token_info_rank"]:
+        parts.append(f"token-info bias E' of rank {dcfg['token_info_rank']}")
+    else:
+        parts.append("no token-info bias")
+    rows = [
+        ("target", f"`{log['target']}` ({m['target_parameters']:,} parameters); its embedding and LM head, not saved"),
+        ("architecture", "; ".join(parts)),
+        ("parameters", f"{m['parameters']:,} (bfloat16 safetensors, {size_mb:.1f} MB)"),
+        (
+            "data",
+            f"random training-split windows through the frozen target: {m['train_chains']:,} chains of "
+            f"{cfg['chain_steps']} steps (batch {cfg['batch_size']} windows x {cfg['starts_per_window']} starts, "
+            f"{cfg['steps']} steps) from {m['corpus_train_tokens']:,} tokens",
+        ),
+        (
+            "loss",
+            f"per chain step {cfg['alpha']} x MSE(h_i, H_{{p+i}}) + {cfg['beta']} x CE(softmax(L_{{p+i}}), "
+            "softmax(l'_i))",
+        ),
+        (
+            "optimiser",
+            f"AdamW (lr {cfg['lr']}, cosine to {cfg['min_lr_ratio']}x, warm-up {cfg['warmup_steps']}, "
+            f"wd {cfg['weight_decay']}), bf16 autocast, seed {cfg['seed']}",
+        ),
+        (
+            "held-out top-1 agreement per chain step",
+            f"**{steps(m['heldout_top1'])}** (argmax l'_i = target argmax, {m['heldout_chains']:,} chains)",
+        ),
+        (
+            "held-out expected acceptance per chain step",
+            f"**{steps(m['heldout_acceptance'])}**: E[Σ_x min(p_draft(x), p_target(x))] at temperature 1",
+        ),
+        ("training time", f"{m['train_minutes']:.1f} min on a 2-core CPU ({m['seconds_per_step']:.2f} s/step)"),
+    ]
+    if m.get("hot_tokens"):
+        rows.append(
+            (
+                "hot tokens",
+                f"{m['hot_tokens']} most frequent training tokens ({m['hot_token_coverage']:.1%} of occurrences), "
+                f"stored as `hot_token_ids`; with the collapsed table: top-1 {steps(m['heldout_hot_top1'])}, "
+                f"acceptance {steps(m['heldout_hot_acceptance'])}",
+            )
+        )
+    table = "\n".join(f"| {k} | {v} |" for k, v in rows)
+    curve = "\n".join(
+        f"| {r['step']} | {num(r, 'train_mse')} | {num(r, 'train_ce')} | "
+        f"{steps(r['heldout_top1'])} | {steps(r['heldout_acceptance'])} |"
+        for r in log["log"]
+    )
+    text = f"""# specpipe demo Lyanna drafter
+
+Distilled from the demo target by `training/train_lyanna.py` (`model_defs/lyanna.py`): a
+one-layer chain over the target's final hidden state, a one-pass LM head and a token-info
+logits bias collapsed into a hot-token table at inference.
+
+| | |
+|---|---|
+{table}
+
+Reproduce (`make lyanna` runs exactly this):
+
+```
+{command}
+```
+
+| step | train MSE (Σ steps) | train CE (Σ steps) | held-out top-1 per step | held-out acceptance per step |
+|---|---|---|---|---|
+{curve}
+"""
+    path = drafter_dir / "README.md"
+    path.write_text(text)
+    return path
