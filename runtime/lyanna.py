@@ -52,7 +52,8 @@ class LyannaParams:
     width: int = 4
     """Nodes kept per level (w), and children tried per node."""
     budget: int = 12
-    """Drafted nodes verified per step (B), the best by joint probability."""
+    """Drafted nodes verified per step (B), the best by joint probability. The tree has at
+    most depth x width nodes, so a larger B verifies them all (B = 16 needs depth 4 at width 4)."""
     resample: bool = True
     """Re-sample rejected drafts from the unused chain rows (Algorithm 2)."""
     fuse: bool = True
