@@ -108,13 +108,19 @@ def token_info_tree(root: int, logits: torch.Tensor, bias: Bias | None, width: i
     return prune(Subtree(tokens, parents), joint, budget)
 
 
+def depths(parents: list[int]) -> list[int]:
+    """Distance of every node from the root (parents come before their children)."""
+    out: list[int] = []
+    for p in parents:
+        out.append(0 if p < 0 else out[p] + 1)
+    return out
+
+
 def prune(tree: Subtree, joint: list[float], budget: int) -> Subtree:
     """Keep the `budget` best non-root nodes by joint log-probability (a child never scores
     above its parent, so the kept set is a tree; ties go to the shallower node), packed
     breadth-first with siblings best first."""
-    depth = [0] * len(tree.tokens)
-    for n, p in enumerate(tree.parents):
-        depth[n] = 0 if p < 0 else depth[p] + 1
+    depth = depths(tree.parents)
     order = sorted(range(1, len(tree.tokens)), key=lambda n: (-joint[n], depth[n], n))
     kept = {0}
     for n in order:
@@ -147,9 +153,7 @@ def merge(base: Subtree, extra: Subtree) -> Subtree:
 
 def breadth_first(tree: Subtree) -> Subtree:
     """Repack so that levels are contiguous (parents before children, sibling order kept)."""
-    depth = [0] * len(tree.tokens)
-    for n, p in enumerate(tree.parents):
-        depth[n] = 0 if p < 0 else depth[p] + 1
+    depth = depths(tree.parents)
     packed = sorted(range(len(tree.tokens)), key=lambda n: (depth[n], n))
     index = {n: i for i, n in enumerate(packed)}
     return Subtree([tree.tokens[n] for n in packed], [index.get(tree.parents[n], -1) for n in packed])
