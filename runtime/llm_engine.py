@@ -6,8 +6,8 @@ One `step()`:
 2. pick this step's drafting width (`runtime/speculation_policy.py`, load-aware);
 3. schedule prefill chunks and decoding steps under the token budget (`runtime/scheduler.py`);
 4. **draft**: one tree per decoding request (ReDrafter beams; an RSD tree sampled without
-   replacement from the RNN drafter or a draft LM, `runtime/rsd.py`; or the root alone
-   for an auto-regressive step);
+   replacement from the RNN drafter or a draft LM, `runtime/rsd.py`; a Lyanna token-info
+   tree, `runtime/lyanna.py`; or the root alone for an auto-regressive step);
 5. **pack + verify**: all prefill chunks and trees in one flat target forward over the
    paged cache with a block-diagonal tree mask (`runtime/step_batch.py`);
 6. **accept** (`runtime/verify.py`), **compact** the accepted path's KV to consecutive
@@ -334,7 +334,8 @@ class LLMEngine:
 
     def _draft(self, work: list[ScheduledWork]) -> dict[str, DraftTree]:
         """Trees for the decoding requests: ReDrafter beams grouped by (width, length), RSD
-        trees grouped by shape, the root alone for auto-regressive steps."""
+        trees grouped by shape, Lyanna chains grouped by settings (or a pending re-sampled
+        subtree verified on its own, without fusion), the root alone for auto-regressive steps."""
         trees: dict[str, DraftTree] = {}
         beams: dict[tuple[int, int], list[Request]] = {}
         shapes: dict[TreeSpec, list[Request]] = {}
