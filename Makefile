@@ -107,7 +107,17 @@ bench-batch: engine  ## throughput + tau vs batch size: AR, fixed and load-aware
 bench-rsd: engine  ## RSD Exp1/Exp2: tau + speedup vs AR for sd, rsd-c, rsd-s, redrafter on both drafters -> benchmarks/results/
 	$(BIN)/python -m benchmarks.rsd_sweep
 
-bench-lyanna: engine  ## Lyanna §7 tables: conditional acceptance, tau/speedup vs AR and ReDrafter, hot-token table, one-pass LM head -> benchmarks/results/
+# Table 1's ablations: matched short training runs (40 steps each, ~4 min alone), made once
+LYANNA_ABLATION := --steps 40 --warmup-steps 5
+work_dirs/lyanna-full/model.safetensors: | $(STAMP)
+	$(BIN)/python -m training.train_lyanna --target $(MODEL) --out work_dirs/lyanna-full $(LYANNA_ABLATION)
+work_dirs/lyanna-no-token-info/model.safetensors: | $(STAMP)
+	$(BIN)/python -m training.train_lyanna --target $(MODEL) --out work_dirs/lyanna-no-token-info $(LYANNA_ABLATION) --no-token-info
+work_dirs/lyanna-no-fusion/model.safetensors: | $(STAMP)
+	$(BIN)/python -m training.train_lyanna --target $(MODEL) --out work_dirs/lyanna-no-fusion $(LYANNA_ABLATION) --no-first-token-fusion
+
+LYANNA_ABLATIONS := work_dirs/lyanna-full/model.safetensors work_dirs/lyanna-no-token-info/model.safetensors work_dirs/lyanna-no-fusion/model.safetensors
+bench-lyanna: engine $(LYANNA_ABLATIONS)  ## Lyanna §7 tables: conditional acceptance (+ ablations, trained once), tau/speedup vs AR and ReDrafter, hot-token table, one-pass LM head -> benchmarks/results/
 	$(BIN)/python -m benchmarks.lyanna_sweep
 
 URL ?= localhost:8001
