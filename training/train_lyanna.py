@@ -94,8 +94,9 @@ class LyannaTrainConfig:
     """Start positions (chains) sampled per window per step; <= seq_len."""
     batch_size: int = 8
     """Windows per step."""
-    steps: int = 120
-    """Optimiser steps (5.3 s each on 2 CPU cores shared with a benchmark: ~11 min, evaluations included)."""
+    steps: int = 1200
+    """Optimiser steps (~0.8 s each on 2 idle CPU cores: ~20 min with evaluations; 5 s each
+    when the cores are shared with other jobs)."""
     lr: float = 2e-3
     """Peak learning rate."""
     min_lr_ratio: float = 0.1
