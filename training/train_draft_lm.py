@@ -31,13 +31,11 @@ Hugging Face directory (bf16 safetensors, the target's tokenizer files) with a m
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import shutil
-import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,7 +45,7 @@ from tqdm import tqdm
 
 from model_defs.llama import LlamaConfig, LlamaForCausalLM
 from training import corpus
-from training.cli import add_dataclass_args, dataclass_from_args
+from training.cli import distill_main, write_training_log
 from training.model_card import write_draft_lm_card
 from training.train_target import save_checkpoint, tokenize
 
@@ -249,23 +247,14 @@ def train(cfg: DraftLMTrainConfig, target_dir: Path, out: Path) -> dict[str, flo
     save_checkpoint(student, out)
     for name in TOKENIZER_FILES:
         shutil.copyfile(target_dir / name, out / name)
-    (out / "training_log.json").write_text(
-        json.dumps({"config": asdict(cfg), "target": str(target_dir), "metrics": metrics, "log": log}, indent=2) + "\n"
-    )
+    write_training_log(out, cfg, target_dir, metrics, log)
     return metrics
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", type=Path, default=Path("models/demo-target"), help="HF target directory")
-    ap.add_argument("--out", type=Path, default=Path("models/demo-draft-lm"), help="draft LM output directory")
-    add_dataclass_args(ap, DraftLMTrainConfig)
-    args = ap.parse_args()
-    cfg = dataclass_from_args(DraftLMTrainConfig, args)
-    metrics = train(cfg, args.target, args.out)
-    print(json.dumps(metrics, indent=2))
-    command = "python -m training.train_draft_lm " + " ".join(sys.argv[1:])
-    print(f"model card: {write_draft_lm_card(args.out, command)}")
+    distill_main(
+        __doc__ or "", "training.train_draft_lm", "models/demo-draft-lm", DraftLMTrainConfig, train, write_draft_lm_card
+    )
 
 
 if __name__ == "__main__":

@@ -45,13 +45,11 @@ and `--no-first-token-fusion` (step 1 is Layer(fuse(h_0)), fuse = Linear(D -> D)
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import math
-import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +61,7 @@ from tqdm import tqdm
 from model_defs.llama import LlamaForCausalLM
 from model_defs.lyanna import DEFAULT_HOT_TOKENS, DEFAULT_TOKEN_INFO_RANK, LyannaConfig, LyannaDrafter
 from training import corpus
-from training.cli import add_dataclass_args, dataclass_from_args
+from training.cli import distill_main, write_training_log
 from training.model_card import write_lyanna_card
 from training.train_target import tokenize
 
@@ -311,23 +309,14 @@ def train(cfg: LyannaTrainConfig, target_dir: Path, out: Path) -> dict[str, Any]
         "hot_token_coverage": coverage,
     }
     drafter.save_pretrained(out)
-    (out / "training_log.json").write_text(
-        json.dumps({"config": asdict(cfg), "target": str(target_dir), "metrics": metrics, "log": log}, indent=2) + "\n"
-    )
+    write_training_log(out, cfg, target_dir, metrics, log)
     return metrics
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", type=Path, default=Path("models/demo-target"), help="HF target directory")
-    ap.add_argument("--out", type=Path, default=Path("models/demo-lyanna"), help="drafter output directory")
-    add_dataclass_args(ap, LyannaTrainConfig)
-    args = ap.parse_args()
-    cfg = dataclass_from_args(LyannaTrainConfig, args)
-    metrics = train(cfg, args.target, args.out)
-    print(json.dumps(metrics, indent=2))
-    command = "python -m training.train_lyanna " + " ".join(sys.argv[1:])
-    print(f"model card: {write_lyanna_card(args.out, command)}")
+    distill_main(
+        __doc__ or "", "training.train_lyanna", "models/demo-lyanna", LyannaTrainConfig, train, write_lyanna_card
+    )
 
 
 if __name__ == "__main__":

@@ -12,12 +12,10 @@ agreement per draft position, the quantity beam search turns into acceptance.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,7 +26,7 @@ from tqdm import tqdm
 from model_defs.llama import LlamaForCausalLM
 from model_defs.redrafter import ReDrafter, ReDrafterConfig
 from training import corpus
-from training.cli import add_dataclass_args, dataclass_from_args
+from training.cli import distill_main, write_training_log
 from training.distill_data import DistillData, corpus_windows, make_distill_data
 from training.model_card import write_drafter_card
 from training.train_target import tokenize
@@ -162,22 +160,19 @@ def train(cfg: DrafterTrainConfig, target_dir: Path, out: Path) -> dict[str, obj
         "parameters": sum(p.numel() for p in drafter.parameters()),
     }
     drafter.to(torch.bfloat16).save_pretrained(out)
-    (out / "training_log.json").write_text(
-        json.dumps({"config": asdict(cfg), "target": str(target_dir), "metrics": metrics, "log": log}, indent=2) + "\n"
-    )
+    write_training_log(out, cfg, target_dir, metrics, log)
     return metrics
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", type=Path, default=Path("models/demo-target"), help="HF target directory")
-    ap.add_argument("--out", type=Path, default=Path("models/demo-redrafter"), help="drafter output directory")
-    add_dataclass_args(ap, DrafterTrainConfig)
-    args = ap.parse_args()
-    cfg = dataclass_from_args(DrafterTrainConfig, args)
-    metrics = train(cfg, args.target, args.out)
-    print(json.dumps(metrics, indent=2))
-    print(f"model card: {write_drafter_card(args.out, 'python -m training.train_redrafter ' + ' '.join(sys.argv[1:]))}")
+    distill_main(
+        __doc__ or "",
+        "training.train_redrafter",
+        "models/demo-redrafter",
+        DrafterTrainConfig,
+        train,
+        write_drafter_card,
+    )
 
 
 if __name__ == "__main__":
