@@ -86,13 +86,14 @@ def load_draft_model(
     return spec, {DRAFTER_PREFIX + k: v for k, v in tensors.items()}
 
 
-def load_lyanna(
-    path: Path, target: LlamaConfig, settings: dict[str, Any]
+def load_hidden_state_drafter(
+    kind: str, path: Path, target: LlamaConfig, settings: dict[str, Any]
 ) -> tuple[DrafterSpec, dict[str, torch.Tensor]]:
-    """Load and check a Lyanna drafter against the target whose hidden states, embedding and
-    LM head it uses."""
+    """Load and check a drafter that reads the target's hidden states and embedding
+    ("redrafter": Apple's RNN checkpoint; "lyanna": a Lyanna drafter) against that target."""
+    drafter: ReDrafter | LyannaDrafter
     try:
-        drafter = LyannaDrafter.from_pretrained(path)
+        drafter = ReDrafter.from_pretrained(path) if kind == "redrafter" else LyannaDrafter.from_pretrained(path)
     except CheckpointError as e:
         raise BuildError(str(e)) from e
     cfg = drafter.config
@@ -102,26 +103,9 @@ def load_lyanna(
     ):
         if ours != theirs:
             raise BuildError(f"{path / 'config.json'}: drafter {name} {ours} != target {name} {theirs}; wrong target?")
-    spec = DrafterSpec("lyanna", cfg.to_json(), asdict(LyannaParams()) | settings)
-    return spec, {DRAFTER_PREFIX + k: v for k, v in drafter.state_dict().items()}
-
-
-def load_drafter(
-    path: Path, target: LlamaConfig, settings: dict[str, Any]
-) -> tuple[DrafterSpec, dict[str, torch.Tensor]]:
-    """Load and check a ReDrafter checkpoint against the target it will draft for."""
-    try:
-        drafter = ReDrafter.from_pretrained(path)
-    except CheckpointError as e:
-        raise BuildError(str(e)) from e
-    cfg = drafter.config
-    for name, ours, theirs in (
-        ("vocab_size", cfg.vocab_size, target.vocab_size),
-        ("hidden_size", cfg.hidden_size, target.hidden_size),
-    ):
-        if ours != theirs:
-            raise BuildError(f"{path / 'config.json'}: drafter {name} {ours} != target {name} {theirs}; wrong target?")
-    spec = DrafterSpec("redrafter", cfg.to_json(), settings)
+    if kind == "lyanna":
+        settings = asdict(LyannaParams()) | settings
+    spec = DrafterSpec(kind, cfg.to_json(), settings)
     return spec, {DRAFTER_PREFIX + k: v for k, v in drafter.state_dict().items()}
 
 
@@ -154,13 +138,13 @@ def build_engine(
     if sum(d is not None for d in (drafter, draft_model, lyanna)) > 1:
         raise BuildError("give one of --drafter (ReDrafter RNN), --draft-model (draft LM) or --lyanna, not both")
     if drafter is not None:
-        spec, drafter_tensors = load_drafter(drafter, cfg, drafter_settings or {})
+        spec, drafter_tensors = load_hidden_state_drafter("redrafter", drafter, cfg, drafter_settings or {})
         tensors = tensors | drafter_tensors
     if draft_model is not None:
         spec, drafter_tensors = load_draft_model(draft_model, cfg, tok_path, drafter_settings or {})
         tensors = tensors | drafter_tensors
     if lyanna is not None:
-        spec, drafter_tensors = load_lyanna(lyanna, cfg, drafter_settings or {})
+        spec, drafter_tensors = load_hidden_state_drafter("lyanna", lyanna, cfg, drafter_settings or {})
         tensors = tensors | drafter_tensors
     if build.max_seq_len > cfg.max_position_embeddings:
         print(

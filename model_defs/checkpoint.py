@@ -9,8 +9,9 @@ checkpoint fails here, with every problem listed, instead of deep inside a forwa
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors import safe_open
@@ -91,6 +92,28 @@ def validate_tensors(tensors: dict[str, torch.Tensor], files: dict[str, Path], e
             )
     if problems:
         raise CheckpointError("checkpoint does not match its config:\n  " + "\n  ".join(problems))
+
+
+C = TypeVar("C")
+
+
+def load_checkpoint_dir(
+    path: str | Path, config_from_json: Callable[[dict[str, Any]], C], shapes: Callable[[C], dict[str, torch.Size]]
+) -> tuple[C, dict[str, torch.Tensor]]:
+    """A drafter directory (`config.json` + safetensors): its config and validated tensors;
+    every missing, unexpected or mis-shaped tensor is reported with its file."""
+    ckpt_dir = Path(path)
+    if not ckpt_dir.is_dir():
+        raise CheckpointError(f"{ckpt_dir}: checkpoint directory not found")
+    config_path = ckpt_dir / "config.json"
+    try:
+        cfg = config_from_json(read_json(config_path))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{config_path}: {e}") from e
+    files = tensor_files(ckpt_dir)
+    tensors = load_tensors(files)
+    validate_tensors(tensors, files, shapes(cfg))
+    return cfg, tensors
 
 
 def read_llama_config(ckpt_dir: Path) -> LlamaConfig:

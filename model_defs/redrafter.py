@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from model_defs.checkpoint import SINGLE_FILE, CheckpointError, load_tensors, read_json, tensor_files, validate_tensors
+from model_defs.checkpoint import SINGLE_FILE, load_checkpoint_dir
 
 MODEL_TYPE = "recurrent_drafting_drafter"
 ARCHITECTURE = "Drafter"
@@ -211,18 +211,7 @@ class ReDrafter(nn.Module):
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> ReDrafter:
         """Load Apple's drafter directory (`config.json` + `model.safetensors`, or a sharded index);
         every missing, unexpected or mis-shaped tensor is reported with its file."""
-        ckpt_dir = Path(path)
-        if not ckpt_dir.is_dir():
-            raise CheckpointError(f"{ckpt_dir}: checkpoint directory not found")
-        config_path = ckpt_dir / "config.json"
-        config = read_json(config_path)
-        try:
-            cfg = ReDrafterConfig.from_json(config)
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"{config_path}: {e}") from e
-        files = tensor_files(ckpt_dir)
-        tensors = load_tensors(files)
-        validate_tensors(tensors, files, expected_shapes(cfg))
+        cfg, tensors = load_checkpoint_dir(path, ReDrafterConfig.from_json, expected_shapes)
         return cls.from_tensors(cfg, tensors, dtype)
 
     @classmethod
