@@ -15,6 +15,11 @@ One `step()`:
 
 Lossless whatever the batch, the width chosen or the preemptions: every emitted token
 comes from `verify.accept` on the target's own logits.
+
+Faults (`step`'s docstring): an exception while serving one request ends that request with
+finish reason "error" and frees its blocks; the others go on. An exception that may have
+corrupted shared state fails every request in flight; under tensor parallelism, or when
+it keeps happening, the engine is dead (`EngineDeadError`) and refuses new requests.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from runtime.attention_batch import Segment
 from runtime.block_manager import BlockManager
 from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig, EngineConfig
+from runtime.faults import FaultInjector
 from runtime.kv_budget import KVBudget, kv_cache_blocks
 from runtime.level_drafters import DraftLMLevels, RNNLevels
 from runtime.lyanna import LyannaParams, merge, resample_subtree, to_draft_tree, token_info_tree
@@ -53,6 +59,14 @@ METHODS = ("ar", "redrafter", *RSD_METHODS, "lyanna")
 DEFAULT_METHOD = {"redrafter": "redrafter", "draft-lm": "sd", "lyanna": "lyanna"}
 """Method of requests that name none, by the engine's drafter kind."""
 SPECULATION_MODES = ("load-aware", "fixed")
+MAX_STEP_FAILURES = 3
+"""Steps in a row that may fail as a whole (every request in flight failed) before the
+engine declares itself dead: a fault that survives a clean slate will not go away."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot step any more (a failed forward under tensor parallelism left the
+    ranks out of step, or every step fails); restart the process to recover."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +131,8 @@ def check_request(config: EngineConfig, prompt: list[int], params: SamplingParam
     vocab = config.model["vocab_size"]
     if min(prompt) < 0 or max(prompt) >= vocab:
         raise ValueError(f"prompt token ids must be in [0, {vocab})")
+    if any(t >= vocab for t in params.stop_token_ids):
+        raise ValueError(f"stop token ids {list(params.stop_token_ids)} must be in [0, {vocab}) (the vocabulary)")
 
 
 def tree_nodes(request: Request, width: int) -> int:
@@ -161,6 +177,10 @@ class LLMEngine:
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
         self._lock = threading.Lock()
+        self.faults = FaultInjector.from_env()
+        self.dead: str | None = None
+        """Why the engine cannot step any more (None while it can)."""
+        self._failed_steps = 0
         if self.policy.adaptive and engine.drafter is not None:
             self._calibrate()
 
@@ -203,7 +223,10 @@ class LLMEngine:
         **overrides: Any,
     ) -> Request:
         """Queue a request. Raises ValueError for a request the engine cannot serve and
-        QueueFullError when the waiting queue is full (nothing is queued then)."""
+        QueueFullError when the waiting queue is full (nothing is queued then), and
+        EngineDeadError once the engine cannot step any more."""
+        if self.dead is not None:
+            raise EngineDeadError(f"engine is down ({self.dead}); restart the server")
         check_request(self.engine.config, prompt, params)
         method = method or self.default_method
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -279,67 +302,132 @@ class LLMEngine:
     # ---- one step ---------------------------------------------------------------------
 
     def step(self) -> list[Request]:
-        """Run one scheduling + forward step; returns the requests that finished in it."""
+        """Run one scheduling + forward step; returns the requests that finished in it.
+
+        A failure while serving one request (drafting, sampling, acceptance, committing)
+        ends that request with "error" and the step goes on for the others; a failed
+        forward fails that step's requests. Anything else that escapes fails every request
+        in flight (their blocks are freed: a clean slate). That is fatal, `EngineDeadError`
+        (also raised by every later call), under tensor parallelism, where the other ranks
+        may be inside a forward rank 0 left, and after MAX_STEP_FAILURES such steps in a row."""
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        try:
+            finished = self._step()
+        except Exception as e:
+            log.exception("engine step failed; failing every request in flight")
+            reason = f"engine step failed: {type(e).__name__}: {e}"
+            finished = self.abort_all(reason)
+            self._failed_steps += 1
+            if self.runner.broadcast is not None or self._failed_steps >= MAX_STEP_FAILURES:
+                why = "tensor-parallel ranks out of step" if self.runner.broadcast is not None else "every step fails"
+                self.dead = f"{reason} ({why})"
+                raise EngineDeadError(self.dead) from e
+            return finished
+        self._failed_steps = 0
+        return finished
+
+    def abort_all(self, error: str) -> list[Request]:
+        """End every request in flight, waiting or running, with finish reason "error"."""
+        with self._lock:
+            requests = [r for r in self._requests.values() if not r.finished]
+        self.runner.discard_moves()  # compaction moves of requests that are gone
+        return [self._finish(r, "error", error) for r in requests]
+
+    def _step(self) -> list[Request]:
         finished = self._drop_cancelled()
         running = self.scheduler.running.values()
         beams = [r.spec.beam_width for r in running if not r.in_prefill and isinstance(r.spec, ReDrafterParams)]
         width = self.policy.width(len(self.scheduler.running), beams)
         work = self.scheduler.schedule(lambda r: full_width(r, width), tree_nodes)
+        self.faults.check("step", (item.request.params for item in work))
+        start = time.perf_counter()
+        trees, failures = self._draft(work)
+        if failures:
+            finished += [self._finish(r, "error", message) for r, message in failures.items()]
+            work = [item for item in work if item.request not in failures]
         if not work:
             return finished
+        drafted = time.perf_counter()
         try:
-            start = time.perf_counter()
-            trees = self._draft(work)
-            drafted = time.perf_counter()
+            self.faults.check("forward", (item.request.params for item in work))
             batch = assemble(work, trees, self.blocks, self.engine.device)
             out = self.runner.execute(batch.step)
             logits, hidden = out.logits[0], out.hidden[0]
-            done = time.perf_counter()
-        except Exception as e:  # a failed step fails its requests, not the engine ...
-            log.exception("step failed")
-            for item in work:
-                finished.append(self._finish(item.request, "error", f"{type(e).__name__}: {e}"))
+        except Exception as e:  # a failed forward fails its requests, not the engine ...
             if self.runner.broadcast is not None:
                 raise  # ... except under TP: the other ranks may be inside that forward, out of step
-            return finished
+            log.exception("forward failed; failing its %d request(s)", len(work))
+            return finished + [self._finish(item.request, "error", _describe(e)) for item in work]
+        done = time.perf_counter()
         stats = StepStats(len(batch.step.tokens), drafted - start, done - drafted)
         decodes = [(item, span) for item, span in zip(work, batch.spans, strict=True) if not item.prefill]
-        verified = (
-            accept_batch(
-                [trees[item.request.request_id] for item, _ in decodes],
-                [
-                    logits[span.logits_start : span.logits_start + len(trees[item.request.request_id].tokens)]
-                    for item, span in decodes
-                ],
-                [item.request.params for item, _ in decodes],
-                [item.request.generator for item, _ in decodes],
-            )
-            if decodes
-            else []
+        acceptances = self._verify(
+            [item.request for item, _ in decodes],
+            trees,
+            [
+                logits[span.logits_start : span.logits_start + len(trees[item.request.request_id].tokens)]
+                for item, span in decodes
+            ],
         )
-        acceptances = {item.request.request_id: acc for (item, _), acc in zip(decodes, verified, strict=True)}
         for item, span in zip(work, batch.spans, strict=True):
             request = item.request
-            if item.prefill:
-                self._after_prefill(request, item.num_new, logits, hidden, span.logits_start, span.start)
-            else:
-                tree, acc = trees[request.request_id], acceptances[request.request_id]
-                self._after_decode(
-                    request, tree, acc, hidden, span.start, batch.slots[request.request_id], item.width, stats
-                )
+            try:
+                if item.prefill:
+                    self._after_prefill(request, item.num_new, logits, hidden, span.logits_start, span.start)
+                else:
+                    acc = acceptances[request.request_id]
+                    if isinstance(acc, str):  # its verification failed
+                        finished.append(self._finish(request, "error", acc))
+                        continue
+                    tree = trees[request.request_id]
+                    self._after_decode(
+                        request, tree, acc, hidden, span.start, batch.slots[request.request_id], item.width, stats
+                    )
+            except Exception as e:  # this request only
+                log.exception("request %s failed", request.request_id)
+                finished.append(self._finish(request, "error", _describe(e)))
+                continue
             if request.finished:
                 finished.append(self._finish(request, request.result.finish_reason))
         self.policy.observe(stats)
         return finished
 
-    def _draft(self, work: list[ScheduledWork]) -> dict[str, DraftTree]:
-        """Trees for the decoding requests: ReDrafter beams grouped by (width, length), RSD
-        trees grouped by shape, Lyanna chains grouped by settings (or a pending re-sampled
-        subtree verified on its own, without fusion), the root alone for auto-regressive steps."""
+    def _verify(
+        self, requests: list[Request], trees: dict[str, DraftTree], logits: list[torch.Tensor]
+    ) -> dict[str, Acceptance | str]:
+        """`accept_batch` over the decoding requests; if it fails, each request is verified
+        on its own, so only the one whose verification fails gets its error message."""
+
+        def accept(rs: list[Request], ls: list[torch.Tensor]) -> list[Acceptance]:
+            self.faults.check("verify", (r.params for r in rs))
+            return accept_batch(
+                [trees[r.request_id] for r in rs], ls, [r.params for r in rs], [r.generator for r in rs]
+            )
+
+        if not requests:
+            return {}
+        try:
+            return {r.request_id: acc for r, acc in zip(requests, accept(requests, logits), strict=True)}
+        except Exception:
+            log.exception("verifying %d trees together failed; verifying each alone", len(requests))
+        out: dict[str, Acceptance | str] = {}
+        for r, rows in zip(requests, logits, strict=True):
+            try:
+                out[r.request_id] = accept([r], [rows])[0]
+            except Exception as e:
+                log.exception("verifying request %s failed", r.request_id)
+                out[r.request_id] = _describe(e)
+        return out
+
+    def _draft(self, work: list[ScheduledWork]) -> tuple[dict[str, DraftTree], dict[Request, str]]:
+        """Trees for the decoding requests, and the requests whose drafting failed (with
+        what went wrong). Drafting is batched by group: ReDrafter beams by (width, length),
+        RSD trees by shape, Lyanna chains by settings (a pending re-sampled subtree verified
+        on its own, without fusion, needs none); the root alone for auto-regressive steps.
+        A group that fails is drafted again one request at a time, to find the culprit."""
         trees: dict[str, DraftTree] = {}
-        beams: dict[tuple[int, int], list[Request]] = {}
-        shapes: dict[TreeSpec, list[Request]] = {}
-        chains: dict[LyannaParams, list[Request]] = {}
+        groups: dict[tuple[Any, ...], list[Request]] = {}
         for item in work:
             if item.prefill:
                 continue
@@ -352,21 +440,40 @@ class LLMEngine:
                     trees[request.request_id] = to_draft_tree(request.resampled)
                     request.chain_logits = None
                 else:
-                    chains.setdefault(spec, []).append(request)
+                    groups.setdefault(("lyanna", spec), []).append(request)
             elif isinstance(spec, TreeSpec):
-                shapes.setdefault(spec, []).append(request)
+                groups.setdefault(("tree", spec), []).append(request)
             else:
-                beams.setdefault((item.width, spec.beam_length), []).append(request)
+                groups.setdefault(("beams", item.width, spec.beam_length), []).append(request)
+        failures: dict[Request, str] = {}
+        for group, requests in groups.items():
+            try:
+                trees |= self._draft_group(group, requests)
+                continue
+            except Exception:
+                log.exception("drafting %d request(s) together failed; drafting each alone", len(requests))
+            for request in requests:
+                try:
+                    trees |= self._draft_group(group, [request])
+                except Exception as e:
+                    log.exception("drafting request %s failed", request.request_id)
+                    failures[request] = _describe(e)
+        return trees, failures
+
+    def _draft_group(self, group: tuple[Any, ...], requests: list[Request]) -> dict[str, DraftTree]:
+        """One batched drafting call for requests of one group (see `_draft`)."""
+        self.faults.check("draft", (r.params for r in requests))
+        kind, spec = group[0], group[1]
+        if kind == "lyanna":
+            return self._draft_lyanna(spec, requests)
         drafter, embed = self.engine.drafter, self.engine.model.model.embed_tokens
-        for (width, length), requests in beams.items():
+        roots = [r.tokens[-1] for r in requests]
+        if kind == "beams":
             assert drafter is not None
+            width, length = group[1], group[2]
             with_dists = any(not r.params.greedy for r in requests)  # per-node draft laws, for rules that use them
-            drafted = draft_trees(
-                drafter, embed, self._hidden(requests), [r.tokens[-1] for r in requests], width, length, with_dists
-            )
-            trees |= {r.request_id: tree for r, tree in zip(requests, drafted, strict=True)}
-        for spec, requests in shapes.items():
-            roots = [r.tokens[-1] for r in requests]
+            drafted = draft_trees(drafter, embed, self._hidden(requests), roots, width, length, with_dists)
+        else:
             levels: RNNLevels | DraftLMLevels
             if self.engine.draft_model is not None:
                 assert self.draft_cache is not None
@@ -376,10 +483,7 @@ class LLMEngine:
                 levels = RNNLevels(drafter, embed, self._hidden(requests), roots, spec.max_nodes)
             params, gens = [r.params for r in requests], [r.generator for r in requests]
             drafted = draft_rsd_trees(levels, roots, params, gens, spec)
-            trees |= {r.request_id: tree for r, tree in zip(requests, drafted, strict=True)}
-        for lyanna, requests in chains.items():
-            trees |= self._draft_lyanna(lyanna, requests)
-        return trees
+        return {r.request_id: tree for r, tree in zip(requests, drafted, strict=True)}
 
     @torch.inference_mode()
     def _draft_lyanna(self, params: LyannaParams, requests: list[Request]) -> dict[str, DraftTree]:
@@ -417,6 +521,7 @@ class LLMEngine:
         request.hidden = hidden[start + num_new - 1]
         if not request.result.output_ids:  # a fresh prompt (not a recompute): its first token
             request.result.num_forwards = 1
+            self.faults.check("sample", [request.params])
             token = next_token(logits[logits_row], request.params, request.generator)
             self._notify(request, request.emit([token]))
 
@@ -501,3 +606,8 @@ class LLMEngine:
                 requests.append(self.add_request(*pending.popleft(), method, **overrides))
             self.step()
         return [r.result for r in requests]
+
+
+def _describe(e: BaseException) -> str:
+    """An exception as a request's error message."""
+    return f"{type(e).__name__}: {e}"

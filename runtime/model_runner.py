@@ -43,6 +43,10 @@ class ModelRunner:
         """Queue a K/V move (src -> dst slots) for the start of the next step."""
         self._copies.append((src, dst))
 
+    def discard_moves(self) -> None:
+        """Forget the queued moves (their requests were failed and their blocks freed)."""
+        self._copies.clear()
+
     def execute(self, step: StepInput) -> LlamaOutput:
         """Rank 0: send the step to the other ranks (if any) and run it here."""
         if self._copies:

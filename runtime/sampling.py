@@ -8,9 +8,17 @@ it exactly, so every strategy calls this function rather than re-deriving it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from numbers import Integral
 
 import torch
+
+MIN_TEMPERATURE = 1e-5
+"""Temperatures below this are greedy (vLLM's `_SAMPLING_EPS`): dividing logits by a
+tiny temperature overflows to inf/NaN, and the distribution is a point mass anyway."""
+MAX_SEED = 2**64 - 1
+"""torch generators take 64-bit seeds."""
 
 
 @dataclass(frozen=True)
@@ -20,7 +28,8 @@ class SamplingParams:
     max_tokens: int = 64
     """Most tokens to generate."""
     temperature: float = 0.0
-    """0 = greedy (argmax); > 0 scales logits before softmax."""
+    """0 = greedy (argmax); > 0 scales logits before softmax. Below MIN_TEMPERATURE it is
+    greedy (stored as 0.0)."""
     top_k: int = 0
     """Keep the k most likely tokens (0 = off)."""
     top_p: float = 1.0
@@ -33,14 +42,22 @@ class SamplingParams:
     """Keep generating past EOS (benchmarks that need fixed output lengths)."""
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        """Refuse what cannot be served (non-finite floats, out-of-range or non-integer
+        values) with a message naming the field, before any of it reaches a kernel."""
+        _check_int("max_tokens", self.max_tokens, low=1)
+        _check_int("top_k", self.top_k, low=0, note=" (0 = off)")
+        if self.seed is not None:
+            _check_int("seed", self.seed, low=0, high=MAX_SEED)
+        for token in self.stop_token_ids:
+            _check_int("stop_token_ids", token, low=0)
+        if not isinstance(self.temperature, int | float) or not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.temperature < MIN_TEMPERATURE:  # 0 < T < eps: greedy, as vLLM does
+            object.__setattr__(self, "temperature", 0.0)
+        if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:  # NaN fails too
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
 
     @property
     def greedy(self) -> bool:
@@ -53,6 +70,16 @@ class SamplingParams:
         else:
             g.manual_seed(self.seed)
         return g
+
+
+def _check_int(name: str, value: object, low: int, high: int | None = None, note: str = "") -> None:
+    """`value` is an integer (not a bool or a float) in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    value = int(value)
+    if value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be {bound}{note}, got {value}")
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

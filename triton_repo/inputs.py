@@ -5,7 +5,14 @@ what to fix. Tensor names are those of Triton's TensorRT-LLM ensemble (`text_inp
 `redrafter_beam_length`, `rsd_branching`, so existing clients work unchanged. Triton
 itself rejects wrong dtypes and shapes against config.pbtxt before the model sees a
 request; what remains is checked here (limits the engine knows are checked when the
-request is added)."""
+request is added).
+
+Every door refuses what cannot be served before it costs anything: non-finite floats and
+out-of-range values (`SamplingParams`), and prompts longer in bytes than the engine's
+`max_input_len` could ever hold, before they are decoded or tokenized (`prompt_byte_limit`).
+What Triton converts before our code sees it is out of our reach: its HTTP `/generate`
+JSON parser wraps integers into the declared INT32 and answers 500 on a wrong JSON type
+(README, "Input validation")."""
 
 from __future__ import annotations
 
@@ -57,11 +64,29 @@ def _text(raw: Any, name: str) -> str:
         raise InvalidInput(f"{name} is not valid UTF-8 ({e.reason} at byte {e.start}); send UTF-8 text") from None
 
 
-def parse_request(get: Callable[[str], np.ndarray | None]) -> GenerateRequest:
-    """`get(name)` returns the input tensor as a numpy array, or None when absent."""
+def longest_token_bytes(tokenizer: Tokenizer) -> int:
+    """Most UTF-8 bytes one token of `tokenizer` decodes to."""
+    return max(len(tokenizer.decode([i]).encode()) for i in range(tokenizer.get_vocab_size()))
+
+
+def prompt_byte_limit(config: EngineConfig, tokenizer: Tokenizer) -> int:
+    """Longest prompt, in bytes, that can tokenize to at most `max_input_len` tokens: longer
+    ones are refused before decoding or tokenizing them (no token covers more bytes than
+    the longest one)."""
+    return config.build.max_input_len * longest_token_bytes(tokenizer)
+
+
+def parse_request(get: Callable[[str], np.ndarray | None], max_prompt_bytes: int | None = None) -> GenerateRequest:
+    """`get(name)` returns the input tensor as a numpy array, or None when absent; a
+    `text_input` over `max_prompt_bytes` is refused before it is decoded."""
     raw = _scalar(get, "text_input")
     if raw is None:
         raise InvalidInput("text_input is required: the prompt as a BYTES tensor of shape [1]")
+    if max_prompt_bytes is not None and isinstance(raw, bytes | np.bytes_) and len(raw) > max_prompt_bytes:
+        raise InvalidInput(
+            f"text_input is {len(raw)} bytes, more than the {max_prompt_bytes} bytes the engine's max_input_len "
+            "tokens can hold; send a shorter prompt or rebuild with a larger --max-input-len"
+        )
     text = _text(raw, "text_input")
     if not text:
         raise InvalidInput("text_input is empty: send a prompt of at least one character")
@@ -75,6 +100,8 @@ def parse_request(get: Callable[[str], np.ndarray | None]) -> GenerateRequest:
     seed = _scalar(get, "random_seed")
     end_id = _scalar(get, "end_id")
     ignore_eos = _scalar(get, "ignore_eos")
+    if end_id is not None and int(end_id) < 0:
+        raise InvalidInput(f"end_id must be a token id >= 0, got {int(end_id)} (INT32: larger values wrap negative)")
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -112,22 +139,35 @@ def parse_request(get: Callable[[str], np.ndarray | None]) -> GenerateRequest:
 
 @dataclass
 class AdmissionCheck:
-    """Everything a front end can check without the engine's weights: the inputs, then the
-    tokenized prompt against the engine's build limits."""
+    """Everything a front end can check without the engine's weights: the prompt's size in
+    bytes, the inputs, then the tokenized prompt against the engine's build limits."""
 
     config: EngineConfig
     tokenizer: Tokenizer
+    max_prompt_bytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.max_prompt_bytes = prompt_byte_limit(self.config, self.tokenizer)
 
     @classmethod
     def for_engine(cls, engine_dir: str | Path) -> AdmissionCheck:
         config = EngineConfig.load(Path(engine_dir))
         return cls(config, Tokenizer.from_file(str(Path(engine_dir) / config.tokenizer)))
 
+    def parse(self, get: Callable[[str], np.ndarray | None]) -> tuple[GenerateRequest, list[int]]:
+        """The request and its prompt ids; raises InvalidInput (a ValueError) naming the fix."""
+        request = parse_request(get, self.max_prompt_bytes)
+        prompt = self.tokenizer.encode(request.text).ids
+        try:
+            check_request(self.config, prompt, request.params)
+        except ValueError as e:
+            raise InvalidInput(str(e)) from None
+        return request, prompt
+
     def __call__(self, get: Callable[[str], np.ndarray | None]) -> str | None:
         """None if the request is acceptable, else what to fix."""
         try:
-            request = parse_request(get)
-            check_request(self.config, self.tokenizer.encode(request.text).ids, request.params)
+            self.parse(get)
         except ValueError as e:  # InvalidInput included
             return str(e)
         return None

@@ -1,0 +1,60 @@
+"""Fault injection: how the tests prove that one failing request cannot take the engine,
+or the server, down (the fault-isolation contract of `LLMEngine.step`).
+
+Off unless the environment names faults, read once when an engine starts:
+
+    SPECPIPE_INJECT_FAULTS="draft:7,verify:8,forward:9"
+
+makes stage `draft` raise `InjectedFault` for requests whose sampling seed is 7, and so on.
+A seed is a per-request value every door already carries (`--seed`, Triton's
+`random_seed`), so a test picks the victim without a test-only input. Stages:
+
+    draft       drafting a batch that holds the request (the engine isolates the culprit)
+    verify      accepting a batch of trees that holds the request (isolated the same way)
+    sample      choosing the request's first token after its prefill
+    forward     the target forward of a step that holds the request (fails that step's
+                requests; under tensor parallelism it is fatal for the engine)
+    step        anywhere in a step that holds the request (fails every request in flight)
+    detokenize  the server's response thread turning the request's tokens into text
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from runtime.sampling import SamplingParams
+
+ENV = "SPECPIPE_INJECT_FAULTS"
+STAGES = ("draft", "verify", "sample", "forward", "step", "detokenize")
+
+
+class InjectedFault(RuntimeError):
+    """Raised on purpose by `FaultInjector.check`."""
+
+
+@dataclass(frozen=True)
+class FaultInjector:
+    seeds: Mapping[str, frozenset[int]] = field(default_factory=dict)
+    """stage -> seeds of the requests that fail there."""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> FaultInjector:
+        spec = environ.get(ENV, "").strip()
+        seeds: dict[str, set[int]] = {}
+        for entry in filter(None, (e.strip() for e in spec.split(","))):
+            stage, _, seed = entry.partition(":")
+            if stage not in STAGES or not seed.isdigit():
+                raise ValueError(f"{ENV}: {entry!r} is not <stage>:<seed> with a stage in {STAGES}")
+            seeds.setdefault(stage, set()).add(int(seed))
+        return cls({stage: frozenset(s) for stage, s in seeds.items()})
+
+    def check(self, stage: str, params: Iterable[SamplingParams]) -> None:
+        """Raise InjectedFault if a request with one of these settings is to fail at `stage`."""
+        if not self.seeds:
+            return
+        victims = self.seeds.get(stage, frozenset())
+        for p in params:
+            if p.seed in victims:
+                raise InjectedFault(f"fault injected at {stage} for seed {p.seed} ({ENV})")
