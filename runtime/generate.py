@@ -24,7 +24,7 @@ from pathlib import Path
 
 from runtime.engine import Engine
 from runtime.engine_dir import EngineConfig
-from runtime.llm_engine import LLMEngine
+from runtime.llm_engine import EngineDeadError, LLMEngine
 from runtime.methods import METHODS
 from runtime.results import GenerationResult, tokens_per_step
 from runtime.rsd import parse_branching
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         prompts = [engine.encode(p) for p in args.prompt]
         results, seconds = run(engine, prompts, params, args, world_size)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, EngineDeadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for prompt, r in zip(args.prompt, results, strict=True):
@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                         "text": engine.decode(r.output_ids),
                         "output_ids": r.output_ids,
                         "finish_reason": r.finish_reason,
+                        "error": r.error,
                         "tokens_per_step": r.tokens_per_step,
                         "num_drafted": r.num_drafted,
                         "num_accepted": r.num_accepted,
@@ -141,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         else:
             print(f"--- prompt: {prompt!r} ({len(r.output_ids)} tokens, {r.finish_reason})")
+            if r.error is not None:
+                print(f"error: {r.error}", file=sys.stderr)
             print(prompt + engine.decode(r.output_ids), flush=True)
     total = sum(len(r.output_ids) for r in results)
     print(
@@ -148,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{tokens_per_step(results):.2f} tokens per decoding forward",
         file=sys.stderr,
     )
-    return 0
+    return 1 if any(r.finish_reason == "error" for r in results) else 0
 
 
 if __name__ == "__main__":

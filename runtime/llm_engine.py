@@ -581,7 +581,7 @@ class LLMEngine:
         with self._lock:
             self._requests.pop(request.request_id, None)
         if request.result.finish_reason != reason:  # "length"/"stop" went out with the last tokens
-            request.result.finish_reason = reason
+            request.result.finish_reason, request.result.error = reason, error
             self._notify(request, [], error)
         return request
 

@@ -13,7 +13,9 @@ class GenerationResult:
     output_ids: list[int] = field(default_factory=list)
     """Generated tokens, without the stop token."""
     finish_reason: str = ""
-    """"stop" (EOS or a stop token), "length" (max_tokens) or "" while running."""
+    """"stop" (EOS or a stop token), "length" (max_tokens), "cancelled", "error", or "" while running."""
+    error: str | None = None
+    """What went wrong, when finish_reason is "error"."""
     num_forwards: int = 0
     """Target forward passes this request took part in (prefill included)."""
     num_drafted: int = 0

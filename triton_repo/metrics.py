@@ -55,6 +55,12 @@ class ServingMetrics:
         self.accepted = metric("specpipe_accepted_tokens_total", family.COUNTER, "Draft tokens accepted")
         self.queue_depth = metric("specpipe_queue_depth", family.GAUGE, "Requests waiting for admission")
         self.running = metric("specpipe_running_requests", family.GAUGE, "Requests in the in-flight batch")
+        self.engine_up = metric(
+            "specpipe_engine_up",
+            family.GAUGE,
+            "1 while the engine steps normally; 0 once it is dead or a step stalled (the launcher stops the server)",
+        )
+        self.engine_up.set(1)
         blocks = new_family("specpipe_kv_blocks", family.GAUGE, "KV-cache blocks by state")
         self.kv_used = blocks.Metric(labels={"state": "used"})
         self.kv_free = blocks.Metric(labels={"state": "free"})
@@ -71,7 +77,8 @@ class ServingMetrics:
         if first_token_at is not None and len(result.output_ids) > 1:
             self.tpot.observe((now - first_token_at) / (len(result.output_ids) - 1))
 
-    def observe_engine(self, llm: LLMEngine) -> None:
+    def observe_engine(self, llm: LLMEngine, up: bool) -> None:
+        self.engine_up.set(int(up))
         self.queue_depth.set(len(llm.scheduler.waiting))
         self.running.set(len(llm.scheduler.running))
         self.kv_used.set(llm.blocks.num_used)

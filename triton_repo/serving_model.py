@@ -13,6 +13,13 @@ Threads:
 
 Under tensor parallelism this process is rank 0 (it joins the other ranks at the address
 in the `tp_master` parameter); ranks 1..N-1 are `runtime.tp_worker` processes.
+
+Faults: a request that fails inside the engine gets an error FINAL (INTERNAL) and the
+others go on (`LLMEngine.step`); so does one whose response fails to build. If the engine
+dies (`EngineDeadError`, or anything escaping the loop) every request in flight gets an
+error FINAL, new ones are refused with UNAVAILABLE, and the gauge `specpipe_engine_up`
+drops to 0, as it does while one step has run longer than STALL_TIMEOUT_S; the launcher
+(`triton_repo/server.py`) watches that gauge and stops the server, which exits non-zero.
 """
 
 from __future__ import annotations
@@ -30,11 +37,11 @@ import numpy as np
 
 from runtime.detokenize import IncrementalDetokenizer
 from runtime.engine import Engine
-from runtime.llm_engine import LLMEngine
+from runtime.llm_engine import EngineDeadError, LLMEngine
 from runtime.request import Request, RequestEvent
 from runtime.runtime_args import runtime_from_parameters
 from runtime.scheduler import QueueFullError
-from triton_repo.inputs import GenerateRequest, InvalidInput, parse_request
+from triton_repo.inputs import AdmissionCheck, GenerateRequest
 from triton_repo.metrics import ServingMetrics
 
 log = logging.getLogger(__name__)
@@ -44,6 +51,9 @@ POLL_SECONDS = 0.02
 HOUSEKEEPING_SECONDS = 0.1
 """How often the response thread asks Triton which requests were cancelled (one IPC round
 trip per request in flight) and refreshes the gauges."""
+STALL_TIMEOUT_S = 120.0
+"""A step running longer than this means a wedged engine (steps take milliseconds to a few
+seconds on a loaded CPU): the engine is reported down."""
 
 
 @dataclass(eq=False)
@@ -83,7 +93,10 @@ class SpecpipeModel:
 
             settings, broadcast = start_leader(self.engine, settings, params.get("tp_master", ""))
         self.llm = LLMEngine(self.engine, settings, broadcast)
+        self.admission = AdmissionCheck(self.engine.config, self.engine.tokenizer)
         self.metrics = ServingMetrics(pb_utils)
+        self.step_started: float | None = None
+        """When the step now running began (None between steps): a stall shows here."""
         self.events: queue.Queue[tuple[Stream, RequestEvent]] = queue.Queue()
         self.streams: dict[str, Stream] = {}
         self.lock = threading.Lock()
@@ -119,9 +132,8 @@ class SpecpipeModel:
             return None if tensor is None else tensor.as_numpy()
 
         try:
-            parsed = parse_request(get)
+            parsed, prompt = self.admission.parse(get)  # size limit first, then tokenizing
             stream = Stream(triton_request, sender, parsed, IncrementalDetokenizer(self.engine.tokenizer), arrival)
-            prompt = self.engine.encode(parsed.text)
             with self.lock:
                 stream.request = self.llm.add_request(
                     prompt,
@@ -131,11 +143,11 @@ class SpecpipeModel:
                     **parsed.overrides,
                 )
                 self.streams[stream.request.request_id] = stream
-        except (InvalidInput, ValueError) as e:
-            self._reject(sender, str(e), self.pb.TritonError.INVALID_ARG, "invalid")
-            return
-        except QueueFullError as e:
+        except (QueueFullError, EngineDeadError) as e:
             self._reject(sender, str(e), self.pb.TritonError.UNAVAILABLE, "rejected")
+            return
+        except ValueError as e:  # InvalidInput included
+            self._reject(sender, str(e), self.pb.TritonError.INVALID_ARG, "invalid")
             return
         self.metrics.prompt_tokens.increment(len(prompt))
         self.wake.set()
@@ -155,12 +167,30 @@ class SpecpipeModel:
     # ---- engine thread ------------------------------------------------------------------
 
     def _engine_loop(self) -> None:
-        while self.running:
-            if not self.llm.has_unfinished():
-                self.wake.wait(POLL_SECONDS)
-                self.wake.clear()
-                continue
-            self.llm.step()
+        """Step while there is work; never dies silently: whatever ends it fails the
+        requests in flight and leaves the reason in `llm.dead` (the gauge shows it)."""
+        try:
+            while self.running:
+                if not self.llm.has_unfinished():
+                    self.wake.wait(POLL_SECONDS)
+                    self.wake.clear()
+                    continue
+                self.step_started = time.perf_counter()
+                self.llm.step()
+                self.step_started = None
+        except EngineDeadError:
+            log.error("engine is dead: %s; refusing new requests", self.llm.dead)
+        except BaseException as e:
+            log.exception("engine thread failed")
+            self.llm.dead = f"engine thread failed: {type(e).__name__}: {e}"
+            self.llm.abort_all(self.llm.dead)
+        self.step_started = None
+
+    def engine_up(self) -> bool:
+        """The engine can serve: its thread runs, it is not dead, no step is stalled."""
+        started = self.step_started
+        stalled = started is not None and time.perf_counter() - started > STALL_TIMEOUT_S
+        return self.engine_thread.is_alive() and self.llm.dead is None and not stalled
 
     # ---- response thread ----------------------------------------------------------------
 
@@ -178,17 +208,31 @@ class SpecpipeModel:
             if time.perf_counter() - last_housekeeping >= HOUSEKEEPING_SECONDS:
                 last_housekeeping = time.perf_counter()
                 self._check_cancelled()
-                self.metrics.observe_engine(self.llm)
+                self.metrics.observe_engine(self.llm, self.engine_up())
 
     def _handle(self, stream: Stream, event: RequestEvent) -> None:
-        """One event; a failure to respond (e.g. the client went away) costs that request only."""
+        """One event; a failure to respond (a detokenizer error, the client went away)
+        ends that request only: it is cancelled in the engine and, if the sender still
+        works, gets an error FINAL."""
         try:
             self._on_event(stream, event)
-        except Exception:
+        except Exception as e:
             log.exception("responding to %s failed", stream.request.request_id if stream.request else "?")
-            stream.done = True
             if stream.request is not None:
                 self.llm.cancel(stream.request.request_id)
+            if not stream.done:
+                stream.done = True
+                error = self.pb.TritonError(f"{type(e).__name__}: {e}", self.pb.TritonError.INTERNAL)
+                try:
+                    stream.sender.send(
+                        self.pb.InferenceResponse(output_tensors=[], error=error),
+                        flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+                    )
+                except Exception:
+                    log.exception("could not send the error FINAL")
+                if stream.request is not None:
+                    self.metrics.requests["error"].increment(1)
+            if stream.request is not None:
                 with self.lock:
                     self.streams.pop(stream.request.request_id, None)
 
@@ -202,6 +246,8 @@ class SpecpipeModel:
     def _on_event(self, stream: Stream, event: RequestEvent) -> None:
         if stream.done:
             return  # a stop word already ended it; this is the engine's "cancelled" echo
+        assert stream.request is not None
+        self.llm.faults.check("detokenize", [stream.request.params])
         now = time.perf_counter()
         stream.tokens_seen += len(event.tokens)
         if event.tokens and stream.first_token_at is None:

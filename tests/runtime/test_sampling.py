@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from runtime.sampling import SamplingParams, next_token, target_probs
+from runtime.sampling import MIN_TEMPERATURE, SamplingParams, next_token, target_probs
 
 
 @pytest.mark.parametrize(
@@ -66,8 +66,26 @@ def test_seeded_requests_repeat_and_greedy_is_argmax() -> None:
         ({"top_k": -2}, "top_k"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
+        ({"temperature": float("nan")}, "temperature must be a finite number"),
+        ({"temperature": float("inf")}, "temperature must be a finite number"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"max_tokens": 4.5}, "max_tokens must be an integer"),
+        ({"max_tokens": True}, "max_tokens must be an integer"),
+        ({"seed": -1}, "seed must be in"),
+        ({"seed": 2**64}, "seed must be in"),
+        ({"stop_token_ids": (-5,)}, "stop_token_ids"),
     ],
 )
 def test_invalid_params_are_refused(kwargs: dict[str, float], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-20, 9.9e-6])
+def test_temperature_below_epsilon_is_greedy(temperature: float) -> None:
+    """1e-38 once overflowed `logits / T` to NaN inside the engine; now it is argmax."""
+    params = SamplingParams(temperature=temperature)
+    assert params.greedy and params.temperature == 0.0
+    logits = torch.randn(50)
+    assert next_token(logits, params, params.generator()) == int(logits.argmax())
+    assert not SamplingParams(temperature=MIN_TEMPERATURE).greedy
