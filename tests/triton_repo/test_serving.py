@@ -154,6 +154,14 @@ BAD_HTTP = [
     ({"text_input": "x", "top_p": 0.0}, "top_p must be in (0, 1]"),
     ({"text_input": "x", "top_p": 1.5}, "top_p must be in (0, 1]"),
     ({"text_input": "x", "method": "medusa"}, "method 'medusa' is not one of"),
+    # non-finite floats once killed the engine thread (every later request hung)
+    ({"text_input": "x", "temperature": float("nan")}, "temperature must be a finite number"),
+    ({"text_input": "x", "temperature": float("inf")}, "temperature must be a finite number"),
+    ({"text_input": "x", "top_p": float("nan")}, "top_p must be in (0, 1]"),
+    ({"text_input": "x", "end_id": 2**31}, "end_id must be a token id >= 0"),  # wraps negative in INT32
+    ({"text_input": "x", "end_id": 9000}, "stop token ids [9000] must be in [0, 8192)"),
+    ({"text_input": "x", "redrafter_beam_width": -2}, "beam_width and beam_length must be >= 1"),
+    ({"text_input": "x" * 2_000_000}, "more than the"),  # refused by byte length, before tokenizing
 ]
 
 
@@ -177,6 +185,28 @@ def raw(name: str, array: np.ndarray, dtype: str) -> grpcclient.InferInput:
     tensor = grpcclient.InferInput(name, list(array.shape), dtype)
     tensor.set_data_from_numpy(array)
     return tensor
+
+
+def test_tiny_temperature_is_served_as_greedy(server: TritonServer, engine: Engine) -> None:
+    """Temperature 1e-38 overflowed `logits / T` and wedged the engine; now it is greedy (< 1e-5)."""
+    expected = solo_text(engine, PROMPTS[1], SamplingParams(max_tokens=MAX_TOKENS))
+    status, body = http_post(
+        server.http_url,
+        f"/v2/models/{MODEL}/generate",
+        {"text_input": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 1e-38},
+    )
+    assert status == 200 and json.loads(body)["text_output"] == expected
+    [streamed] = stream_grpc(
+        server.grpc_url, [{"prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 1e-38, "seed": 1}]
+    )
+    assert streamed["text"] == expected
+
+
+def test_nan_over_grpc_is_invalid_arg(server: TritonServer) -> None:
+    for name in ("temperature", "top_p"):
+        [result] = stream_grpc(server.grpc_url, [{"prompt": "x", "max_tokens": 4, name: float("nan")}])
+        assert f"{name} must be" in result["error"].message(), result
+    assert stream_grpc(server.grpc_url, [{"prompt": "x", "max_tokens": 2}])[0]["finals"] == 1
 
 
 def test_non_utf8_wrong_dtype_and_wrong_shape_are_invalid_arg(server: TritonServer) -> None:
