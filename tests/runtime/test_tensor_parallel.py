@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig, rank_file
 from runtime.methods import generate
 from runtime.sampling import SamplingParams
+from triton_repo.processes import LAUNCH_ID_ENV, launched_processes
 
 REPO = Path(__file__).resolve().parents[2]
 MODELS = REPO / "models"
@@ -218,3 +221,43 @@ def test_tp1_engine_under_mpirun_n2_is_refused(tiny_checkpoint: Path, tmp_path: 
     proc = launch(out, "--prompt", "x", processes=2)
     assert proc.returncode != 0
     assert "engine built with --tp-size 1 but launched with 2 processes" in proc.stderr
+
+
+@needs_mpirun
+def test_a_killed_rank_ends_the_mpirun_job_without_leftovers(demo_engines: tuple[Engine, Path]) -> None:
+    """`mpirun -n 2 python -m runtime.generate`: SIGKILL of one rank while the job runs makes
+    mpirun abort the other and exit non-zero within seconds: no hang, no process left."""
+    assert MPIRUN is not None
+    marker = f"specpipe-test-{os.getpid()}-{time.monotonic_ns()}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI_", "PMIX_"))}
+    env |= {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", LAUNCH_ID_ENV: marker}
+    args = [a for p in PROMPTS * 8 for a in ("--prompt", p)]  # 32 requests: several seconds of steps
+    cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable, "-m", "runtime.generate"]
+    job = subprocess.Popen(
+        [*cmd, "--engine", str(demo_engines[1]), *args, "--max-tokens", "60", "--ignore-eos"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+    def ranks() -> list[int]:
+        return sorted(
+            p.pid for p in launched_processes(marker) if "runtime.generate" in p.cmdline and "mpirun" not in p.cmdline
+        )
+
+    try:
+        deadline = time.monotonic() + 120
+        while len(ranks()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(ranks()) == 2, "the two ranks never started"
+        time.sleep(3.0)  # loaded, and most likely inside the generation
+        os.kill(ranks()[-1], signal.SIGKILL)
+        killed = time.monotonic()
+        _, stderr = job.communicate(timeout=60)
+        assert job.returncode != 0 and time.monotonic() - killed < 30, stderr[-2000:]
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert not launched_processes(marker), "processes of the aborted job are still running"

@@ -1,22 +1,31 @@
 """A TP=2 engine served by Triton in leader mode (rank 0 inside the Triton model, rank 1 a
 `runtime.tp_worker` started by the launcher under mpirun) streams the same greedy text as
-the TP=1 engine in-process, for every method."""
+the TP=1 engine in-process, for every method; a killed follower fails the request in flight
+at once and the server reports itself down."""
 
 from __future__ import annotations
 
+import os
+import queue
 import shutil
+import signal
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
+import tritonclient.grpc as grpcclient
 
 from build.engine import build_engine
 from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig
 from runtime.llm_engine import LLMEngine, RuntimeConfig
 from runtime.sampling import SamplingParams
-from tests.triton_repo.streams import PROMPTS, stream_grpc
+from tests.triton_repo.streams import MODEL, PROMPTS, stream_grpc
+from triton_repo.client import make_inputs
+from triton_repo.processes import launched_processes
 from triton_repo.repository import ServingConfig
 from triton_repo.server import TritonServer
 
@@ -58,3 +67,37 @@ def test_tp2_through_triton_equals_tp1(server: TritonServer, engines: tuple[Path
     assert [s["text"] for s in streamed] == expected
     if method == "redrafter":
         assert sum(s["num_draft_tokens"] for s in streamed) > 0
+
+
+def test_a_killed_follower_fails_the_request_in_flight_and_stops_the_server(server: TritonServer) -> None:
+    """Last in this module: it kills the module server's follower rank. The leader's next
+    all-reduce fails at once (gloo sees the peer gone): the stream in flight gets an error
+    FINAL within seconds instead of hanging, the engine reports itself down, and the
+    launcher's supervision (`check_alive`, which makes `python -m triton_repo.server` tear
+    everything down and exit 3) notices. Recovery is a restart of the server."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    responses: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    client.async_stream_infer(MODEL, make_inputs(PROMPTS[0], max_tokens=140, ignore_eos=True, stream=True))
+    for _ in range(2):
+        assert responses.get(timeout=60)[1] is None
+    followers = [
+        p
+        for p in launched_processes(server.launch_id)
+        if "runtime.tp_worker" in p.cmdline and "mpirun" not in p.cmdline
+    ]
+    assert len(followers) == 1, followers
+    os.kill(followers[0].pid, signal.SIGKILL)
+    killed = time.monotonic()
+    while True:
+        result, error = responses.get(timeout=30)
+        if error is not None or result.get_response().parameters["triton_final_response"].bool_param:
+            break
+    assert error is not None and "engine step failed" in error.message(), "the request in flight must fail"
+    assert time.monotonic() - killed < 15
+    client.stop_stream()
+    deadline = time.monotonic() + 15
+    with pytest.raises(RuntimeError):
+        while time.monotonic() < deadline:
+            server.check_alive()
+            time.sleep(0.2)
