@@ -17,7 +17,7 @@ DEMO_PROMPTS := --prompt "def fibonacci(n):" \
 	--prompt "$$(printf 'class Stack:\n    def __init__(self):')" \
 	--prompt "$$(printf 'import os\n\n\ndef list_python_files(path):')"
 
-.PHONY: help setup mpi engine demo serve test test-slow lint format model drafter draft-lm lyanna bench-redrafter bench-batch bench-rsd bench-lyanna bench-drafter-tp loadtest bench-table2 export-trtllm clean
+.PHONY: help setup mpi engine demo serve test test-slow lint format model drafter draft-lm lyanna bench-redrafter bench-batch bench-rsd bench-lyanna bench-drafter-tp loadtest soak bench-table2 export-trtllm clean
 
 help:  ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 18
@@ -124,6 +124,9 @@ URL ?= localhost:8001
 RATE ?= 2
 loadtest: setup  ## fixed-QPS load test of a running server (URL=host:port RATE=req/s) -> benchmarks/results/loadtest.*
 	$(BIN)/python -m benchmarks.loadtest --url $(URL) --rate $(RATE)
+
+soak: engine  ## serve $(SPEC_ENGINE) and soak it 5 min at RATE req/s (mixed methods, cancels, bad inputs): nothing lost, one FINAL each, counters, gauges, RSS -> benchmarks/results/soak.*
+	$(BIN)/python -m benchmarks.soak --engine $(SPEC_ENGINE) --rate $(RATE) --duration 300
 
 bench-table2: engine  ## serve $(SPEC_ENGINE) with Triton; ms/token + speedup vs AR at light/medium/saturated QPS
 	$(BIN)/python -m benchmarks.table2 --engine $(SPEC_ENGINE)

@@ -225,8 +225,6 @@ class LLMEngine:
         """Queue a request. Raises ValueError for a request the engine cannot serve and
         QueueFullError when the waiting queue is full (nothing is queued then), and
         EngineDeadError once the engine cannot step any more."""
-        if self.dead is not None:
-            raise EngineDeadError(f"engine is down ({self.dead}); restart the server")
         check_request(self.engine.config, prompt, params)
         method = method or self.default_method
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -241,6 +239,8 @@ class LLMEngine:
             callback,
         )
         with self._lock:  # servers add from their own threads while step() runs
+            if self.dead is not None:
+                raise EngineDeadError(f"engine is down ({self.dead}); restart the server")
             if request_id in self._requests:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             self.scheduler.add(request)
@@ -317,13 +317,12 @@ class LLMEngine:
         except Exception as e:
             log.exception("engine step failed; failing every request in flight")
             reason = f"engine step failed: {type(e).__name__}: {e}"
-            finished = self.abort_all(reason)
             self._failed_steps += 1
             if self.runner.broadcast is not None or self._failed_steps >= MAX_STEP_FAILURES:
                 why = "tensor-parallel ranks out of step" if self.runner.broadcast is not None else "every step fails"
-                self.dead = f"{reason} ({why})"
+                self.shut_down(f"{reason} ({why})")
                 raise EngineDeadError(self.dead) from e
-            return finished
+            return self.abort_all(reason)
         self._failed_steps = 0
         return finished
 
@@ -333,6 +332,13 @@ class LLMEngine:
             requests = [r for r in self._requests.values() if not r.finished]
         self.runner.discard_moves()  # compaction moves of requests that are gone
         return [self._finish(r, "error", error) for r in requests]
+
+    def shut_down(self, reason: str) -> list[Request]:
+        """Declare the engine dead (`reason`): later requests are refused, and every request
+        in flight ends with "error". Under the lock `add_request` takes, so none slips between."""
+        with self._lock:
+            self.dead = reason
+        return self.abort_all(reason)
 
     def _step(self) -> list[Request]:
         finished = self._drop_cancelled()

@@ -51,6 +51,8 @@ POLL_SECONDS = 0.02
 HOUSEKEEPING_SECONDS = 0.1
 """How often the response thread asks Triton which requests were cancelled (one IPC round
 trip per request in flight) and refreshes the gauges."""
+CANCEL_INPUT = "cancel_request_id"
+"""A request holding this input only cancels the requests in flight with that Triton request id."""
 STALL_TIMEOUT_S = 120.0
 """A step running longer than this means a wedged engine (steps take milliseconds to a few
 seconds on a loaded CPU): the engine is reported down."""
@@ -73,6 +75,8 @@ class Stream:
     clients can count tokens, not chunks, when a speculative step streams several)."""
     stopped_by_word: bool = False
     done: bool = False
+    triton_id: str = ""
+    """Triton's id of the request (what `cancel_request_id` names)."""
 
 
 class SpecpipeModel:
@@ -131,9 +135,14 @@ class SpecpipeModel:
             tensor = self.pb.get_input_tensor_by_name(triton_request, name)
             return None if tensor is None else tensor.as_numpy()
 
+        if (cancel := get(CANCEL_INPUT)) is not None:
+            self._cancel_by_triton_id(bytes(cancel.reshape(-1)[0]).decode(errors="replace"))
+            sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
         try:
             parsed, prompt = self.admission.parse(get)  # size limit first, then tokenizing
             stream = Stream(triton_request, sender, parsed, IncrementalDetokenizer(self.engine.tokenizer), arrival)
+            stream.triton_id = triton_request.request_id()
             with self.lock:
                 stream.request = self.llm.add_request(
                     prompt,
@@ -151,6 +160,16 @@ class SpecpipeModel:
             return
         self.metrics.prompt_tokens.increment(len(prompt))
         self.wake.set()
+
+    def _cancel_by_triton_id(self, triton_id: str) -> None:
+        """Cancel the requests in flight that Triton knows as `triton_id`: the non-streaming
+        front sends this when its client goes away (a BLS request cannot be cancelled
+        otherwise in this Triton)."""
+        with self.lock:
+            streams = [s for s in self.streams.values() if triton_id and s.triton_id == triton_id]
+        for stream in streams:
+            if stream.request is not None:
+                self.llm.cancel(stream.request.request_id)
 
     def _queue_event(self, stream: Stream, event: RequestEvent) -> None:
         """The engine thread's callback: hand the event to the response thread, nothing more."""
@@ -182,8 +201,7 @@ class SpecpipeModel:
             log.error("engine is dead: %s; refusing new requests", self.llm.dead)
         except BaseException as e:
             log.exception("engine thread failed")
-            self.llm.dead = f"engine thread failed: {type(e).__name__}: {e}"
-            self.llm.abort_all(self.llm.dead)
+            self.llm.shut_down(f"engine thread failed: {type(e).__name__}: {e}")
         self.step_started = None
 
     def engine_up(self) -> bool:

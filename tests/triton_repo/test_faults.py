@@ -15,27 +15,24 @@ from typing import Any
 
 import pytest
 
-from build.engine import build_engine
 from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig
 from runtime.faults import ENV
 from runtime.llm_engine import MAX_STEP_FAILURES, LLMEngine, RuntimeConfig
 from runtime.sampling import SamplingParams
+from tests.demo_engines import demo_redrafter_engine
 from tests.triton_repo.streams import PROMPTS, stream_grpc
 from tests.triton_repo.test_serving import metrics
 from triton_repo.repository import ServingConfig
 from triton_repo.server import TritonServer
 
-MODELS = Path(__file__).resolve().parents[2] / "models"
 MAX_TOKENS = 16
 SEEDS = {"draft": 101, "verify": 102, "sample": 103, "detokenize": 104, "forward": 105, "step": 106}
 
 
 @pytest.fixture(scope="module")
 def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("engines") / "demo-redrafter"
-    build = BuildConfig(max_batch_size=8, max_input_len=128, max_seq_len=320)
-    return build_engine(MODELS / "demo-target", out, build, drafter=MODELS / "demo-redrafter")
+    return demo_redrafter_engine(tmp_path_factory, BuildConfig(max_batch_size=8, max_input_len=128, max_seq_len=320))
 
 
 @pytest.fixture(scope="module")

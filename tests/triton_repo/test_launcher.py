@@ -26,10 +26,10 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from build.engine import build_engine
 from runtime.engine_dir import BuildConfig, EngineConfig
 from runtime.faults import ENV as FAULTS_ENV
 from runtime.llm_engine import MAX_STEP_FAILURES
+from tests.demo_engines import demo_redrafter_engine
 from triton_repo.inputs import prompt_byte_limit
 from triton_repo.processes import LAUNCH_ID_ENV, ProcessInfo, kill_launch, launched_processes, list_processes
 from triton_repo.repository import PROJECT_ROOT
@@ -47,7 +47,6 @@ from triton_repo.server import (
     tritonserver_flags,
 )
 
-MODELS = Path(__file__).resolve().parents[2] / "models"
 READY_TIMEOUT_S = 180.0
 """Loading takes ~15 s on 2 idle cores; other work on the machine can triple it."""
 STREAM_TOKENS = 120
@@ -56,9 +55,7 @@ STREAM_TOKENS = 120
 
 @pytest.fixture(scope="module")
 def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("engines") / "demo-redrafter"
-    build = BuildConfig(max_batch_size=4, max_input_len=64, max_seq_len=160)
-    return build_engine(MODELS / "demo-target", out, build, drafter=MODELS / "demo-redrafter")
+    return demo_redrafter_engine(tmp_path_factory, BuildConfig(max_batch_size=4, max_input_len=64, max_seq_len=160))
 
 
 @dataclass

@@ -22,26 +22,23 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from build.engine import build_engine
 from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig
 from runtime.llm_engine import LLMEngine, RuntimeConfig
 from runtime.sampling import SamplingParams
+from tests.demo_engines import demo_redrafter_engine
 from tests.triton_repo.streams import MODEL, PROMPTS, stream_grpc
 from triton_repo.client import make_inputs
 from triton_repo.repository import ServingConfig
 from triton_repo.server import TritonServer
 
-MODELS = Path(__file__).resolve().parents[2] / "models"
 INFER_MODEL = "specpipe_infer"
 MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
 def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("engines") / "demo-redrafter"
-    build = BuildConfig(max_batch_size=16, max_input_len=256, max_seq_len=640)
-    return build_engine(MODELS / "demo-target", out, build, drafter=MODELS / "demo-redrafter")
+    return demo_redrafter_engine(tmp_path_factory, BuildConfig(max_batch_size=16, max_input_len=256, max_seq_len=640))
 
 
 @pytest.fixture(scope="module")
@@ -221,6 +218,18 @@ def test_non_utf8_wrong_dtype_and_wrong_shape_are_invalid_arg(server: TritonServ
     assert stream_grpc(server.grpc_url, [{"prompt": "x", "max_tokens": 2}])[0]["finals"] == 1
 
 
+def wait_for_cancelled(server: TritonServer, before: float) -> dict[str, float]:
+    """Metrics once a cancellation beyond `before` is counted and no KV block is held."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = metrics(server)
+        cancelled = m.get('specpipe_requests_total{outcome="cancelled"}', 0.0)
+        if cancelled > before and m['specpipe_kv_blocks{state="used"}'] == 0 and m["specpipe_running_requests"] == 0:
+            return m
+        time.sleep(0.2)
+    pytest.fail(f"the cancelled request still runs: {m}")
+
+
 def test_cancelled_stream_frees_its_blocks(server: TritonServer) -> None:
     client = grpcclient.InferenceServerClient(server.grpc_url)
     received: queue.Queue[Any] = queue.Queue()
@@ -230,17 +239,19 @@ def test_cancelled_stream_frees_its_blocks(server: TritonServer) -> None:
     for _ in range(3):
         assert received.get(timeout=60)[1] is None
     client.stop_stream(cancel_requests=True)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        m = metrics(server)
-        if (
-            m.get('specpipe_requests_total{outcome="cancelled"}', 0.0) > before
-            and m['specpipe_kv_blocks{state="used"}'] == 0
-        ):
-            break
-        time.sleep(0.2)
-    else:
-        pytest.fail(f"cancelled stream still holds KV blocks: {m}")
+    wait_for_cancelled(server, before)
+    assert stream_grpc(server.grpc_url, [{"prompt": "x", "max_tokens": 4}])[0]["finals"] == 1
+
+
+def test_a_cancelled_grpc_infer_stops_its_engine_request(server: TritonServer) -> None:
+    """Non-streaming gRPC `infer` goes through the `_infer` front (BLS), which this Triton
+    cannot cancel; the front forwards the client's cancellation as a control request."""
+    before = metrics(server).get('specpipe_requests_total{outcome="cancelled"}', 0.0)
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    inputs = make_inputs(PROMPTS[0], max_tokens=500, ignore_eos=True, stream=False)
+    with pytest.raises(InferenceServerException, match="Deadline"):
+        client.infer(INFER_MODEL, inputs, client_timeout=2.0)
+    wait_for_cancelled(server, before)
     assert stream_grpc(server.grpc_url, [{"prompt": "x", "max_tokens": 4}])[0]["finals"] == 1
 
 

@@ -9,14 +9,26 @@ requests concurrently at no memory cost; the engine batches them (Triton's Tenso
 repository pairs `tensorrt_llm_bls` with `tensorrt_llm` the same way). Input is checked
 before forwarding because BLS responses lose their error code (INVALID_ARG would come
 back as INTERNAL).
+
+Cancellation: this Triton cannot cancel a BLS request, so the engine request carries a
+Triton request id of our own; while its responses arrive (on a helper thread), the client's
+request is checked for cancellation (gRPC cancel or deadline) every CANCEL_POLL_S, and on
+cancellation a `cancel_request_id` control request naming that id stops it in the engine.
+(Triton does not signal HTTP clients that disconnect from a non-streaming request.)
 """
 
 import json
+import queue
 import sys
+import threading
+import uuid
 from typing import Any
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+
+CANCEL_POLL_S = 0.1
+"""How often a waiting request checks whether its client cancelled it."""
 
 
 class TritonPythonModel:
@@ -46,14 +58,54 @@ class TritonPythonModel:
             return pb_utils.InferenceResponse(output_tensors=[], error=error)
         tensors = [t for name in self.inputs if (t := pb_utils.get_input_tensor_by_name(request, name)) is not None]
         tensors.append(pb_utils.Tensor("stream", np.array([False])))
-        bls = pb_utils.InferenceRequest(model_name=self.target, inputs=tensors, requested_output_names=self.outputs)
-        final = None
-        for response in bls.exec(decoupled=True):
-            if response.has_error():
-                return pb_utils.InferenceResponse(output_tensors=[], error=response.error())
-            if response.output_tensors():
-                final = response
+        request_id = f"specpipe-infer-{uuid.uuid4().hex}"
+        bls = pb_utils.InferenceRequest(
+            model_name=self.target, inputs=tensors, requested_output_names=self.outputs, request_id=request_id
+        )
+        responses: queue.Queue[Any] = queue.Queue()
+
+        def receive() -> None:
+            try:
+                for response in bls.exec(decoupled=True):
+                    responses.put(response)
+            except Exception as e:  # handed to the waiting thread
+                responses.put(e)
+            responses.put(None)
+
+        threading.Thread(target=receive, name="specpipe-infer-bls", daemon=True).start()
+        final, cancelled = None, False
+        while True:
+            try:
+                item = responses.get(timeout=CANCEL_POLL_S)
+            except queue.Empty:
+                if not cancelled and request.is_cancelled():
+                    cancelled = True
+                    self._cancel(request_id)
+                continue
+            if item is None:
+                break
+            if isinstance(item, Exception):
+                return pb_utils.InferenceResponse(
+                    output_tensors=[], error=pb_utils.TritonError(str(item), pb_utils.TritonError.INTERNAL)
+                )
+            if item.has_error():
+                return pb_utils.InferenceResponse(output_tensors=[], error=item.error())
+            if item.output_tensors():
+                final = item
+        if cancelled:
+            error = pb_utils.TritonError("cancelled by the client", pb_utils.TritonError.CANCELLED)
+            return pb_utils.InferenceResponse(output_tensors=[], error=error)
         if final is None:
             error = pb_utils.TritonError(f"{self.target} sent no output", pb_utils.TritonError.INTERNAL)
             return pb_utils.InferenceResponse(output_tensors=[], error=error)
         return pb_utils.InferenceResponse(output_tensors=final.output_tensors())
+
+    def _cancel(self, request_id: str) -> None:
+        """Stop the engine's request `request_id` (its FINAL then ends the wait)."""
+        inputs = [
+            pb_utils.Tensor("text_input", np.array([b""], dtype=np.object_)),
+            pb_utils.Tensor("cancel_request_id", np.array([request_id.encode()], dtype=np.object_)),
+        ]
+        control = pb_utils.InferenceRequest(model_name=self.target, inputs=inputs, requested_output_names=[])
+        for _ in control.exec(decoupled=True):
+            pass

@@ -1,0 +1,19 @@
+"""Engines built from the bundled demo models, for tests that need a real one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from build.engine import build_engine
+from runtime.engine_dir import BuildConfig
+
+MODELS = Path(__file__).resolve().parents[1] / "models"
+
+
+def demo_redrafter_engine(tmp_path_factory: pytest.TempPathFactory, build: BuildConfig) -> Path:
+    """The demo target + its trained ReDrafter (drafts get accepted), built with `build`
+    limits into a fresh temporary directory."""
+    out = tmp_path_factory.mktemp("engines") / "demo-redrafter"
+    return build_engine(MODELS / "demo-target", out, build, drafter=MODELS / "demo-redrafter")
