@@ -15,19 +15,23 @@ A seed is a per-request value every door already carries (`--seed`, Triton's
     forward     the target forward of a step that holds the request (fails that step's
                 requests; under tensor parallelism it is fatal for the engine)
     step        anywhere in a step that holds the request (fails every request in flight)
+    hang        a step that holds the request never returns (a wedged engine: HANG_S)
     detokenize  the server's response thread turning the request's tokens into text
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from runtime.sampling import SamplingParams
 
 ENV = "SPECPIPE_INJECT_FAULTS"
-STAGES = ("draft", "verify", "sample", "forward", "step", "detokenize")
+STAGES = ("draft", "verify", "sample", "forward", "step", "hang", "detokenize")
+HANG_S = 3600.0
+"""How long a `hang` fault blocks its step: longer than any test waits."""
 
 
 class InjectedFault(RuntimeError):
@@ -51,10 +55,13 @@ class FaultInjector:
         return cls({stage: frozenset(s) for stage, s in seeds.items()})
 
     def check(self, stage: str, params: Iterable[SamplingParams]) -> None:
-        """Raise InjectedFault if a request with one of these settings is to fail at `stage`."""
+        """Raise InjectedFault if a request with one of these settings is to fail at `stage`
+        (stage `hang`: block for HANG_S instead)."""
         if not self.seeds:
             return
         victims = self.seeds.get(stage, frozenset())
         for p in params:
+            if p.seed in victims and stage == "hang":
+                time.sleep(HANG_S)
             if p.seed in victims:
                 raise InjectedFault(f"fault injected at {stage} for seed {p.seed} ({ENV})")

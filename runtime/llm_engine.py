@@ -347,6 +347,7 @@ class LLMEngine:
         width = self.policy.width(len(self.scheduler.running), beams)
         work = self.scheduler.schedule(lambda r: full_width(r, width), tree_nodes)
         self.faults.check("step", (item.request.params for item in work))
+        self.faults.check("hang", (item.request.params for item in work))
         start = time.perf_counter()
         trees, failures = self._draft(work)
         if failures:

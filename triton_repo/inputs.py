@@ -32,6 +32,12 @@ DEFAULT_MAX_TOKENS = 64
 """When a request gives no max_tokens (the TensorRT-LLM ensemble requires it; we default)."""
 
 
+MAX_STOP_WORDS = 256
+MAX_STOP_BYTES = 16384
+"""Bounds on `stop_words`: the response thread searches the text for each of them after
+every step, so one request with a million stop words would slow every stream."""
+
+
 class InvalidInput(ValueError):
     """The request cannot be served as sent; the message names the input and the fix."""
 
@@ -115,6 +121,11 @@ def parse_request(get: Callable[[str], np.ndarray | None], max_prompt_bytes: int
     except ValueError as e:
         raise InvalidInput(str(e)) from None
     stop = get("stop_words")
+    if stop is not None and (stop.size > MAX_STOP_WORDS or sum(len(w) for w in stop.reshape(-1)) > MAX_STOP_BYTES):
+        raise InvalidInput(
+            f"stop_words: send at most {MAX_STOP_WORDS} words of {MAX_STOP_BYTES} bytes in all "
+            "(every streamed delta is searched for each of them)"
+        )
     stop_words = [] if stop is None else [_text(w, "stop_words") for w in stop.reshape(-1)]
     if any(not w for w in stop_words):
         raise InvalidInput("stop_words must not contain empty strings")

@@ -49,10 +49,15 @@ class ServingConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     tp_master: str = ""
     """host:port where tensor-parallel ranks 1..N-1 rendezvous with rank 0 (model.py); "" for tp_size 1."""
+    stall_timeout_s: float = 120.0
+    """A step running longer than this means a wedged engine: it is reported down
+    (`specpipe_engine_up` 0) and the launcher stops the server."""
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
             raise ValueError(f"device {self.device!r} is not one of {DEVICES}")
+        if not self.stall_timeout_s > 0:
+            raise ValueError(f"stall timeout must be > 0 seconds, got {self.stall_timeout_s}")
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.model_name):
             raise ValueError(f"model name {self.model_name!r}: use letters, digits, '_', '.' or '-' (a directory name)")
 
@@ -64,12 +69,13 @@ class ServingConfig:
             "device": self.device,
             **runtime_parameters(self.runtime),
             "tp_master": self.tp_master,
+            "stall_timeout_s": str(self.stall_timeout_s),
         }
 
 
 def serving_config(args: argparse.Namespace, tp_master: str = "") -> ServingConfig:
     """A ServingConfig from `--engine`, `--model-name`, `--device` and the runtime flags."""
-    return ServingConfig(args.engine, args.model_name, args.device, runtime_config(args), tp_master)
+    return ServingConfig(args.engine, args.model_name, args.device, runtime_config(args), tp_master, args.stall_timeout)
 
 
 def add_serving_args(ap: argparse.ArgumentParser) -> None:
@@ -77,6 +83,13 @@ def add_serving_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--engine", type=Path, required=True, help="engine directory (from `python -m build.engine`)")
     ap.add_argument("--model-name", default="specpipe", help="Triton model name (default: %(default)s)")
     ap.add_argument("--device", choices=DEVICES, default="cpu", help="device model.py runs on (default: %(default)s)")
+    ap.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=ServingConfig.stall_timeout_s,
+        help="seconds one engine step may run before the engine is reported down and the launcher stops "
+        "the server (default: %(default)s)",
+    )
     add_runtime_args(ap)
 
 

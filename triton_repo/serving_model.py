@@ -18,7 +18,7 @@ Faults: a request that fails inside the engine gets an error FINAL (INTERNAL) an
 others go on (`LLMEngine.step`); so does one whose response fails to build. If the engine
 dies (`EngineDeadError`, or anything escaping the loop) every request in flight gets an
 error FINAL, new ones are refused with UNAVAILABLE, and the gauge `specpipe_engine_up`
-drops to 0, as it does while one step has run longer than STALL_TIMEOUT_S; the launcher
+drops to 0, as it does while one step has run longer than the `stall_timeout_s` parameter; the launcher
 (`triton_repo/server.py`) watches that gauge and stops the server, which exits non-zero.
 """
 
@@ -53,9 +53,6 @@ HOUSEKEEPING_SECONDS = 0.1
 trip per request in flight) and refreshes the gauges."""
 CANCEL_INPUT = "cancel_request_id"
 """A request holding this input only cancels the requests in flight with that Triton request id."""
-STALL_TIMEOUT_S = 120.0
-"""A step running longer than this means a wedged engine (steps take milliseconds to a few
-seconds on a loaded CPU): the engine is reported down."""
 
 
 @dataclass(eq=False)
@@ -98,6 +95,7 @@ class SpecpipeModel:
             settings, broadcast = start_leader(self.engine, settings, params.get("tp_master", ""))
         self.llm = LLMEngine(self.engine, settings, broadcast)
         self.admission = AdmissionCheck(self.engine.config, self.engine.tokenizer)
+        self.stall_timeout_s = float(params["stall_timeout_s"])
         self.metrics = ServingMetrics(pb_utils)
         self.step_started: float | None = None
         """When the step now running began (None between steps): a stall shows here."""
@@ -207,7 +205,7 @@ class SpecpipeModel:
     def engine_up(self) -> bool:
         """The engine can serve: its thread runs, it is not dead, no step is stalled."""
         started = self.step_started
-        stalled = started is not None and time.perf_counter() - started > STALL_TIMEOUT_S
+        stalled = started is not None and time.perf_counter() - started > self.stall_timeout_s
         return self.engine_thread.is_alive() and self.llm.dead is None and not stalled
 
     # ---- response thread ----------------------------------------------------------------

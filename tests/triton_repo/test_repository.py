@@ -36,6 +36,7 @@ INPUTS = {
     "redrafter_beam_width": (T.TYPE_INT32, [1]),
     "redrafter_beam_length": (T.TYPE_INT32, [1]),
     "rsd_branching": (T.TYPE_INT32, [-1]),
+    "cancel_request_id": (T.TYPE_STRING, [1]),
 }
 OUTPUTS = {
     "text_output": (T.TYPE_STRING, [-1]),
@@ -108,6 +109,7 @@ def test_defaults_are_empty_and_settings_round_trip(engine_dir: Path, tmp_path: 
         "max_queue_size": "256",
         "speculation": "load-aware",
         "tp_master": "",
+        "stall_timeout_s": "120.0",
     }
     runtime = RuntimeConfig(
         max_batch_size=4,
