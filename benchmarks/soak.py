@@ -35,13 +35,11 @@ import argparse
 import contextlib
 import math
 import queue
-import re
 import shlex
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -59,7 +57,7 @@ from benchmarks.prompts import load_prompts
 from benchmarks.report import machine, write_report
 from triton_repo.client import Completion, make_inputs, stream_completion
 from triton_repo.inputs import AdmissionCheck
-from triton_repo.metrics import OUTCOMES
+from triton_repo.metrics import OUTCOMES, read_metrics
 from triton_repo.processes import list_processes
 from triton_repo.repository import add_serving_args, serving_config
 from triton_repo.server import ENGINE_UP_GAUGE, TritonServer
@@ -365,11 +363,9 @@ def run_requests(
 def scrape_metrics(url: str) -> dict[str, float]:
     """specpipe_* samples of the metrics endpoint ({} when it cannot be read)."""
     try:
-        with urllib.request.urlopen(url, timeout=10) as response:
-            text = response.read().decode()
+        return read_metrics(url)
     except OSError:
         return {}
-    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(specpipe_\S+) (\S+)$", text, re.M)}
 
 
 def requests_total(metrics: dict[str, float], outcome: str) -> float | None:

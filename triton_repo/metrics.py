@@ -6,6 +6,8 @@ process, while this module's names are what tests and dashboards rely on."""
 
 from __future__ import annotations
 
+import re
+import urllib.request
 from typing import Any
 
 from runtime.llm_engine import LLMEngine
@@ -83,3 +85,14 @@ class ServingMetrics:
         self.running.set(len(llm.scheduler.running))
         self.kv_used.set(llm.blocks.num_used)
         self.kv_free.set(llm.blocks.num_free)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """The specpipe_* samples of a Prometheus exposition: 'name{labels}' -> value."""
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(specpipe_\S+) (\S+)$", text, re.M)}
+
+
+def read_metrics(url: str, timeout_s: float = 10.0) -> dict[str, float]:
+    """`parse_metrics` of a metrics endpoint (Triton's metrics port serves ours next to its own)."""
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        return parse_metrics(response.read().decode(errors="replace"))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import queue
-import re
 import time
 import urllib.error
 import urllib.request
@@ -29,6 +28,7 @@ from runtime.sampling import SamplingParams
 from tests.demo_engines import demo_redrafter_engine
 from tests.triton_repo.streams import MODEL, PROMPTS, stream_grpc
 from triton_repo.client import make_inputs
+from triton_repo.metrics import read_metrics
 from triton_repo.repository import ServingConfig
 from triton_repo.server import TritonServer
 
@@ -68,9 +68,7 @@ def http_post(url: str, path: str, body: dict[str, Any]) -> tuple[int, str]:
 
 
 def metrics(server: TritonServer) -> dict[str, float]:
-    with urllib.request.urlopen(server.metrics_url, timeout=30) as response:
-        text = response.read().decode()
-    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(specpipe_\S+) (\S+)$", text, re.M)}
+    return read_metrics(server.metrics_url, timeout_s=30)
 
 
 def test_every_protocol_returns_the_runtime_greedy_text(server: TritonServer, engine: Engine) -> None:
