@@ -230,6 +230,7 @@ def test_a_port_in_use_is_refused_before_loading(launch: LaunchFactory) -> None:
     assert not (launcher.run_dir / "tritonserver.log").exists(), "tritonserver was started anyway"
 
 
+@pytest.mark.slow  # ~40-60 s on 2 cores; the default suite keeps the port pre-check and the killed stub
 def test_a_port_taken_during_the_start_leaves_no_process(launch: LaunchFactory) -> None:
     """The port is free when the launcher checks it and taken before tritonserver, which
     listens only once the model is loaded, binds it: tritonserver exits, its stubs stay."""
@@ -268,6 +269,7 @@ def test_a_killed_engine_stub_stops_the_launcher(launch: LaunchFactory) -> None:
     assert launcher.leftovers() == []
 
 
+@pytest.mark.slow  # ~40-60 s on 2 cores; the default suite keeps the port pre-check and the killed stub
 def test_a_killed_tritonserver_stops_the_launcher_and_its_stubs(launch: LaunchFactory) -> None:
     launcher = launch()
     launcher.wait_for("ready:")
