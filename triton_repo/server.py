@@ -62,10 +62,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType, TracebackType
 
-from tokenizers import Tokenizer
-
 from runtime.engine_dir import EngineConfig
-from triton_repo.inputs import prompt_byte_limit
+from triton_repo.inputs import AdmissionCheck
 from triton_repo.processes import LAUNCH_ID_ENV, kill_launch, launched_processes, read_process
 from triton_repo.repository import PROJECT_ROOT, ServingConfig, add_serving_args, serving_config, write_repository
 
@@ -194,9 +192,7 @@ def http_max_input_size(engine_dir: Path) -> int:
     model itself enforces before tokenizing, `triton_repo.inputs.prompt_byte_limit`), times
     JSON_ESCAPE_FACTOR so a JSON body the model would accept is never refused at the door,
     plus REQUEST_HEADROOM_BYTES for the other inputs."""
-    config = EngineConfig.load(Path(engine_dir))
-    tokenizer = Tokenizer.from_file(str(Path(engine_dir) / config.tokenizer))
-    return JSON_ESCAPE_FACTOR * prompt_byte_limit(config, tokenizer) + REQUEST_HEADROOM_BYTES
+    return JSON_ESCAPE_FACTOR * AdmissionCheck.for_engine(engine_dir).max_prompt_bytes + REQUEST_HEADROOM_BYTES
 
 
 def port_in_use_message(name: str, port: int) -> str:

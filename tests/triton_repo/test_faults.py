@@ -22,7 +22,7 @@ from runtime.llm_engine import MAX_STEP_FAILURES, LLMEngine, RuntimeConfig
 from runtime.sampling import SamplingParams
 from tests.demo_engines import demo_redrafter_engine
 from tests.triton_repo.streams import PROMPTS, stream_grpc
-from tests.triton_repo.test_serving import metrics
+from triton_repo.metrics import read_metrics
 from triton_repo.repository import ServingConfig
 from triton_repo.server import TritonServer
 
@@ -62,13 +62,13 @@ def victim(stage: str) -> dict[str, Any]:
 
 def wait_idle(server: TritonServer) -> dict[str, float]:
     deadline = time.monotonic() + 10  # gauges refresh every 100 ms
-    while (m := metrics(server))["specpipe_running_requests"] and time.monotonic() < deadline:
+    while (m := read_metrics(server.metrics_url))["specpipe_running_requests"] and time.monotonic() < deadline:
         time.sleep(0.1)
     return m
 
 
 def test_a_failing_request_ends_alone_while_the_others_stream(server: TritonServer, solo: list[str]) -> None:
-    before = metrics(server).get('specpipe_requests_total{outcome="error"}', 0.0)
+    before = read_metrics(server.metrics_url).get('specpipe_requests_total{outcome="error"}', 0.0)
     stages = ["draft", "verify", "sample", "detokenize"]
     requests = [good(i) for i in range(6)] + [victim(s) for s in stages]
     results = stream_grpc(server.grpc_url, requests)
@@ -100,9 +100,9 @@ def test_an_engine_that_fails_every_step_is_reported_down(server: TritonServer) 
         [failed] = stream_grpc(server.grpc_url, [victim("step")])
         assert "fault injected at step" in failed["error"].message()
     deadline = time.monotonic() + 10
-    while metrics(server)["specpipe_engine_up"] != 0 and time.monotonic() < deadline:
+    while read_metrics(server.metrics_url)["specpipe_engine_up"] != 0 and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert metrics(server)["specpipe_engine_up"] == 0
+    assert read_metrics(server.metrics_url)["specpipe_engine_up"] == 0
     [refused] = stream_grpc(server.grpc_url, [good(0)])
     assert "engine is down" in refused["error"].message() and "restart the server" in refused["error"].message()
     with pytest.raises(RuntimeError, match="engine"):
