@@ -20,12 +20,16 @@ def machine() -> dict[str, object]:
         ),
         platform.processor(),
     )
-    return {
+    info: dict[str, object] = {
         "cpu": cpu,
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["cuda"] = torch.version.cuda
+    return info
 
 
 def write_report(

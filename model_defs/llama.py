@@ -23,6 +23,18 @@ Tensor parallelism (Megatron-LM): a model built with `tp_size` > 1 holds one ran
 MLP columns. Its o_proj and down_proj are row-parallel: the partial sums of all ranks are
 added by an all-reduce over the default `torch.distributed` group. Embedding, norms and
 LM head are whole on every rank, so inputs, hidden states and logits are the same on all.
+
+Batch-invariant mode (`LlamaForCausalLM.set_batch_invariant(True)`, off by default): every
+linear runs `plugins.batch_invariant.bi_linear` and every RMSNorm `bi_rms_norm`, whose
+rows do not depend on how many tokens share the forward, and the dense (no-cache)
+attention runs in fp64, so a token's logits are the same bits in a T-token tree forward
+and in a 1-token forward (greedy speculative decoding then reproduces greedy
+auto-regression). Paged attention (`PagedBatch`) is left as it is: batch-invariant with
+the row-wise `specpipe::paged_attention` (`RowMetadata`), not with the CPU's grouped SDPA
+(`AttentionGroup`s). Under tensor parallelism the local product is `bi_linear` and the
+row-parallel all-reduce stays as it is (NCCL may pick its algorithm, hence its summation
+order, by message size). Off, the forward is the normal one: one attribute test per
+linear and norm.
 """
 
 from __future__ import annotations
@@ -38,6 +50,7 @@ from torch import nn
 
 from model_defs.paged_kv_cache import PagedBatch, PagedKVCache
 from model_defs.rope import RopeConfig, RotaryEmbedding, apply_rope
+from plugins.batch_invariant import bi_linear_nd, bi_rms_norm
 
 ARCHITECTURE = "LlamaForCausalLM"
 
@@ -196,7 +209,11 @@ def expected_shapes(cfg: LlamaConfig, tp_size: int = 1) -> dict[str, torch.Size]
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in fp32 and cast back (as transformers does)."""
+    """Root-mean-square norm, computed in fp32 and cast back (as transformers does); in
+    batch-invariant mode `bi_rms_norm` (fp64)."""
+
+    batch_invariant = False
+    """Set per instance by `LlamaForCausalLM.set_batch_invariant`."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -204,27 +221,42 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            return bi_rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
 
 
-class RowParallelLinear(nn.Linear):
+class Linear(nn.Linear):
+    """`nn.Linear` (same parameters, same state dict) that runs `bi_linear` in
+    batch-invariant mode."""
+
+    batch_invariant = False
+    """Set per instance by `LlamaForCausalLM.set_batch_invariant`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            return bi_linear_nd(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(Linear):
     """Megatron's row-parallel linear: this rank holds the weight's columns for its slice of
     the input, the ranks' partial products are summed by an all-reduce, and the bias (whole
     on every rank) is added once after the sum, which is exact where adding bias / tp_size
-    on every rank would not be."""
+    on every rank would not be. In batch-invariant mode the local product is `bi_linear`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = bi_linear_nd(x, self.weight) if self.batch_invariant else F.linear(x, self.weight)
         dist.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 
-def output_linear(in_features: int, out_features: int, bias: bool, tp_size: int) -> nn.Linear:
+def output_linear(in_features: int, out_features: int, bias: bool, tp_size: int) -> Linear:
     """o_proj / down_proj: row-parallel under tensor parallelism, a plain Linear otherwise."""
-    cls = RowParallelLinear if tp_size > 1 else nn.Linear
+    cls = RowParallelLinear if tp_size > 1 else Linear
     return cls(in_features, out_features, bias=bias)
 
 
@@ -239,9 +271,9 @@ class Attention(nn.Module):
         self.num_kv_heads = cfg.num_key_value_heads // tp_size
         self.head_dim = cfg.head_dim
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.q_proj = Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = output_linear(self.num_heads * self.head_dim, cfg.hidden_size, bias, tp_size)
 
     def forward(
@@ -267,8 +299,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: LlamaConfig, tp_size: int = 1) -> None:
         super().__init__()
         bias, inner = cfg.mlp_bias, cfg.intermediate_size // tp_size
-        self.gate_proj = nn.Linear(cfg.hidden_size, inner, bias=bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, inner, bias=bias)
+        self.gate_proj = Linear(cfg.hidden_size, inner, bias=bias)
+        self.up_proj = Linear(cfg.hidden_size, inner, bias=bias)
         self.down_proj = output_linear(inner, cfg.hidden_size, bias, tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -290,13 +322,25 @@ class DecoderLayer(nn.Module):
 
 class DenseAttention(NamedTuple):
     """No cache (training, oracle tests): the tokens attend among themselves, causally or
-    under an explicit `[B, 1, T, T]` mask."""
+    under an explicit `[B, 1, T, T]` mask.
+
+    `fp64` (batch-invariant mode): q, k, v upcast to fp64 and the output cast back. SDPA's
+    kernels pick their blocking by T, so a row's attention output changes in the last bits
+    with the number of tokens; in fp64 those differences (~2^-52 relative) are far below
+    the model dtype's rounding step and the cast result is the same for any T (but for a
+    value within ~2^-50 of a rounding boundary)."""
 
     mask: torch.Tensor | None
+    fp64: bool = False
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        gqa = q.shape[1] != k.shape[1]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, is_causal=self.mask is None, enable_gqa=gqa)
+        gqa, causal = q.shape[1] != k.shape[1], self.mask is None
+        if self.fp64:
+            out = F.scaled_dot_product_attention(
+                q.double(), k.double(), v.double(), attn_mask=self.mask, is_causal=causal, enable_gqa=gqa
+            )
+            return out.to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, is_causal=causal, enable_gqa=gqa)
 
 
 Attend = DenseAttention | PagedBatch
@@ -321,14 +365,17 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """The target model, or one tensor-parallel rank's shard of it (`tp_size` > 1). See the
-    module docstring for the forward contract."""
+    module docstring for the forward contract and the batch-invariant mode."""
+
+    batch_invariant = False
+    """Batch-invariant mode: change it with `set_batch_invariant`."""
 
     def __init__(self, cfg: LlamaConfig, tp_size: int = 1) -> None:
         super().__init__()
         cfg.check_tp_size(tp_size)
         self.config, self.tp_size = cfg, tp_size
         self.model = LlamaModel(cfg, tp_size)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -346,7 +393,7 @@ class LlamaForCausalLM(nn.Module):
             )
         attend: Attend
         if paged is None:
-            attend = DenseAttention(None if tree_mask is None else tree_mask[:, None])
+            attend = DenseAttention(None if tree_mask is None else tree_mask[:, None], self.batch_invariant)
         elif input_ids.shape[0] != 1 or tree_mask is not None:
             raise ValueError("a paged forward takes one flat batch [1, N]; tree masks live in its attention groups")
         else:
@@ -360,6 +407,15 @@ class LlamaForCausalLM(nn.Module):
         if logits_indices is not None:
             head_in = torch.gather(hidden, 1, logits_indices[..., None].expand(-1, -1, hidden.shape[-1]))
         return LlamaOutput(self.lm_head(head_in).float(), hidden)
+
+    def set_batch_invariant(self, on: bool = True) -> LlamaForCausalLM:
+        """Switch this model's batch-invariant mode (module docstring) on or off; returns
+        the model. A value on this model only: other models in the process are untouched."""
+        self.batch_invariant = on
+        for module in self.modules():
+            if isinstance(module, Linear | RMSNorm):
+                module.batch_invariant = on
+        return self
 
     @property
     def num_local_kv_heads(self) -> int:

@@ -7,10 +7,16 @@ request is the runtime's business (`runtime/block_manager.py`); the model only s
 
 A forward over a flat batch of N new tokens (prefill chunks, single decode tokens and
 draft trees of many requests, concatenated) gets a `PagedBatch`: the slot each new token
-writes, and `AttentionGroup`s saying which slots each token attends to. Requests are
-grouped so that one group pads to similar sizes (all short trees together, each long
-prefill chunk alone); within a group the mask is block-diagonal by construction, since
-every row of the group is one request.
+writes, and which slots each token attends to, in one of two forms:
+
+- `RowMetadata` (GPU): per query row, the ordered key indices it sees (a contiguous
+  prefix, then explicit tree ancestors) through its request's block table, for the
+  row-wise kernel `specpipe::paged_attention`. Fixed-size tensors, no host reads: what a
+  CUDA graph replays, and a row's result does not depend on the other rows.
+- `AttentionGroup`s (CPU): requests padded into groups (all short trees together, each
+  long prefill chunk alone) for `specpipe::tree_attention`, whose body is one SDPA per
+  group; within a group the mask is block-diagonal by construction, since every row of
+  the group is one request.
 """
 
 from __future__ import annotations
@@ -18,12 +24,17 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
+from plugins.kv_compaction import copy_kv_slots
+from plugins.paged_attention import paged_attention
 from plugins.tree_attention import tree_attention
 
 
 class PagedKVCache:
-    """Block pool: K and V of every layer, `[num_blocks * block_size, H_kv, D]` each."""
+    """Block pool: K and V of every layer in one tensor `kv [2, layers, (num_blocks + 1) *
+    block_size, H_kv, D]`; `k[layer]` and `v[layer]` are views of it. The block past the
+    pool is scratch: padding rows of a captured forward write there (`scratch_slot`)."""
 
     def __init__(
         self,
@@ -37,10 +48,11 @@ class PagedKVCache:
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
-        shape = (num_blocks * block_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shape = (2, num_layers, (num_blocks + 1) * block_size, num_kv_heads, head_dim)
+        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        self.k, self.v = list(self.kv[0].unbind(0)), list(self.kv[1].unbind(0))
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.scratch_slot = num_blocks * block_size
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -54,10 +66,10 @@ class PagedKVCache:
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Move the K/V at slots `src` `[M]` to slots `dst` `[M]` in every layer (accepted-path
-        compaction). All sources are read before any destination is written, so a path
-        moving onto its own slots is safe."""
-        for cache in (*self.k, *self.v):
-            cache[dst] = cache[src]
+        compaction), in one launch. All sources are read before any destination is
+        written, so a path moving onto its own slots is safe."""
+        device = self.kv.device
+        copy_kv_slots(self.kv, src.to(device, non_blocking=True), dst.to(device, non_blocking=True))
 
 
 class AttentionGroup(NamedTuple):
@@ -70,19 +82,63 @@ class AttentionGroup(NamedTuple):
     rows: torch.Tensor  # [sum(valid)] = query_index[valid]: where the results go in the flat batch
 
 
+class RowMetadata(NamedTuple):
+    """Per query row of the flat batch, the ordered keys it attends to (`specpipe::
+    paged_attention`): key j of row n is its request's token index `j` for
+    `j < row_prefix[n]`, else `row_tree[n, j - row_prefix[n]]`; `row_len[n]` keys in all.
+    A token index i of request r lives in slot `block_tables[r, i // block_size] *
+    block_size + i % block_size`. All int32, on the model's device."""
+
+    block_tables: torch.Tensor  # [R, max_blocks]
+    row_request: torch.Tensor  # [N] request of each query row
+    row_prefix: torch.Tensor  # [N] contiguous keys 0 .. prefix-1 (context, or causal chunk)
+    row_tree: torch.Tensor  # [N, T] further keys (draft-tree ancestors, itself last), -1 = padding
+    row_len: torch.Tensor  # [N] keys in all
+    block_size: int
+
+
+Attention = list[AttentionGroup] | RowMetadata
+"""Which keys each new token attends to, in the form the device's kernel takes."""
+
+
 class PagedBatch(NamedTuple):
     """Attention metadata of one forward over the paged cache, shared by all layers."""
 
     cache: PagedKVCache
     slots: torch.Tensor  # [N] slot each new token's K/V is written to
-    groups: list[AttentionGroup]
+    attention: Attention
+    fp64: bool = False
+    """Groups form only: attend in float64 over the gathered keys (the CPU's batch-invariant
+    mode: the padded key count of a group then cannot change a row's rounded result). The
+    row form's kernel is batch-invariant as it is: every row is reduced on its own."""
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q `[1, H, N, D]`, k/v `[1, H_kv, N, D]` of the flat batch -> attention output `[1, H, N, D]`."""
         self.cache.write(layer, self.slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
         q_flat = q[0].transpose(0, 1)  # [N, H, D]
+        if isinstance(self.attention, RowMetadata):
+            m = self.attention
+            out = paged_attention(
+                q_flat.contiguous(),
+                self.cache.k[layer],
+                self.cache.v[layer],
+                m.block_tables,
+                m.row_request,
+                m.row_prefix,
+                m.row_tree,
+                m.row_len,
+                m.block_size,
+            )
+            return out.transpose(0, 1)[None]
         out = torch.empty_like(q_flat)
-        for g in self.groups:
-            res = tree_attention(q_flat, self.cache.k[layer], self.cache.v[layer], g.query_index, g.key_slots, g.mask)
+        for g in self.attention:
+            if self.fp64:
+                kg, vg = (c[g.key_slots].transpose(1, 2).double() for c in (self.cache.k[layer], self.cache.v[layer]))
+                qg = q_flat[g.query_index].transpose(1, 2).double()
+                res = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask[:, None], enable_gqa=True)
+                res = res.transpose(1, 2).to(out.dtype)
+            else:
+                k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
+                res = tree_attention(q_flat, k_cache, v_cache, g.query_index, g.key_slots, g.mask)
             out[g.rows] = res[g.valid]
         return out.transpose(0, 1)[None]

@@ -8,9 +8,12 @@ draft tree's ancestor mask (which may also cover tree nodes already cached: a dr
 fed one tree level at a time). Tree nodes occupy consecutive slots in packed order; their
 RoPE positions (context + depth) are the caller's business.
 
-Requests are grouped so that padding stays small: every segment of at most
-`SHORT_SEGMENT` new tokens (decode tokens and draft trees) joins one padded group, each
-longer one (a prefill chunk) gets a group of its own.
+Both forms are built on the host (the model runner moves them to its device, or packs
+them into a CUDA graph's buffers); see `model_defs/paged_kv_cache.py`. For a GPU,
+`build_rows` gives every query row its ordered key list (`RowMetadata`, int32). For the
+CPU, `build_groups` pads requests into groups: every segment of at most `SHORT_SEGMENT`
+new tokens (decode tokens and draft trees) joins one padded group, each longer one (a
+prefill chunk) gets a group of its own.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from model_defs.paged_kv_cache import AttentionGroup
+from model_defs.paged_kv_cache import Attention, AttentionGroup, RowMetadata
 
 SHORT_SEGMENT = 64
 
@@ -74,3 +78,49 @@ def build_groups(segments: list[Segment], device: torch.device | str = "cpu") ->
     short = [s for s in segments if s.num_new <= SHORT_SEGMENT]
     long = [s for s in segments if s.num_new > SHORT_SEGMENT]
     return [group(g, device) for g in ([short] if short else []) + [[s] for s in long]]
+
+
+def build_rows(segments: list[Segment], block_size: int) -> RowMetadata:
+    """Row form: query row t of a segment with context c sees token indices `0 .. c + t`
+    (causal), or `0 .. L - K - 1` and then the indices of its tree-mask columns (a draft
+    tree node: its ancestors and itself, in packed order; L = c + num_new, K = mask
+    columns). A tree node at depth d thus sees the same logical key sequence as the
+    decode token at position c + d would, which is what makes the kernel's result for it
+    equal to auto-regression's when the K/V agree."""
+    prefixes, trees, tables, requests = [], [], [], []
+    for r, s in enumerate(segments):
+        n, length = s.num_new, int(s.slots.shape[0])
+        tables.append(torch.div(s.slots[::block_size], block_size, rounding_mode="floor"))
+        requests.append(torch.full((n,), r, dtype=torch.long))
+        if s.tree_mask is None:
+            prefixes.append(torch.arange(s.context_len + 1, s.context_len + n + 1))
+            trees.append(torch.full((n, 0), -1, dtype=torch.long))
+            continue
+        base = length - s.tree_mask.shape[1]
+        counts = s.tree_mask.sum(1)
+        tree = torch.full((n, int(counts.max())), -1, dtype=torch.long)
+        t, j = s.tree_mask.nonzero(as_tuple=True)  # row-major: a row's columns ascending
+        offsets = torch.cumsum(counts, 0) - counts
+        tree[t, torch.arange(t.shape[0]) - offsets[t]] = base + j
+        prefixes.append(torch.full((n,), base, dtype=torch.long))
+        trees.append(tree)
+    width = max(1, max(t.shape[1] for t in trees))
+    row_tree = torch.cat([F.pad(t, (0, width - t.shape[1]), value=-1) for t in trees])
+    row_prefix = torch.cat(prefixes)
+    row_len = row_prefix + (row_tree >= 0).sum(1)
+    max_blocks = max(int(t.shape[0]) for t in tables)
+    block_tables = torch.stack([F.pad(t, (0, max_blocks - t.shape[0])) for t in tables])
+    i32 = torch.int32
+    row_request = torch.cat(requests).to(i32)
+    table_rows = block_tables.to(i32)
+    return RowMetadata(table_rows, row_request, row_prefix.to(i32), row_tree.to(i32), row_len.to(i32), block_size)
+
+
+def build_attention(
+    segments: list[Segment], block_size: int, device: torch.device | str, rows: bool | None = None
+) -> Attention:
+    """The form `device`'s kernel takes, on the host (rows for a GPU, groups for the CPU;
+    `rows` overrides, e.g. to run the row form's PyTorch reference on the CPU)."""
+    if rows is None:
+        rows = torch.device(device).type == "cuda"
+    return build_rows(segments, block_size) if rows else build_groups(segments)

@@ -62,9 +62,14 @@ class DraftLMLevels:
     def _run(self, tokens: list[int], positions: list[int], segments: list[Segment], rows: list[int]) -> torch.Tensor:
         """One draft-LM forward over the flat batch; logits [len(rows), V] at `rows`."""
         step = step_input(
-            torch.tensor(tokens), torch.tensor(positions), segments, torch.tensor(rows, dtype=torch.long), self.device
-        )
-        paged = PagedBatch(self.cache, step.slots, step.groups)
+            torch.tensor(tokens),
+            torch.tensor(positions),
+            segments,
+            torch.tensor(rows, dtype=torch.long),
+            self.device,
+            self.blocks.block_size,
+        ).to(self.device)
+        paged = PagedBatch(self.cache, step.slots, step.attention)
         out = self.model(step.tokens[None], step.positions[None], paged, logits_indices=step.logits_indices[None])
         return out.logits[0]
 

@@ -36,6 +36,7 @@ import torch
 
 from runtime.attention_batch import Segment
 from runtime.block_manager import BlockManager
+from runtime.cuda_graphs import CudaGraphs
 from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig, EngineConfig
 from runtime.faults import FaultInjector
@@ -88,6 +89,14 @@ class RuntimeConfig:
     speculation: str = "load-aware"
     """"load-aware": choose the drafting width per step from the batch and measured step
     costs (down to none); "fixed": always draft the request's own width."""
+    cuda_graphs: bool = True
+    """On a GPU, replay captured target forwards (`runtime/cuda_graphs.py`); False = eager
+    (vLLM's --enforce-eager)."""
+    batch_invariant: bool = False
+    """Target forwards whose per-token result does not depend on how many tokens share
+    them (`LlamaForCausalLM.set_batch_invariant`), so bf16/fp16 speculative greedy output
+    equals bf16/fp16 auto-regressive greedy output. Off by default: on the CPU it costs
+    2.75x per 1-token forward (bf16 demo target)."""
 
     def batch_limit(self, build: BuildConfig) -> int:
         """Running requests this engine may hold: `max_batch_size`, or the build's limit."""
@@ -165,7 +174,18 @@ class LLMEngine:
         num_blocks = kv_cache_blocks(engine, config.kv, config.block_size, self.max_batch_size, config.max_draft_tokens)
         self.blocks = BlockManager(num_blocks, config.block_size)
         cache = engine.model.new_kv_cache(num_blocks, config.block_size)
-        self.runner = ModelRunner(engine.model, cache, broadcast)
+        engine.model.set_batch_invariant(config.batch_invariant)
+        graphs = None
+        if config.cuda_graphs and engine.device.type == "cuda" and broadcast is None:
+            graphs = CudaGraphs(
+                engine.model,
+                cache,
+                max_requests=self.max_batch_size,
+                max_blocks=self.blocks.blocks_for(engine.config.build.max_seq_len + config.max_draft_tokens + 1),
+                max_tree=config.max_draft_tokens + 1,
+                max_tokens=config.max_num_tokens,
+            )
+        self.runner = ModelRunner(engine.model, cache, broadcast, graphs)
         # a draft LM's own cache, same blocks and slots as the target's (rank 0 only drafts)
         draft = engine.draft_model
         self.draft_cache = draft.new_kv_cache(num_blocks, config.block_size) if draft is not None else None
@@ -197,6 +217,7 @@ class LLMEngine:
                 [Segment(0, 0, torch.arange(n))],
                 torch.arange(n),
                 device,
+                self.blocks.block_size,
             )
             for _ in range(2):
                 start = time.perf_counter()

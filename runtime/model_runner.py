@@ -15,17 +15,38 @@ from typing import Protocol
 import torch
 
 from model_defs.llama import LlamaForCausalLM, LlamaOutput
-from model_defs.paged_kv_cache import AttentionGroup, PagedBatch, PagedKVCache
+from model_defs.paged_kv_cache import Attention, AttentionGroup, PagedBatch, PagedKVCache, RowMetadata
+from runtime.cuda_graphs import CudaGraphs
 
 
 @dataclass
 class StepInput:
+    """Built on the host; the runner moves it to its device (or packs it into a CUDA graph's buffers)."""
+
     tokens: torch.Tensor  # [N] new tokens of all scheduled requests, concatenated
     positions: torch.Tensor  # [N] RoPE positions
     slots: torch.Tensor  # [N] cache slot each new token's K/V is written to
-    groups: list[AttentionGroup]
+    attention: Attention  # which keys each new token attends to (rows on a GPU, groups on the CPU)
     logits_indices: torch.Tensor  # [K] new tokens that need logits
     copies: tuple[torch.Tensor, torch.Tensor] | None = None  # (src, dst) slots to move first
+
+    def to(self, device: torch.device | str) -> StepInput:
+        """A copy with every tensor on `device`."""
+        copies = None if self.copies is None else (self.copies[0].to(device), self.copies[1].to(device))
+        attention = self.attention
+        if isinstance(attention, RowMetadata):
+            fields = attention._asdict()
+            attention = attention._replace(**{k: v.to(device) for k, v in fields.items() if k != "block_size"})
+        else:
+            attention = [AttentionGroup(*(t.to(device) for t in g)) for g in attention]
+        return StepInput(
+            self.tokens.to(device),
+            self.positions.to(device),
+            self.slots.to(device),
+            attention,
+            self.logits_indices.to(device),
+            copies,
+        )
 
 
 class StepBroadcast(Protocol):
@@ -35,8 +56,14 @@ class StepBroadcast(Protocol):
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, broadcast: StepBroadcast | None = None) -> None:
-        self.model, self.cache, self.broadcast = model, cache, broadcast
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        cache: PagedKVCache,
+        broadcast: StepBroadcast | None = None,
+        graphs: CudaGraphs | None = None,
+    ) -> None:
+        self.model, self.cache, self.broadcast, self.graphs = model, cache, broadcast, graphs
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -61,7 +88,10 @@ class ModelRunner:
         """Logits `[1, K, V]` at `logits_indices` and hidden states `[1, N, D]`."""
         if step.copies is not None:
             self.cache.copy(*step.copies)
-        paged = PagedBatch(self.cache, step.slots, step.groups)
+        if self.graphs is not None and self.graphs.fits(step.tokens.shape[0], step.attention):
+            return self.graphs.run(step.tokens, step.positions, step.slots, step.attention, step.logits_indices)
+        step = step.to(self.cache.kv.device)
+        paged = PagedBatch(self.cache, step.slots, step.attention, fp64=self.model.batch_invariant)
         return self.model(step.tokens[None], step.positions[None], paged, logits_indices=step.logits_indices[None])
 
     def shutdown(self) -> None:

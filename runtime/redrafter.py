@@ -68,23 +68,26 @@ def draft_trees(
     (sampling requests' verification may use them)."""
     drafts = beam_search(drafter, embed, hidden, torch.tensor(bonus, device=hidden.device), width, length)
     tree = pack(drafts.beams)
-    n = int(tree.num_nodes.max())
-    dists = node_log_probs(drafts.step_log_probs, tree.unpack_index, n) if with_dists else None
-    tokens, parents, depths = tree.tokens[:, :n].tolist(), tree.parents[:, :n].tolist(), tree.depths[:, :n].tolist()
     b, w, d = tree.unpack_index.shape
     beam = torch.arange(w, device=hidden.device)[None, :, None].expand(b, w, d).reshape(b, w * d)
     first = torch.full((b, w * d), w, device=hidden.device)
-    first_beam = first.scatter_reduce(1, tree.unpack_index.reshape(b, w * d), beam, "amin")[:, :n].tolist()
-    out = []
-    for b, num in enumerate(tree.num_nodes.tolist()):
-        out.append(
-            DraftTree(
-                tokens[b][:num],
-                parents[b][:num],
-                None if dists is None else dists[b, :num],
-                depths[b][:num],
-                tree.tree_mask[b, :num, :num].cpu(),
-                first_beam[b][:num],
-            )
+    first_beam = first.scatter_reduce(1, tree.unpack_index.reshape(b, w * d), beam, "amin")
+    # everything the host needs in two copies (one per dtype): each .tolist() on a GPU would sync
+    num_nodes = tree.num_nodes[:, None].expand(b, w * d)
+    tokens, parents, depths, firsts, counts = torch.stack(
+        [tree.tokens, tree.parents, tree.depths, first_beam, num_nodes]
+    ).tolist()
+    masks = tree.tree_mask.cpu()
+    sizes = [c[0] for c in counts]
+    dists = node_log_probs(drafts.step_log_probs, tree.unpack_index, max(sizes)) if with_dists else None
+    return [
+        DraftTree(
+            tokens[b][:num],
+            parents[b][:num],
+            None if dists is None else dists[b, :num],
+            depths[b][:num],
+            masks[b, :num, :num],
+            firsts[b][:num],
         )
-    return out
+        for b, num in enumerate(sizes)
+    ]

@@ -5,6 +5,7 @@ TensorRT-LLM's executor options) and as the string parameters of a Triton model 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 from runtime.kv_budget import KVBudget
@@ -43,6 +44,18 @@ def add_runtime_args(ap: argparse.ArgumentParser) -> None:
         help="load-aware: drafting width chosen per step from load and measured costs (down to none); "
         "fixed: always the request's width (default: %(default)s)",
     )
+    g.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="target forwards whose per-token result does not depend on the batch (fixed reduction order): "
+        "bf16/fp16 speculative greedy output then equals auto-regressive greedy output token for token; "
+        "slower (CPU: 2.75x per 1-token bf16 forward)",
+    )
+    g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="on a GPU, run every target forward eagerly instead of replaying CUDA graphs",
+    )
 
 
 def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
@@ -53,6 +66,8 @@ def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
         kv=KVBudget(args.max_tokens_in_kv_cache, args.kv_cache_free_mem_fraction),
         max_queue_size=args.max_queue_size,
         speculation=args.speculation,
+        cuda_graphs=not args.enforce_eager,
+        batch_invariant=args.batch_invariant,
     )
 
 
@@ -66,6 +81,8 @@ def runtime_parameters(config: RuntimeConfig) -> dict[str, str]:
         "block_size": config.block_size,
         "max_queue_size": config.max_queue_size,
         "speculation": config.speculation,
+        "cuda_graphs": config.cuda_graphs,
+        "batch_invariant": config.batch_invariant,
     }
     return {k: "" if v is None else str(v) for k, v in values.items()}
 
@@ -74,7 +91,10 @@ def runtime_from_parameters(params: dict[str, str]) -> RuntimeConfig:
     """The inverse of `runtime_parameters` (missing or "" = the default)."""
     defaults = RuntimeConfig()
 
-    def get(name: str, kind: type, default: object) -> Any:
+    def flag(value: str) -> bool:
+        return value.lower() == "true"
+
+    def get(name: str, kind: Callable[[str], Any], default: object) -> Any:
         value = params.get(name, "")
         return kind(value) if value != "" else default
 
@@ -85,4 +105,6 @@ def runtime_from_parameters(params: dict[str, str]) -> RuntimeConfig:
         kv=KVBudget(get("max_tokens_in_kv_cache", int, None), get("kv_cache_free_mem_fraction", float, None)),
         max_queue_size=get("max_queue_size", int, defaults.max_queue_size),
         speculation=get("speculation", str, defaults.speculation),
+        cuda_graphs=get("cuda_graphs", flag, defaults.cuda_graphs),
+        batch_invariant=get("batch_invariant", flag, defaults.batch_invariant),
     )

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.attention_batch import Segment, build_groups, write_slots
+from runtime.attention_batch import Segment, build_attention, write_slots
 from runtime.block_manager import BlockManager
 from runtime.model_runner import StepInput
 from runtime.scheduler import ScheduledWork
@@ -67,7 +67,12 @@ def assemble(
         segments.append(Segment(start, context, seq_slots, mask))
         spans.append(Span(start, logits_start))
     step = step_input(
-        torch.tensor(tokens), torch.tensor(positions), segments, torch.tensor(logit_rows, dtype=torch.long), device
+        torch.tensor(tokens),
+        torch.tensor(positions),
+        segments,
+        torch.tensor(logit_rows, dtype=torch.long),
+        device,
+        blocks.block_size,
     )
     return Batch(step, spans, slots)
 
@@ -78,12 +83,11 @@ def step_input(
     segments: list[Segment],
     logits_indices: torch.Tensor,  # [K]
     device: torch.device | str,
+    block_size: int = 1,
 ) -> StepInput:
-    """A forward's input: the write slots and attention groups follow from the segments."""
+    """A forward's input, on the host: the write slots and the attention metadata (in
+    the form `device`'s kernel takes) follow from the segments (`block_size`: the
+    cache's, so block tables stay short; 1 fits any slots)."""
     return StepInput(
-        tokens.to(device),
-        positions.to(device),
-        write_slots(segments).to(device),
-        build_groups(segments, device),
-        logits_indices.to(device),
+        tokens, positions, write_slots(segments), build_attention(segments, block_size, device), logits_indices
     )

@@ -39,7 +39,6 @@ from typing import Any, NamedTuple, NoReturn, Protocol, TypeAlias
 import torch
 import torch.distributed as dist
 
-from model_defs.paged_kv_cache import AttentionGroup
 from runtime.engine import Engine
 from runtime.kv_budget import KVBudget, kv_cache_blocks
 from runtime.llm_engine import RuntimeConfig
@@ -165,19 +164,6 @@ def exit_process(code: int) -> NoReturn:
     os._exit(code)
 
 
-def step_to(step: StepInput, device: torch.device | str) -> StepInput:
-    """A copy of `step` with every tensor on `device`."""
-    copies = None if step.copies is None else (step.copies[0].to(device), step.copies[1].to(device))
-    return StepInput(
-        step.tokens.to(device),
-        step.positions.to(device),
-        step.slots.to(device),
-        [AttentionGroup(*(t.to(device) for t in g)) for g in step.groups],
-        step.logits_indices.to(device),
-        copies,
-    )
-
-
 Message: TypeAlias = CacheGeometry | StepInput | None
 """What rank 0 tells the other ranks (see the module docstring)."""
 
@@ -228,7 +214,7 @@ class StepBroadcaster:
         self.channel = channel
 
     def send_step(self, step: StepInput | None) -> None:
-        self.channel.send(None if step is None else step_to(step, "cpu"))
+        self.channel.send(None if step is None else step.to("cpu"))
 
 
 def announce_cache(engine: Engine, config: RuntimeConfig, broadcaster: StepBroadcaster) -> RuntimeConfig:
@@ -261,10 +247,9 @@ def start_workers(engine: Engine, config: RuntimeConfig) -> Iterator[tuple[Runti
 def serve_steps(runner: ModelRunner, channel: Channel) -> int:
     """Ranks > 0: run rank 0's steps until it sends None; returns how many ran. The LM head
     is skipped (no logits indices): only rank 0 reads logits."""
-    device, count = runner.cache.k[0].device, 0
+    count = 0
     while (step := channel.receive()) is not None:
         assert isinstance(step, StepInput), step
-        step = step_to(step, device)
         step.logits_indices = step.logits_indices[:0]
         runner.run(step)
         count += 1

@@ -1,6 +1,20 @@
-"""Shared fixtures: small real checkpoints written by transformers itself."""
+"""Shared fixtures: small real checkpoints written by transformers itself; the test device
+(`tests/device.py`, `SPECPIPE_TEST_DEVICE`) is checked before collection."""
 
 from __future__ import annotations
+
+import os
+
+from tests.device import ON_CPU, TEST_DEVICE, check_test_device
+
+# On the CPU, the Triton kernels (plugins/) run in Triton's interpreter, which executes them
+# on CPU tensors with numpy: the only way they run at all without a GPU. On CUDA they must
+# compile and run natively, so the interpreter stays off (check_test_device refuses it).
+# `triton.jit` reads the variable when it decorates a kernel, i.e. when the kernel's module
+# is imported: hence here, at the top of the root conftest, ahead of every import of torch or
+# the project. setdefault: a TRITON_INTERPRET the caller set explicitly is kept.
+if ON_CPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pathlib import Path
 
@@ -9,6 +23,22 @@ import torch
 import transformers
 
 from training.tokenizer import save_hf_tokenizer, train_tokenizer
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    check_test_device()  # a bad or missing device stops the run here, with its reason
+    if not ON_CPU:
+        # fp32 stays fp32 on the GPU: the oracle tolerances (1e-4 on logits) and the greedy
+        # token-for-token checks are for IEEE fp32 matmuls, not TF32's 10-bit mantissa
+        # (cuBLAS matmuls default to off already; cuDNN convolutions default to on).
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    if ON_CPU:
+        return f"test device: cpu (TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '')})"
+    return f"test device: {TEST_DEVICE} ({torch.cuda.get_device_name(TEST_DEVICE)}), TF32 off"
 
 
 @pytest.fixture(scope="session")

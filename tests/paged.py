@@ -1,5 +1,6 @@
 """Running the target over the paged KV cache in tests, one flat forward for several
-requests, through the same metadata builders and runner the engine uses."""
+requests, through the same metadata builders and runner the engine uses. The forward runs
+on the model's device; chunks go in and outputs come back on the CPU."""
 
 from __future__ import annotations
 
@@ -31,9 +32,10 @@ class PagedModel:
         self.blocks = BlockManager(num_blocks, block_size)
         self.cache: PagedKVCache = model.new_kv_cache(num_blocks, block_size)
         self.runner = ModelRunner(model, self.cache)
+        self.device = model.lm_head.weight.device
 
     def forward(self, chunks: list[Chunk]) -> list[LlamaOutput]:
-        """One forward over all chunks; per chunk its logits `[T, V]` and hidden `[T, D]`."""
+        """One forward over all chunks; per chunk its logits `[T, V]` and hidden `[T, D]`, on the CPU."""
         segments, start = [], 0
         for c in chunks:
             n = len(c.tokens)
@@ -43,10 +45,11 @@ class PagedModel:
             )
             start += n
         tokens, positions = torch.cat([c.tokens for c in chunks]), torch.cat([c.positions for c in chunks])
-        step = step_input(tokens, positions, segments, torch.arange(start), "cpu")
+        step = step_input(tokens.cpu(), positions.cpu(), segments, torch.arange(start), self.device)
         with torch.no_grad():
             out = self.runner.run(step)
+        logits, hidden = out.logits.cpu(), out.hidden.cpu()
         return [
-            LlamaOutput(out.logits[0, s.start : s.start + s.num_new], out.hidden[0, s.start : s.start + s.num_new])
+            LlamaOutput(logits[0, s.start : s.start + s.num_new], hidden[0, s.start : s.start + s.num_new])
             for s in segments
         ]

@@ -17,8 +17,8 @@ def chi2_critical(df: int, z: float = Z_999) -> float:
 
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
     """Pearson statistic and degrees of freedom of `counts` against `probs` (flattened).
-    Fails outright if an outcome with zero probability was observed."""
-    counts, probs = counts.flatten().double(), probs.flatten().double()
+    Fails outright if an outcome with zero probability was observed. Computed on the CPU."""
+    counts, probs = counts.flatten().double().cpu(), probs.flatten().double().cpu()
     expected = probs * counts.sum()
     keep = expected > 0
     assert counts[~keep].sum() == 0, "an outcome with zero target probability was observed"

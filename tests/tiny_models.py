@@ -7,8 +7,9 @@ import torch
 from model_defs.llama import LlamaConfig, LlamaForCausalLM
 
 
-def tiny_target(seed: int = 0, vocab_size: int = 11) -> LlamaForCausalLM:
-    """A 2-layer GQA Llama with weights ~N(0, 0.3): peaked enough that trees get accepted."""
+def tiny_target(seed: int = 0, vocab_size: int = 11, device: torch.device | str = "cpu") -> LlamaForCausalLM:
+    """A 2-layer GQA Llama with weights ~N(0, 0.3): peaked enough that trees get accepted.
+    The weights are drawn on the CPU, so a seed gives the same model on every `device`."""
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=vocab_size,
@@ -23,4 +24,4 @@ def tiny_target(seed: int = 0, vocab_size: int = 11) -> LlamaForCausalLM:
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.3)
-    return model
+    return model.to(device)

@@ -1,6 +1,7 @@
 """Toy engines and exact sequence laws for the sampling-distribution tests: a random
 tiny-vocabulary target, drafters that disagree with it, and the exact law of the first
-three emitted tokens, against which production runs are counted and chi-square tested."""
+three emitted tokens, against which production runs are counted and chi-square tested.
+The engines run on the test device (`tests/device.py`); laws and counts are on the CPU."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig, DrafterSpec, EngineConfig
 from runtime.llm_engine import RuntimeConfig
 from runtime.sampling import SamplingParams, target_probs
+from tests.device import TEST_DEVICE
 from tests.tiny_models import tiny_target
 
 V = 4
@@ -25,11 +27,12 @@ TRIALS = 20000
 """Requests per distribution test: ~300 expected per cell of the 64 (x1, x2, x3) cells."""
 
 
-def toy_engine(drafter_kind: str, settings: dict[str, Any]) -> Engine:
+def toy_engine(drafter_kind: str, settings: dict[str, Any], device: str = TEST_DEVICE) -> Engine:
     """The toy target with a "redrafter" RNN drafter, a "draft-lm" (another random tiny
     Llama) or a "lyanna" drafter (random, token info over every token), all confident and
-    often wrong, so acceptance rules are exercised hard."""
-    target = tiny_target(seed=7, vocab_size=V)
+    often wrong, so acceptance rules are exercised hard. Weights are drawn on the CPU (the
+    same on every device), then moved to `device`."""
+    target = tiny_target(seed=7, vocab_size=V, device=device)
     build = BuildConfig(max_batch_size=TRIALS, max_input_len=8, max_seq_len=16)
     torch.manual_seed(11)
     if drafter_kind == "redrafter":
@@ -39,30 +42,34 @@ def toy_engine(drafter_kind: str, settings: dict[str, Any]) -> Engine:
                 p.normal_(0, 0.4)
         spec = DrafterSpec("redrafter", rnn.config.to_json(), settings)
         config = EngineConfig(ARCHITECTURE, target.config.to_hf(), build, drafter=spec)
-        return Engine(config, target, Tokenizer(models.BPE()), drafter=rnn.eval())
+        return Engine(config, target, Tokenizer(models.BPE()), drafter=rnn.eval().to(device))
     if drafter_kind == "lyanna":
         lyanna = LyannaDrafter(LyannaConfig.from_target(target.config, num_hot_tokens=V, token_info_rank=4))
         with torch.no_grad():
             for p in lyanna.parameters():
                 p.normal_(0, 0.4)
         lyanna.hot_token_ids = torch.arange(V)
+        lyanna = lyanna.eval().to(device)
         spec = DrafterSpec("lyanna", lyanna.config.to_json(), settings)
         config = EngineConfig(ARCHITECTURE, target.config.to_hf(), build, drafter=spec)
-        table = lyanna.eval().hot_table(target.model.embed_tokens, torch.float32)
+        table = lyanna.hot_table(target.model.embed_tokens, torch.float32)
         return Engine(config, target, Tokenizer(models.BPE()), lyanna_drafter=lyanna, token_table=table)
-    draft = tiny_target(seed=5, vocab_size=V)
+    draft = tiny_target(seed=5, vocab_size=V, device=device)
     spec = DrafterSpec("draft-lm", draft.config.to_hf(), settings)
     config = EngineConfig(ARCHITECTURE, target.config.to_hf(), build, drafter=spec)
     return Engine(config, target, Tokenizer(models.BPE()), draft_model=draft)
 
 
 def exact_first_three(target: LlamaForCausalLM, params: SamplingParams) -> torch.Tensor:
-    """P(x1, x2, x3) under the target, `[V, V, V]`, by enumerating prefixes."""
+    """P(x1, x2, x3) under the target, `[V, V, V]` on the CPU, by enumerating prefixes
+    (the target's conditionals computed on its own device)."""
+    device = target.lm_head.weight.device
 
     def q(prefix: list[int]) -> torch.Tensor:
-        ids = torch.tensor([prefix])
+        ids = torch.tensor([prefix], device=device)
         with torch.no_grad():
-            return target_probs(target(ids, torch.arange(len(prefix))[None]).logits[0, -1], params)
+            logits = target(ids, torch.arange(len(prefix), device=device)[None]).logits[0, -1]
+            return target_probs(logits, params).cpu()
 
     law = torch.zeros(V, V, V)
     q1 = q(PROMPT)

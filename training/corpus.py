@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import sysconfig
 from dataclasses import dataclass
@@ -27,8 +28,13 @@ class CorpusFile:
     split: str  # "train" | "test"
 
 
+STDLIB_ROOT_ENV = "SPECPIPE_STDLIB_ROOT"
+"""Where the manifest's files are when this interpreter is another Python (e.g. a GPU
+machine with 3.12): a copy of the held-out files, paths kept."""
+
+
 def stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
+    return Path(os.environ.get(STDLIB_ROOT_ENV) or sysconfig.get_paths()["stdlib"])
 
 
 def _split_of(rel: str) -> str:

@@ -10,11 +10,14 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("tritonclient.grpc", reason="needs the Triton client: pip install tritonclient[grpc,http]")
+
 from benchmarks.arrivals import ArrivalProcess
 from benchmarks.loadtest import RequestSettings, main, run_load, summarize
 from benchmarks.prompts import Prompt, load_prompts
 from build.engine import build_engine
 from runtime.engine_dir import BuildConfig
+from tests.host_tools import skip_without_tritonserver
 from triton_repo.repository import ServingConfig
 from triton_repo.server import TritonServer
 
@@ -35,6 +38,7 @@ VLLM_KEYS = [
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
+    skip_without_tritonserver()
     out = tmp_path_factory.mktemp("engines") / "demo-redrafter"
     build = BuildConfig(max_batch_size=8, max_input_len=256, max_seq_len=512)
     engine = build_engine(MODELS / "demo-target", out, build, drafter=MODELS / "demo-redrafter")

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("tritonclient.grpc", reason="needs the Triton client: pip install tritonclient[grpc,http]")
+
 from benchmarks.soak import (
     GAUGES,
     INPUT_CASES,
@@ -32,6 +34,7 @@ from benchmarks.soak import (
 )
 from runtime.engine_dir import BuildConfig
 from tests.demo_engines import demo_redrafter_engine
+from tests.host_tools import skip_without_tritonserver
 from triton_repo.inputs import AdmissionCheck
 from triton_repo.metrics import OUTCOMES
 from triton_repo.repository import ServingConfig
@@ -45,6 +48,7 @@ def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
+    skip_without_tritonserver()
     with TritonServer(ServingConfig(engine_dir=engine_dir), tmp_path_factory.mktemp("triton")) as running:
         yield running
 

@@ -1,6 +1,7 @@
 """Lyanna drafter on the real demo target: chain shapes, the one-pass LM head against
 per-step heads, independence of the chain from drafted tokens, save/load, and the
-collapsed hot-token table against the low-rank token-info computation."""
+collapsed hot-token table against the low-rank token-info computation. Target and drafters
+run on the test device; inputs are drawn on the CPU, so they are the same on every device."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from model_defs.lyanna import (
     expected_shapes,
     hot_table_bytes,
 )
+from tests.device import TEST_DEVICE
 
 REPO = Path(__file__).resolve().parents[2]
 TARGET = REPO / "models" / "demo-target"
@@ -25,7 +27,7 @@ TARGET = REPO / "models" / "demo-target"
 
 @pytest.fixture(scope="module")
 def target() -> LlamaForCausalLM:
-    return LlamaForCausalLM.from_pretrained(TARGET).requires_grad_(False)
+    return LlamaForCausalLM.from_pretrained(TARGET).requires_grad_(False).to(TEST_DEVICE)
 
 
 def make_drafter(target: LlamaForCausalLM, hot: int = 64, **kwargs: object) -> LyannaDrafter:
@@ -35,13 +37,16 @@ def make_drafter(target: LlamaForCausalLM, hot: int = 64, **kwargs: object) -> L
     if drafter.token_info is not None:
         with torch.no_grad():  # a trained-looking (non-zero) gain
             drafter.token_info.norm.weight.uniform_(0.5, 1.5)
-    return drafter.eval()
+    return drafter.eval().to(TEST_DEVICE)
+
+
+def on_device(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.to(TEST_DEVICE) for t in tensors]
 
 
 def test_chain_shapes_and_one_pass_head(target: LlamaForCausalLM) -> None:
     drafter = make_drafter(target)
-    h0 = torch.randn(3, 384)
-    t1 = torch.tensor([5, 17, 300])
+    h0, t1 = on_device(torch.randn(3, 384), torch.tensor([5, 17, 300]))
     with torch.no_grad():
         hidden = drafter.draft_chain(h0, t1, target.model.embed_tokens, 4)
         logits = drafter.head_logits(hidden, target.lm_head)
@@ -56,30 +61,30 @@ def test_chain_shapes_and_one_pass_head(target: LlamaForCausalLM) -> None:
 def test_chain_ignores_tokens_after_step_one(target: LlamaForCausalLM) -> None:
     """Only h_0 and t_1 enter the chain: the draft can be re-sampled without a new forward."""
     drafter = make_drafter(target)
-    h0 = torch.randn(2, 384)
+    h0, t56, t76, t91 = on_device(torch.randn(2, 384), torch.tensor([5, 6]), torch.tensor([7, 6]), torch.tensor([9, 1]))
     with torch.no_grad():
-        a = drafter.draft_chain(h0, torch.tensor([5, 6]), target.model.embed_tokens, 3)
-        b = drafter.draft_chain(h0, torch.tensor([5, 6]), target.model.embed_tokens.weight, 3)
-        c = drafter.draft_chain(h0, torch.tensor([7, 6]), target.model.embed_tokens, 3)
+        a = drafter.draft_chain(h0, t56, target.model.embed_tokens, 3)
+        b = drafter.draft_chain(h0, t56, target.model.embed_tokens.weight, 3)
+        c = drafter.draft_chain(h0, t76, target.model.embed_tokens, 3)
     torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert not torch.allclose(a[0], c[0]) and torch.equal(a[1], c[1])  # t_1 matters, per row
 
     no_fusion = make_drafter(target, first_token_fusion=False)
     with torch.no_grad():
-        x = no_fusion.draft_chain(h0, torch.tensor([5, 6]), target.model.embed_tokens, 3)
-        y = no_fusion.draft_chain(h0, torch.tensor([9, 1]), target.model.embed_tokens, 3)
+        x = no_fusion.draft_chain(h0, t56, target.model.embed_tokens, 3)
+        y = no_fusion.draft_chain(h0, t91, target.model.embed_tokens, 3)
     assert torch.equal(x, y) and no_fusion.fuse.weight.shape == (384, 384)
 
 
 def test_save_load_round_trip(target: LlamaForCausalLM, tmp_path: Path) -> None:
     drafter = make_drafter(target)
     drafter.save_pretrained(tmp_path, dtype=torch.float32)
-    loaded = LyannaDrafter.from_pretrained(tmp_path)
+    loaded = LyannaDrafter.from_pretrained(tmp_path).to(TEST_DEVICE)
     assert loaded.config == drafter.config
     assert set(loaded.state_dict()) == set(expected_shapes(drafter.config))
     assert "lm_head.weight" not in loaded.state_dict() and "embed_tokens.weight" not in str(loaded.state_dict())
     assert loaded.hot_token_ids.dtype == torch.long and torch.equal(loaded.hot_token_ids, drafter.hot_token_ids)
-    h0, t1 = torch.randn(2, 384), torch.tensor([1, 2])
+    h0, t1 = on_device(torch.randn(2, 384), torch.tensor([1, 2]))
     with torch.no_grad():
         torch.testing.assert_close(
             loaded.draft_chain(h0, t1, target.model.embed_tokens, 3),
@@ -99,16 +104,16 @@ def test_hot_table_equals_low_rank_on_hot_tokens(target: LlamaForCausalLM) -> No
     table = collapse(drafter.token_info, embed, hot, dtype=torch.float32)  # type: ignore[arg-type]
     assert table.table.shape == (256, 256)
 
-    cold = torch.tensor([t for t in range(50) if t not in set(hot.tolist())][:4])
+    (cold,) = on_device(torch.tensor([t for t in range(50) if t not in set(hot.tolist())][:4]))
     prev = torch.cat([hot[:12], cold])
-    logits = torch.randn(len(prev), 8192)
+    (logits,) = on_device(torch.randn(len(prev), 8192))
     biased = table.bias(prev, logits)
     with torch.no_grad():
         exact = logits + drafter.token_bias(prev, embed)
     # hot previous token: exactly the low-rank bias on every hot next token ...
     torch.testing.assert_close(biased[:12][:, hot], exact[:12][:, hot], rtol=1e-5, atol=1e-5)
     # ... and nothing on the cold columns; a cold previous token gets no bias at all
-    cold_cols = torch.ones(8192, dtype=torch.bool)
+    cold_cols = torch.ones(8192, dtype=torch.bool, device=TEST_DEVICE)
     cold_cols[hot] = False
     assert torch.equal(biased[:12][:, cold_cols], logits[:12][:, cold_cols])
     assert torch.equal(biased[12:], logits[12:])

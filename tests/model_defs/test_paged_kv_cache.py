@@ -1,12 +1,14 @@
 """Paged KV cache: compacting an accepted tree path to consecutive positions leaves the
 cache exactly as if only that path had been decoded, and freeing the rejected nodes'
-blocks for reuse does not disturb it."""
+blocks for reuse does not disturb it. The model and its cache are on the test device;
+logits are compared on the CPU."""
 
 from __future__ import annotations
 
 import torch
 
 from plugins.beam_packing import pack
+from tests.device import TEST_DEVICE
 from tests.paged import Chunk, PagedModel
 from tests.tiny_models import tiny_target
 
@@ -14,7 +16,7 @@ TOL = 1e-4
 
 
 def test_compacted_path_equals_decoding_only_the_path() -> None:
-    model = tiny_target(3)
+    model = tiny_target(3, device=TEST_DEVICE)
     gen = torch.Generator().manual_seed(1)
     ctx = torch.randint(0, 11, (2, 6), generator=gen)
     beams = torch.randint(0, 3, (2, 4, 4), generator=gen)
@@ -28,7 +30,7 @@ def test_compacted_path_equals_decoding_only_the_path() -> None:
     for b in range(2):
         path = packed.unpack_index[b, chosen_beam[b], : keep[b]]  # packed nodes along the beam
         slots = paged.blocks.slots(f"r{b}", 0, 6 + packed.tokens.shape[1])
-        paged.cache.copy(slots[6 + path], slots[6 + torch.arange(keep[b])])
+        paged.cache.copy(slots[6 + path].to(TEST_DEVICE), slots[6 + torch.arange(keep[b])].to(TEST_DEVICE))
         paged.blocks.truncate(f"r{b}", 6 + keep[b])
     assert paged.blocks.num_used < used_with_trees, "rejected nodes' blocks are freed"
     # another request takes the freed blocks and writes into them
@@ -40,6 +42,6 @@ def test_compacted_path_equals_decoding_only_the_path() -> None:
     with torch.no_grad():
         for b in range(2):
             kept = beams[b, chosen_beam[b], : keep[b]]
-            seq = torch.cat([ctx[b], kept, torch.tensor([nxt[b]])])[None]
-            ref = model(seq, torch.arange(seq.shape[1])[None]).logits[0, -1]
+            seq = torch.cat([ctx[b], kept, torch.tensor([nxt[b]])])[None].to(TEST_DEVICE)
+            ref = model(seq, torch.arange(seq.shape[1], device=TEST_DEVICE)[None]).logits[0, -1].cpu()
             assert (outs[b].logits[0] - ref).abs().max() <= TOL

@@ -1,6 +1,7 @@
 """The ReDrafter drafter: Apple-compatible checkpoint layout (tensor names, config keys), round trip,
 errors that name the bad tensor, and the logits formula against a re-computation written here with
-transformers' `TopKLogitsWarper` as the oracle for Apple's top-50 warp."""
+transformers' `TopKLogitsWarper` as the oracle for Apple's top-50 warp. Drafters compute on the
+test device; their inputs are drawn on the CPU, so they are the same on every device."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from transformers.generation.logits_process import TopKLogitsWarper
 
 from model_defs.checkpoint import CheckpointError
 from model_defs.redrafter import LOG_0, ReDrafter, ReDrafterConfig
+from tests.device import TEST_DEVICE
 
 D, V = 8, 80  # V > 50 so the top-50 warp masks something
 
@@ -106,10 +108,9 @@ def test_save_writes_apple_names_and_round_trips(tmp_path: Path, exit_dim: int, 
         "float32",
     )
 
-    loaded = ReDrafter.from_pretrained(tmp_path)
+    loaded, drafter = ReDrafter.from_pretrained(tmp_path).to(TEST_DEVICE), drafter.to(TEST_DEVICE)
     assert loaded.config == drafter.config
-    h, s = torch.randn(3, D), torch.randn(3, D)
-    emb = torch.randn(3, D)
+    h, s, emb = (torch.randn(3, D).to(TEST_DEVICE) for _ in range(3))
     torch.testing.assert_close(loaded.logits(h, s), drafter.logits(h, s), rtol=0, atol=0)
     torch.testing.assert_close(loaded.step(s, emb), drafter.step(s, emb), rtol=0, atol=0)
 
@@ -162,12 +163,12 @@ def test_bad_checkpoint_names_the_tensor(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("exit_dim", "rnn"), [(2 * D, True), (24, True), (2 * D, False)])
 def test_logits_and_recurrence_match_recomputation(exit_dim: int, rnn: bool) -> None:
-    drafter = make(exit_dim, 2, rnn, seed=1).double()  # float64: compare at ~1e-12, not at fp32 noise
+    drafter = make(exit_dim, 2, rnn, seed=1).double().to(TEST_DEVICE)  # float64: compare at ~1e-12, not fp32 noise
     sd = {k: v.clone() for k, v in drafter.state_dict().items()}
-    embeds = torch.randn(4, 3, D, dtype=torch.float64)  # [T, B, D] target embeddings of the consumed tokens
-    h = torch.randn(3, D, dtype=torch.float64)
+    embeds = torch.randn(4, 3, D, dtype=torch.float64).to(TEST_DEVICE)  # [T, B, D] embeddings of consumed tokens
+    h = torch.randn(3, D, dtype=torch.float64).to(TEST_DEVICE)
 
-    s_ref, s = torch.zeros(3, D, dtype=torch.float64), drafter.init_state(3)
+    s_ref, s = torch.zeros(3, D, dtype=torch.float64, device=TEST_DEVICE), drafter.init_state(3)
     for e in embeds:
         # rnn: s_t = SiLU(W e_t + U s_{t-1} + b); otherwise s_t = s_{t-1} + e_t
         rnn_in = e @ sd["rnn_w.weight"].T + s_ref @ sd["rnn_u.weight"].T + sd["rnn_u.bias"] if rnn else None
@@ -189,5 +190,5 @@ def test_logits_and_recurrence_match_recomputation(exit_dim: int, rnn: bool) -> 
     torch.testing.assert_close(ours, warped)
     assert ((ours > LOG_0).sum(-1) == 50).all() and (ours.amax(-1) == 0).all()
     lp = drafter.log_probs(h, s)
-    torch.testing.assert_close(lp.exp().sum(-1), torch.ones(3, dtype=torch.float64))
+    torch.testing.assert_close(lp.exp().sum(-1).cpu(), torch.ones(3, dtype=torch.float64))
     torch.testing.assert_close(lp, torch.log_softmax(warped, -1))

@@ -16,6 +16,7 @@ from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig
 from runtime.results import GenerationResult
 from runtime.sampling import SamplingParams
+from tests.device import TEST_DEVICE
 from training.corpus import heldout_prompts
 
 DEMO_TARGET = Path(__file__).resolve().parents[2] / "models" / "demo-target"
@@ -30,19 +31,22 @@ def generate(engine: Engine, prompts: list[list[int]], params: list[SamplingPara
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
     out = tmp_path_factory.mktemp("engines") / "demo"
     return Engine.load(
-        build_engine(DEMO_TARGET, out, BuildConfig(max_batch_size=8, max_input_len=512, max_seq_len=1024))
+        build_engine(DEMO_TARGET, out, BuildConfig(max_batch_size=8, max_input_len=512, max_seq_len=1024)),
+        device=TEST_DEVICE,
     )
 
 
 @pytest.fixture(scope="module")
 def reference(engine: Engine) -> tuple[list[list[int]], list[list[int]]]:
-    """Prompts and transformers' greedy continuations (stop token included, as HF returns it)."""
-    hf = transformers.LlamaForCausalLM.from_pretrained(DEMO_TARGET, dtype=torch.float32).eval()
+    """Prompts and transformers' greedy continuations (stop token included, as HF returns it),
+    computed on the test device like the engine's."""
+    hf = transformers.LlamaForCausalLM.from_pretrained(DEMO_TARGET, dtype=torch.float32).eval().to(TEST_DEVICE)
     prompts = [engine.encode(text) for text in heldout_prompts(24)]
     outputs = []
     for ids in prompts:
         with torch.no_grad():
-            out = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=0)
+            ids_t = torch.tensor([ids], device=TEST_DEVICE)
+            out = hf.generate(ids_t, do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=0)
         outputs.append(out[0, len(ids) :].tolist())
     return prompts, outputs
 

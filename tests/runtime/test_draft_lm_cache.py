@@ -25,6 +25,7 @@ from runtime.kv_budget import KVBudget
 from runtime.llm_engine import LLMEngine, RuntimeConfig
 from runtime.sampling import SamplingParams
 from runtime.verify import Acceptance, DraftTree, children_lists
+from tests.device import TEST_DEVICE
 from tests.tiny_models import tiny_target
 
 V = 11
@@ -32,7 +33,7 @@ SETTINGS: dict[str, Any] = {"beam_width": 2, "beam_length": 3, "branching": (2, 
 
 
 def self_drafting_engine() -> Engine:
-    target, draft = tiny_target(seed=7, vocab_size=V), tiny_target(seed=7, vocab_size=V)
+    target, draft = tiny_target(7, V, TEST_DEVICE), tiny_target(7, V, TEST_DEVICE)
     build = BuildConfig(max_batch_size=6, max_input_len=64, max_seq_len=128)
     spec = DrafterSpec("draft-lm", draft.config.to_hf(), SETTINGS)
     config = EngineConfig(ARCHITECTURE, target.config.to_hf(), build, drafter=spec)

@@ -19,6 +19,7 @@ from runtime.engine_dir import BuildConfig
 from runtime.faults import FaultInjector
 from runtime.llm_engine import MAX_STEP_FAILURES, EngineDeadError, LLMEngine, RuntimeConfig
 from runtime.sampling import SamplingParams
+from tests.device import TEST_DEVICE
 from training.corpus import heldout_prompts
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
@@ -33,10 +34,12 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Engine]:
     root = tmp_path_factory.mktemp("engines")
     return {
         "rnn": Engine.load(
-            build_engine(MODELS / "demo-target", root / "rnn", BUILD, drafter=MODELS / "demo-redrafter")
+            build_engine(MODELS / "demo-target", root / "rnn", BUILD, drafter=MODELS / "demo-redrafter"),
+            device=TEST_DEVICE,
         ),
         "draft-lm": Engine.load(
-            build_engine(MODELS / "demo-target", root / "lm", BUILD, draft_model=MODELS / "demo-draft-lm")
+            build_engine(MODELS / "demo-target", root / "lm", BUILD, draft_model=MODELS / "demo-draft-lm"),
+            device=TEST_DEVICE,
         ),
     }
 

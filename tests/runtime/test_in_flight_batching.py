@@ -21,6 +21,7 @@ from runtime.llm_engine import LLMEngine, RuntimeConfig
 from runtime.request import RequestEvent
 from runtime.sampling import SamplingParams
 from runtime.scheduler import QueueFullError
+from tests.device import TEST_DEVICE
 from training.corpus import heldout_prompts
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
@@ -30,7 +31,8 @@ BUILD = BuildConfig(max_batch_size=8, max_input_len=512, max_seq_len=640)
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
     out = tmp_path_factory.mktemp("engines") / "demo-redrafter"
-    return Engine.load(build_engine(MODELS / "demo-target", out, BUILD, drafter=MODELS / "demo-redrafter"))
+    engine_dir = build_engine(MODELS / "demo-target", out, BUILD, drafter=MODELS / "demo-redrafter")
+    return Engine.load(engine_dir, device=TEST_DEVICE)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig
 from runtime.llm_engine import RuntimeConfig
 from runtime.sampling import SamplingParams
+from tests.device import TEST_DEVICE
 from training.corpus import heldout_prompts
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
@@ -26,7 +27,8 @@ FIXED = RuntimeConfig(speculation="fixed")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
     out = tmp_path_factory.mktemp("engines") / "demo-lyanna"
     build = BuildConfig(max_batch_size=8, max_input_len=512, max_seq_len=1024)
-    return Engine.load(build_engine(MODELS / "demo-target", out, build, lyanna=MODELS / "demo-lyanna"))
+    engine_dir = build_engine(MODELS / "demo-target", out, build, lyanna=MODELS / "demo-lyanna")
+    return Engine.load(engine_dir, device=TEST_DEVICE)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """Lyanna's tree construction on hand-made chain logits: token-info sampling (Algorithm 1)
 keeps the best nodes by joint probability with each node's own token-info bias, the
 budget prune keeps a tree, re-sampling reads only the unused chain rows (Algorithm 2), and
-fusion merges trees as a trie (siblings stay distinct, which exact verification needs)."""
+fusion merges trees as a trie (siblings stay distinct, which exact verification needs).
+The chain logits live on the test device, as the drafter's do in the engine."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from runtime.lyanna import LyannaParams, Subtree, merge, prune, resample_subtree, token_info_tree
 from runtime.verify import children_lists
+from tests.device import TEST_DEVICE
 
 V = 6
 
@@ -30,7 +32,7 @@ def distinct_siblings(tree: Subtree) -> bool:
 
 def chain() -> torch.Tensor:
     # depth-1 favours 1 then 2; depth-2 favours 3 then 4 (whatever the previous token)
-    return torch.tensor([[0, 5, 4, 0, 0, 0], [0, 0, 0, 5, 4, 0]], dtype=torch.float)
+    return torch.tensor([[0, 5, 4, 0, 0, 0], [0, 0, 0, 5, 4, 0]], dtype=torch.float, device=TEST_DEVICE)
 
 
 def test_without_bias_the_tree_is_the_joint_top() -> None:
@@ -72,7 +74,7 @@ def test_merge_is_a_trie_union() -> None:
 
 
 def test_resampling_reads_only_the_unused_rows() -> None:
-    rows = torch.zeros(4, V)
+    rows = torch.zeros(4, V, device=TEST_DEVICE)
     rows[3, 5] = 9.0  # depth 4 prefers token 5
     params = LyannaParams(depth=4, width=1, resample_budget=2)
     # 1 accepted + bonus at depth 2: rows for depths 3, 4 remain -> a 2-level chain

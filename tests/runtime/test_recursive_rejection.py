@@ -11,6 +11,8 @@ draw without replacement.
 - Gumbel-top-k orders follow the without-replacement law; truncated Gumbels keep order
   and hit the parent's value; Stochastic Beam Search's best beam is a sample of the
   sequence law.
+
+Everything runs on the test device (generators included); laws are compared on the CPU.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from runtime.gumbel import gumbel_noise, gumbel_top_k, truncated_gumbel
 from runtime.rsd import _beam_level, _Growing
 from runtime.sampling import SamplingParams
 from runtime.verify import DraftTree, accept_sampled_batch, rejection_step
+from tests.device import TEST_DEVICE
 from tests.stats import passes_chi_square
 
 Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -43,12 +46,20 @@ def output_law(q: torch.Tensor, p: torch.Tensor, k: int, step: Step = rejection_
         reach = 1.0  # probability every earlier candidate was rejected
         q_k, p_k = q.clone(), p.clone()
         for x in xs:
-            a, q_next, p_next = step(q_k, p_k, torch.tensor(x))
+            a, q_next, p_next = step(q_k, p_k, torch.tensor(x, device=q.device))
             law[x] += prob_tuple * reach * float(a)
             reach *= 1 - float(a)
             q_k, p_k = q_next, p_next
         law += prob_tuple * reach * q_k
     return law
+
+
+def generator(seed: int) -> torch.Generator:
+    return torch.Generator(TEST_DEVICE).manual_seed(seed)
+
+
+def on_device(*laws: torch.Tensor) -> list[torch.Tensor]:
+    return [law.to(TEST_DEVICE) for law in laws]
 
 
 def random_law(gen: torch.Generator, v: int, zeros: int = 0) -> torch.Tensor:
@@ -75,7 +86,7 @@ def cases() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
 @pytest.mark.parametrize(("name", "q", "p"), cases(), ids=[c[0] for c in cases()])
 def test_theorem_3_1_exact_by_enumeration(name: str, q: torch.Tensor, p: torch.Tensor, k: int) -> None:
     k = min(k, int((p > 0).sum()))  # cannot draw more distinct tokens than p's support
-    torch.testing.assert_close(output_law(q, p, k), q, atol=1e-12, rtol=0)
+    torch.testing.assert_close(output_law(*on_device(q, p), k).cpu(), q, atol=1e-12, rtol=0)
 
 
 def step_without_renormalising(q: torch.Tensor, p: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -90,15 +101,17 @@ def step_with_replacement(q: torch.Tensor, p: torch.Tensor, x: torch.Tensor) -> 
 
 @pytest.mark.parametrize("wrong", [step_without_renormalising, step_with_replacement])
 def test_wrong_variants_fail_the_enumeration(wrong: Step) -> None:
-    errors = [float((output_law(q, p, k, wrong) - q).abs().max()) for _, q, p in cases() for k in (2, 3)]
+    errors = [
+        float((output_law(*on_device(q, p), k, wrong).cpu() - q).abs().max()) for _, q, p in cases() for k in (2, 3)
+    ]
     assert max(errors) > 1e-2
 
 
 def test_point_mass_step_removes_the_token() -> None:
-    q = torch.tensor([0.1, 0.6, 0.3], dtype=torch.float64)
-    a, q_next, _ = rejection_step(q, torch.tensor([0.0, 1.0, 0.0], dtype=torch.float64), torch.tensor(1))
+    q, p = on_device(torch.tensor([0.1, 0.6, 0.3]).double(), torch.tensor([0.0, 1.0, 0.0]).double())
+    a, q_next, _ = rejection_step(q, p, torch.tensor(1, device=TEST_DEVICE))
     assert float(a) == pytest.approx(0.6)
-    torch.testing.assert_close(q_next, torch.tensor([0.25, 0.0, 0.75], dtype=torch.float64))
+    torch.testing.assert_close(q_next.cpu(), torch.tensor([0.25, 0.0, 0.75], dtype=torch.float64))
 
 
 def test_batched_acceptance_of_sampled_siblings_is_exact() -> None:
@@ -106,10 +119,10 @@ def test_batched_acceptance_of_sampled_siblings_is_exact() -> None:
     by `accept_sampled_batch` many trees at once; the emitted token must follow q, and a
     test of the test: the same counts are far from p."""
     v, k, trials = 5, 3, 12000
-    logits = torch.tensor([1.2, -0.3, 0.4, 0.9, -1.5])  # target at the root
-    p = torch.tensor([0.05, 0.4, 0.3, 0.05, 0.2])  # a draft that disagrees
+    logits = torch.tensor([1.2, -0.3, 0.4, 0.9, -1.5], device=TEST_DEVICE)  # target at the root
+    p = torch.tensor([0.05, 0.4, 0.3, 0.05, 0.2], device=TEST_DEVICE)  # a draft that disagrees
     params = SamplingParams(temperature=1.0)
-    gens = [torch.Generator().manual_seed(i) for i in range(trials)]
+    gens = [generator(i) for i in range(trials)]
     trees = []
     for g in gens:
         kids = gumbel_top_k(p.log(), k, g).tolist()
@@ -119,7 +132,7 @@ def test_batched_acceptance_of_sampled_siblings_is_exact() -> None:
     counts = torch.zeros(v)
     for acc in accs:
         counts[acc.tokens[0]] += 1
-    q = torch.softmax(logits, -1)
+    q, p = torch.softmax(logits, -1).cpu(), p.cpu()
     assert passes_chi_square(counts, q)
     assert not passes_chi_square(counts, p)
     assert sum(a.num_accepted for a in accs) > trials // 3
@@ -127,10 +140,10 @@ def test_batched_acceptance_of_sampled_siblings_is_exact() -> None:
 
 def test_gumbel_top_k_draws_without_replacement() -> None:
     p = torch.tensor([0.5, 0.25, 0.15, 0.1])
-    gen = torch.Generator().manual_seed(1)
+    gen, log_p = generator(1), p.log().to(TEST_DEVICE)
     counts = torch.zeros(4, 4)
     for _ in range(8000):
-        a, b = gumbel_top_k(p.log(), 2, gen).tolist()
+        a, b = gumbel_top_k(log_p, 2, gen).tolist()
         counts[a, b] += 1
     law = p[:, None] * p[None, :] / (1 - p[:, None])  # P(x1) P(x2 | x1 removed)
     law.fill_diagonal_(0)
@@ -138,16 +151,16 @@ def test_gumbel_top_k_draws_without_replacement() -> None:
 
 
 def test_gumbel_top_k_never_draws_zero_probability_tokens() -> None:
-    log_p = torch.tensor([0.0, float("-inf"), float("-inf"), float("-inf")])
-    assert gumbel_top_k(log_p, 3, torch.Generator().manual_seed(0)).tolist() == [0]
-    assert gumbel_top_k(torch.tensor([-1.0, -0.1, -3.0]), 2, None).tolist() == [1, 0]
+    log_p = torch.tensor([0.0, float("-inf"), float("-inf"), float("-inf")], device=TEST_DEVICE)
+    assert gumbel_top_k(log_p, 3, generator(0)).tolist() == [0]
+    assert gumbel_top_k(torch.tensor([-1.0, -0.1, -3.0], device=TEST_DEVICE), 2, None).tolist() == [1, 0]
 
 
 def test_truncated_gumbel_keeps_order_and_hits_the_bound() -> None:
-    gen = torch.Generator().manual_seed(2)
-    perturbed = torch.tensor([[-1.0, 0.5, float("-inf"), -3.0]], dtype=torch.float64)
-    perturbed = perturbed + gumbel_noise((1, 4), gen, "cpu")
-    upper = torch.tensor([-0.7], dtype=torch.float64)
+    gen = generator(2)
+    perturbed = torch.tensor([[-1.0, 0.5, float("-inf"), -3.0]], dtype=torch.float64, device=TEST_DEVICE)
+    perturbed = perturbed + gumbel_noise((1, 4), gen, TEST_DEVICE)
+    upper = torch.tensor([-0.7], dtype=torch.float64, device=TEST_DEVICE)
     out = truncated_gumbel(perturbed, upper)
     assert float(out.max()) == pytest.approx(-0.7, abs=1e-12)
     assert out[0, 2] == float("-inf")
@@ -161,16 +174,17 @@ def test_stochastic_beam_search_best_beam_is_a_sample_of_the_sequence_law() -> N
     returned order) must be distributed as the 2-token sequence law (Kool et al. 2019)."""
     first = torch.tensor([0.6, 0.3, 0.1])
     after = torch.tensor([[0.2, 0.5, 0.3], [0.7, 0.2, 0.1], [0.1, 0.1, 0.8]])  # row = previous token
+    first_log, after_log = on_device(first.log(), after.log())
     counts = torch.zeros(3, 3)
-    gen = torch.Generator().manual_seed(3)
+    gen = generator(3)
     for _ in range(6000):
         tree = _Growing([0], [-1], [torch.zeros(0)], [0], [0.0], [0.0])
-        laws = {(0, 0): first.log()}
+        laws = {(0, 0): first_log}
         picks = _beam_level(tree, laws, 0, 2, gen)
         tree.tokens += [t for _, t in picks]
         tree.frontier = [1, 2][: len(picks)]
         for node, (_, t) in zip(tree.frontier, picks, strict=True):
-            laws[0, node] = after[t].log()
+            laws[0, node] = after_log[t]
         second = _beam_level(tree, laws, 0, 2, gen)
         parent, token = second[0]
         counts[tree.tokens[parent], token] += 1

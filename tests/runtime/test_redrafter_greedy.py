@@ -14,6 +14,7 @@ from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig
 from runtime.llm_engine import RuntimeConfig
 from runtime.sampling import SamplingParams
+from tests.device import TEST_DEVICE
 from training.corpus import heldout_prompts
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
@@ -25,7 +26,8 @@ FIXED = RuntimeConfig(speculation="fixed")  # every step drafts the full (W, L)
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
     out = tmp_path_factory.mktemp("engines") / "demo-redrafter"
     build = BuildConfig(max_batch_size=8, max_input_len=512, max_seq_len=1024)
-    return Engine.load(build_engine(MODELS / "demo-target", out, build, drafter=MODELS / "demo-redrafter"))
+    engine_dir = build_engine(MODELS / "demo-target", out, build, drafter=MODELS / "demo-redrafter")
+    return Engine.load(engine_dir, device=TEST_DEVICE)
 
 
 @pytest.fixture(scope="module")

@@ -64,7 +64,7 @@ def apple_per_beam_accept(
             q = target_probs(logits[tree.parents[node]], params)
             p = tree.draft_log_probs[node].exp()
             x = tree.tokens[node]
-            if torch.rand((), generator=gen) >= min(1.0, float(q[x] / p[x])):
+            if torch.rand((), generator=gen, device=gen.device) >= min(1.0, float(q[x] / p[x])):
                 break
             accepted += 1
         if accepted > best_len:

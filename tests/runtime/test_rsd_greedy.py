@@ -16,6 +16,7 @@ from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig
 from runtime.llm_engine import RuntimeConfig
 from runtime.sampling import SamplingParams
+from tests.device import TEST_DEVICE
 from training.corpus import heldout_prompts
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
@@ -29,8 +30,12 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Engine]:
     out = tmp_path_factory.mktemp("engines")
     target = MODELS / "demo-target"
     return {
-        "rnn": Engine.load(build_engine(target, out / "rnn", BUILD, drafter=MODELS / "demo-redrafter")),
-        "draft-lm": Engine.load(build_engine(target, out / "lm", BUILD, draft_model=MODELS / "demo-draft-lm")),
+        "rnn": Engine.load(
+            build_engine(target, out / "rnn", BUILD, drafter=MODELS / "demo-redrafter"), device=TEST_DEVICE
+        ),
+        "draft-lm": Engine.load(
+            build_engine(target, out / "lm", BUILD, draft_model=MODELS / "demo-draft-lm"), device=TEST_DEVICE
+        ),
     }
 
 

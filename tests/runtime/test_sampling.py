@@ -2,7 +2,8 @@
 
 transformers' logits warpers are the oracle for the distribution; an empirical
 total-variation bound checks the sampler, and the same bound is shown to reject a
-sampler that ignores the temperature (so the test can fail).
+sampler that ignores the temperature (so the test can fail). Logits and generators live on
+the test device; laws are compared on the CPU.
 """
 
 from __future__ import annotations
@@ -12,24 +13,25 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from runtime.sampling import MIN_TEMPERATURE, SamplingParams, next_token, target_probs
+from tests.device import TEST_DEVICE
 
 
 @pytest.mark.parametrize(
     ("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 10, 1.0), (1.3, 0, 0.8), (0.5, 7, 0.6)]
 )
 def test_target_probs_match_transformers_warpers(temperature: float, top_k: int, top_p: float) -> None:
-    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1)) * 3
+    logits = (torch.randn(4, 50, generator=torch.Generator().manual_seed(1)) * 3).to(TEST_DEVICE)
     ref = TemperatureLogitsWarper(temperature)(None, logits.clone())
     if top_k:
         ref = TopKLogitsWarper(top_k)(None, ref)
     if top_p < 1:
         ref = TopPLogitsWarper(top_p)(None, ref)
     ours = target_probs(logits, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))
-    torch.testing.assert_close(ours, torch.softmax(ref, dim=-1), rtol=0, atol=1e-6)
+    torch.testing.assert_close(ours.cpu(), torch.softmax(ref, dim=-1).cpu(), rtol=0, atol=1e-6)
 
 
 def empirical(logits: torch.Tensor, params: SamplingParams, n: int) -> torch.Tensor:
-    gen = params.generator()
+    gen = params.generator(logits.device)
     counts = torch.zeros(logits.shape[-1])
     for _ in range(n):
         counts[next_token(logits, params, gen)] += 1
@@ -37,9 +39,9 @@ def empirical(logits: torch.Tensor, params: SamplingParams, n: int) -> torch.Ten
 
 
 def test_sampler_follows_target_distribution() -> None:
-    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0], device=TEST_DEVICE)
     params = SamplingParams(temperature=0.6, top_k=6, top_p=0.95, seed=3)
-    probs = target_probs(logits, params)
+    probs = target_probs(logits, params).cpu()
     n = 20000
     # TV of an n-sample empirical law over 8 outcomes is ~0.01; 0.02 leaves room and still
     # rejects the untempered distribution (TV ~0.13 from the target), checked below.
@@ -51,9 +53,9 @@ def test_sampler_follows_target_distribution() -> None:
 
 
 def test_seeded_requests_repeat_and_greedy_is_argmax() -> None:
-    logits = torch.randn(100, generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(100, generator=torch.Generator().manual_seed(0)).to(TEST_DEVICE)
     params = SamplingParams(temperature=1.0, seed=42)
-    g1, g2 = params.generator(), params.generator()
+    g1, g2 = params.generator(TEST_DEVICE), params.generator(TEST_DEVICE)
     assert [next_token(logits, params, g1) for _ in range(20)] == [next_token(logits, params, g2) for _ in range(20)]
     assert next_token(logits, SamplingParams(), g1) == int(logits.argmax())
 
@@ -86,6 +88,6 @@ def test_temperature_below_epsilon_is_greedy(temperature: float) -> None:
     """1e-38 once overflowed `logits / T` to NaN inside the engine; now it is argmax."""
     params = SamplingParams(temperature=temperature)
     assert params.greedy and params.temperature == 0.0
-    logits = torch.randn(50)
-    assert next_token(logits, params, params.generator()) == int(logits.argmax())
+    logits = torch.randn(50).to(TEST_DEVICE)
+    assert next_token(logits, params, params.generator(TEST_DEVICE)) == int(logits.argmax())
     assert not SamplingParams(temperature=MIN_TEMPERATURE).greedy

@@ -25,12 +25,11 @@ from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig, rank_file
 from runtime.methods import generate
 from runtime.sampling import SamplingParams
+from tests.host_tools import MPIRUN, needs_mpirun
 from triton_repo.processes import LAUNCH_ID_ENV, launched_processes
 
 REPO = Path(__file__).resolve().parents[2]
 MODELS = REPO / "models"
-MPIRUN = shutil.which("mpirun")
-needs_mpirun = pytest.mark.skipif(MPIRUN is None, reason="mpirun not on PATH; `make setup` installs OpenMPI")
 PROMPTS = ["def fibonacci(n):", "class Stack:\n    def __init__(self):", "import os\n", "x = "]
 MAX_TOKENS = 24
 BUILD = BuildConfig(max_batch_size=4, max_input_len=32, max_seq_len=96)
@@ -122,7 +121,7 @@ def test_every_rank_file_loads_and_a_missing_one_is_named(tiny_checkpoint: Path,
     for rank in range(2):
         model = Engine.load(out, rank=rank).model
         assert model.tp_size == 2 and model.model.layers[0].self_attn.num_kv_heads == 1
-        assert model.new_kv_cache(4, 16).k[0].shape == (64, 1, model.config.head_dim)
+        assert model.new_kv_cache(4, 16).k[0].shape == (80, 1, model.config.head_dim)  # 4 blocks + 1 scratch
     (out / rank_file(1)).unlink()
     with pytest.raises(FileNotFoundError, match=r"rank1.safetensors: missing the weights of rank 1 .* --tp-size 2"):
         Engine.load(out, rank=1)

@@ -21,9 +21,9 @@ from runtime.engine_dir import BuildConfig
 from runtime.llm_engine import RuntimeConfig
 from runtime.tensor_parallel import TensorParallelError
 from runtime.tp_worker import start_leader
-from tests.runtime.test_tensor_parallel import BUILD, MAX_TOKENS, MODELS, MPIRUN, PROMPTS, REPO, tp1_output_ids
+from tests.host_tools import MPIRUN, needs_mpirun
+from tests.runtime.test_tensor_parallel import BUILD, MAX_TOKENS, MODELS, PROMPTS, REPO, tp1_output_ids
 
-needs_mpirun = pytest.mark.skipif(MPIRUN is None, reason="mpirun not on PATH; `make setup` installs OpenMPI")
 METHODS = ("ar", "redrafter")
 
 LEADER = """

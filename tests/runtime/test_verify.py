@@ -3,6 +3,7 @@ rejection sampling over point-mass candidates emits exactly the target's distrib
 
 The toy target is a Markov chain over V=4 tokens (next-token logits depend only on the
 current token), so the exact law of the first two emitted tokens is Q[r, x1] * Q[x1, x2].
+Logits and generators live on the test device; counts and laws are compared on the CPU.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 
 from runtime.sampling import SamplingParams, target_probs
 from runtime.verify import Acceptance, DraftTree, accept_greedy, accept_sampled, children_lists
+from tests.device import TEST_DEVICE
 from tests.stats import passes_chi_square
 
 V = 4
@@ -24,7 +26,7 @@ TREE = DraftTree(TOKENS, PARENTS)
 
 
 def node_logits() -> torch.Tensor:
-    return LOGITS[torch.tensor(TOKENS)]  # [N, V]
+    return LOGITS[torch.tensor(TOKENS)].to(TEST_DEVICE)  # [N, V]
 
 
 def test_children_lists_keep_packed_order() -> None:
@@ -56,7 +58,7 @@ def accept_without_residual(
     while True:
         q = target_probs(logits[node], params)
         for child in children[node]:
-            if torch.rand((), generator=gen) < q[tokens[child]]:
+            if torch.rand((), generator=gen, device=gen.device) < q[tokens[child]]:
                 path.append(child)
                 out.append(tokens[child])
                 node = child
@@ -68,13 +70,13 @@ def accept_without_residual(
 def first_two(params: SamplingParams, trials: int, seed: int, rule=accept_sampled) -> torch.Tensor:  # type: ignore[no-untyped-def]
     """Counts of the first two emitted tokens; when a step emits only one, the next
     token comes from the target itself (what the next step's root would produce)."""
-    gen = torch.Generator().manual_seed(seed)
-    logits = node_logits()
+    gen = torch.Generator(TEST_DEVICE).manual_seed(seed)
+    logits, markov = node_logits(), LOGITS.to(TEST_DEVICE)
     counts = torch.zeros(V, V)
     for _ in range(trials):
         out = rule(TREE, logits, params, gen).tokens
         if len(out) == 1:
-            out.append(int(torch.multinomial(target_probs(LOGITS[out[0]], params), 1, generator=gen)))
+            out.append(int(torch.multinomial(target_probs(markov[out[0]], params), 1, generator=gen)))
         counts[out[0], out[1]] += 1
     return counts
 

@@ -1,6 +1,7 @@
 """Draft-LM distillation: a few steps on a tiny student write a checkpoint that the
 model loaders accept, with the target's vocabulary and tokenizer, and the KL to the
-target goes down."""
+target goes down. Training runs on the CPU (the trainers take no device); the trained
+checkpoint is run on the test device."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from safetensors.torch import load_file
 
 from model_defs.checkpoint import load_llama_checkpoint
 from model_defs.llama import LlamaForCausalLM
+from tests.device import TEST_DEVICE
 from training.model_card import write_draft_lm_card
 from training.train_draft_lm import DraftLMTrainConfig, train
 
@@ -47,9 +49,10 @@ def test_distil_tiny_draft_lm(tmp_path: Path) -> None:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (tmp_path / name).read_bytes() == (TARGET / name).read_bytes()
 
-    model = LlamaForCausalLM.from_pretrained(tmp_path)
-    ids = torch.tensor([[0, 5, 17, 300]])
-    logits = model(ids, torch.arange(4)[None]).logits
+    model = LlamaForCausalLM.from_pretrained(tmp_path).to(TEST_DEVICE)
+    ids = torch.tensor([[0, 5, 17, 300]], device=TEST_DEVICE)
+    with torch.no_grad():
+        logits = model(ids, torch.arange(4, device=TEST_DEVICE)[None]).logits
     assert logits.shape == (1, 4, 8192) and torch.isfinite(logits).all()
 
     log = json.loads((tmp_path / "training_log.json").read_text())

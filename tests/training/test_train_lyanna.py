@@ -1,6 +1,7 @@
 """Lyanna drafter training: a few steps on the real demo target write a checkpoint that
 loads, without the target's embedding or LM head, with the hot tokens and a model card,
-and the held-out loss goes down."""
+and the held-out loss goes down. Training runs on the CPU (the trainers take no device);
+the trained drafter is run on the test device."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from safetensors.torch import load_file
 
 from model_defs.llama import LlamaForCausalLM
 from model_defs.lyanna import LyannaDrafter
+from tests.device import TEST_DEVICE
 from training.model_card import write_lyanna_card
 from training.train_lyanna import LyannaTrainConfig, train
 
@@ -42,9 +44,10 @@ def test_train_tiny_lyanna(tmp_path: Path) -> None:
     assert all(t.dtype == torch.bfloat16 for n, t in tensors.items() if n != "hot_token_ids")
     assert tensors["hot_token_ids"].dtype == torch.long and len(set(tensors["hot_token_ids"].tolist())) == 128
 
-    target = LlamaForCausalLM.from_pretrained(TARGET)
+    target, drafter = LlamaForCausalLM.from_pretrained(TARGET).to(TEST_DEVICE), drafter.to(TEST_DEVICE)
+    h0, t1 = torch.randn(2, 384).to(TEST_DEVICE), torch.tensor([3, 4], device=TEST_DEVICE)
     with torch.no_grad():
-        hidden = drafter.draft_chain(torch.randn(2, 384), torch.tensor([3, 4]), target.model.embed_tokens, 2)
+        hidden = drafter.draft_chain(h0, t1, target.model.embed_tokens, 2)
     table = drafter.hot_table(target.model.embed_tokens)
     assert hidden.shape == (2, 2, 384) and table.table.shape == (128, 128)
 

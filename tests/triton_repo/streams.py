@@ -8,6 +8,9 @@ import threading
 import time
 from typing import Any
 
+import pytest
+
+pytest.importorskip("tritonclient.grpc", reason="needs the Triton client: pip install tritonclient[grpc,http]")
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 

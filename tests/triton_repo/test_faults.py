@@ -15,12 +15,15 @@ from typing import Any
 
 import pytest
 
+pytest.importorskip("tritonclient.grpc", reason="needs the Triton client: pip install tritonclient[grpc,http]")
+
 from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig
 from runtime.faults import ENV
 from runtime.llm_engine import MAX_STEP_FAILURES, LLMEngine, RuntimeConfig
 from runtime.sampling import SamplingParams
 from tests.demo_engines import demo_redrafter_engine
+from tests.host_tools import skip_without_tritonserver
 from tests.triton_repo.streams import PROMPTS, stream_grpc
 from triton_repo.metrics import read_metrics
 from triton_repo.repository import ServingConfig
@@ -37,6 +40,7 @@ def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
+    skip_without_tritonserver()
     with pytest.MonkeyPatch.context() as env:
         env.setenv(ENV, ",".join(f"{stage}:{seed}" for stage, seed in SEEDS.items()))
         with TritonServer(ServingConfig(engine_dir=engine_dir), tmp_path_factory.mktemp("triton")) as running:

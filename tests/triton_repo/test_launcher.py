@@ -29,6 +29,7 @@ from tokenizers import Tokenizer
 from runtime.engine_dir import BuildConfig, EngineConfig
 from runtime.faults import ENV as FAULTS_ENV
 from tests.demo_engines import demo_redrafter_engine
+from tests.host_tools import skip_without_tritonserver
 from triton_repo.inputs import prompt_byte_limit
 from triton_repo.processes import LAUNCH_ID_ENV, ProcessInfo, kill_launch, launched_processes, list_processes
 from triton_repo.repository import PROJECT_ROOT
@@ -116,6 +117,7 @@ LaunchFactory = Callable[..., Launcher]
 @pytest.fixture
 def launch(engine_dir: Path, tmp_path: Path) -> Iterator[LaunchFactory]:
     """Start launchers; whatever a failing test leaves running is killed afterwards."""
+    skip_without_tritonserver()
     started: list[Launcher] = []
 
     def start(*args: str, ignore_sigint: bool = False, env: dict[str, str] | None = None) -> Launcher:

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+pytest.importorskip("tritonclient.grpc", reason="needs the Triton client: pip install tritonclient[grpc,http]")
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
@@ -108,6 +110,8 @@ def test_defaults_are_empty_and_settings_round_trip(engine_dir: Path, tmp_path: 
         "block_size": "16",
         "max_queue_size": "256",
         "speculation": "load-aware",
+        "cuda_graphs": "True",
+        "batch_invariant": "False",
         "tp_master": "",
         "stall_timeout_s": "120.0",
     }

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+
+pytest.importorskip("tritonclient.grpc", reason="needs the Triton client: pip install tritonclient[grpc,http]")
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
@@ -26,6 +28,7 @@ from runtime.engine_dir import BuildConfig
 from runtime.llm_engine import LLMEngine, RuntimeConfig
 from runtime.sampling import SamplingParams
 from tests.demo_engines import demo_redrafter_engine
+from tests.host_tools import skip_without_tritonserver
 from tests.triton_repo.streams import MODEL, PROMPTS, stream_grpc
 from triton_repo.client import make_inputs
 from triton_repo.metrics import read_metrics
@@ -48,6 +51,7 @@ def engine(engine_dir: Path) -> Engine:
 
 @pytest.fixture(scope="module")
 def server(engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
+    skip_without_tritonserver()
     with TritonServer(ServingConfig(engine_dir=engine_dir), tmp_path_factory.mktemp("triton")) as running:
         yield running
 

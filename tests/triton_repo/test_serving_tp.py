@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import queue
-import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -16,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+pytest.importorskip("tritonclient.grpc", reason="needs the Triton client: pip install tritonclient[grpc,http]")
 import tritonclient.grpc as grpcclient
 
 from build.engine import build_engine
@@ -23,6 +24,7 @@ from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig
 from runtime.llm_engine import LLMEngine, RuntimeConfig
 from runtime.sampling import SamplingParams
+from tests.host_tools import needs_mpirun, skip_without_tritonserver
 from tests.triton_repo.streams import MODEL, PROMPTS, stream_grpc
 from triton_repo.client import make_inputs
 from triton_repo.processes import launched_processes
@@ -33,9 +35,7 @@ MODELS = Path(__file__).resolve().parents[2] / "models"
 BUILD = BuildConfig(max_batch_size=4, max_input_len=64, max_seq_len=160)
 MAX_TOKENS = 20
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("mpirun") is None, reason="mpirun not on PATH; `make setup` installs OpenMPI"
-)
+pytestmark = needs_mpirun
 
 
 def engine_dir(root: Path, tp_size: int) -> Path:
@@ -51,6 +51,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def server(engines: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
+    skip_without_tritonserver()
     with TritonServer(ServingConfig(engine_dir=engines[1]), tmp_path_factory.mktemp("triton-tp")) as running:
         yield running
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
+pytest.importorskip("tritonclient.grpc", reason="needs the Triton client: pip install tritonclient[grpc,http]")
 import tritonclient.grpc as grpcclient
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
