@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from benchmarks.report import machine, write_report
+from benchmarks.report import machine, torch_threads, write_report
 from runtime.engine import Engine
 from runtime.llm_engine import METHODS, LLMEngine, RuntimeConfig
 from runtime.results import GenerationResult, tokens_per_step
@@ -297,13 +297,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = ap.parse_args(argv)
     args.engine = args.engine or [Path(e) for e in ENGINES]
-    threads = torch.get_num_threads()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
+    with torch_threads(args.threads):
         run(args)
-    finally:
-        torch.set_num_threads(threads)  # main() may be called in-process (tests)
 
 
 def run(args: argparse.Namespace) -> None:

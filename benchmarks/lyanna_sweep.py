@@ -54,7 +54,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.prompts import bundled
-from benchmarks.report import machine, write_report
+from benchmarks.report import machine, torch_threads, write_report
 from build.engine import build_engine
 from model_defs.llama import Attend
 from model_defs.lyanna import LyannaDrafter, _ChainKV, embedding_weight, hot_table_bytes
@@ -637,13 +637,8 @@ def main(argv: list[str] | None = None) -> None:
         "spin-waiting for a descheduled sibling at every op (default: %(default)s)",
     )  # fmt: skip
     args = ap.parse_args(argv)
-    threads = torch.get_num_threads()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
+    with torch_threads(args.threads):
         run(args)
-    finally:
-        torch.set_num_threads(threads)  # main() may be called in-process (tests)
 
 
 def run(args: argparse.Namespace) -> None:

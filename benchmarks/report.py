@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import platform
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -61,3 +63,16 @@ def save_figure(fig: Any, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch intra-op threads = n inside (0: leave torch's default), restored after, since a
+    benchmark's main() may run in-process (tests)."""
+    before = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
