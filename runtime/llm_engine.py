@@ -164,6 +164,19 @@ def full_width(request: Request, policy_width: int) -> int:
     return min(policy_width, spec.beam_width) if isinstance(spec, ReDrafterParams) else 1
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """What `LLMEngine.stats` reports."""
+
+    waiting: int
+    running: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    num_preemptions: int
+    dead: str | None
+    """Why the engine cannot step any more; None while it can."""
+
+
 class LLMEngine:
     """Owns the paged KV cache, the scheduler and the model runner of one loaded engine."""
 
@@ -311,11 +324,32 @@ class LLMEngine:
             )
         return spec
 
-    def cancel(self, request_id: str) -> None:
-        """Stop a request; its KV blocks are freed and its final event ("cancelled") sent at the next step."""
+    def cancel(self, request_id: str, reason: str = "cancelled") -> None:
+        """End a request early; its KV blocks are freed and its final event sent at the next
+        step, with finish reason `reason` ("cancelled", or "stop" when an output stage
+        found a stop string)."""
+        if reason not in ("cancelled", "stop"):
+            raise ValueError(f"a request is ended early as 'cancelled' or 'stop', not {reason!r}")
         request = self._requests.get(request_id)
         if request is not None:
-            request.cancel_requested = True
+            request.cancel_requested = reason
+
+    def stats(self) -> EngineStats:
+        """A snapshot for gauges and health checks (front ends read this, never the
+        scheduler or block manager themselves)."""
+        return EngineStats(
+            waiting=len(self.scheduler.waiting),
+            running=len(self.scheduler.running),
+            kv_blocks_used=self.blocks.num_used,
+            kv_blocks_free=self.blocks.num_free,
+            num_preemptions=self.scheduler.num_preemptions,
+            dead=self.dead,
+        )
+
+    def close(self) -> None:
+        """Release what outlives the object: the other tensor-parallel ranks are told to exit."""
+        if self.runner.broadcast is not None:
+            self.runner.shutdown()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -601,7 +635,7 @@ class LLMEngine:
         except Exception:  # a broken consumer must not take the engine (or other requests) down
             log.exception("callback of request %s failed; cancelling it", request.request_id)
             request.callback = None
-            request.cancel_requested = True
+            request.cancel_requested = "cancelled"
 
     def _finish(self, request: Request, reason: str, error: str | None = None) -> Request:
         """Take the request out, free its blocks, send its final event."""
@@ -616,7 +650,7 @@ class LLMEngine:
     def _drop_cancelled(self) -> list[Request]:
         with self._lock:
             cancelled = [r for r in self._requests.values() if r.cancel_requested and not r.finished]
-        return [self._finish(r, "cancelled") for r in cancelled]
+        return [self._finish(r, r.cancel_requested or "cancelled") for r in cancelled]
 
     # ---- blocking helpers -----------------------------------------------------------
 

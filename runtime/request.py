@@ -46,6 +46,8 @@ class RequestEvent:
     """None while running; then one of FINISH_REASONS."""
     error: str | None = None
     """What went wrong, when finish_reason is "error"."""
+    result: GenerationResult | None = None
+    """On the final event: the request's whole result (ids, draft/accept counts per step)."""
 
     @property
     def finished(self) -> bool:
@@ -81,7 +83,9 @@ class Request:
     resampled: Subtree | None = None
     """Lyanna: candidates re-sampled after the last step's rejection, rooted at the pending token."""
     num_preemptions: int = 0
-    cancel_requested: bool = False
+    cancel_requested: str | None = None
+    """Why the caller ended it early ("cancelled", or "stop" for a stop string the output
+    stage found), set by `LLMEngine.cancel`; the request ends with it at the next step."""
 
     def __post_init__(self) -> None:
         self.result = GenerationResult(list(self.prompt))
@@ -115,4 +119,4 @@ class Request:
         """Send one event; the final one once the request has a finish reason."""
         if self.callback is not None:
             reason = self.result.finish_reason or None
-            self.callback(RequestEvent(self.request_id, tokens, reason, error))
+            self.callback(RequestEvent(self.request_id, tokens, reason, error, self.result if reason else None))
