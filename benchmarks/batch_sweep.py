@@ -10,15 +10,14 @@ alternating rounds on the same engine so machine noise hits them alike. Reported
   ratio to auto-regressive decoding: the median over rounds of the ratio measured within
   one round (robust to bursts of load on a shared machine);
 - tau: tokens emitted per decoding step per request (bonus included; 1 for AR);
-- the drafting widths load-aware speculation chose, as a histogram over steps.
+- the tree budgets (nodes, root included) load-aware speculation chose, as a histogram over steps.
 Writes `<out>.json` and `<out>.md`.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import functools
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,10 +26,11 @@ from typing import Any
 from tqdm import tqdm
 
 from benchmarks.report import machine, write_report
+from benchmarks.timing import alternate, sampling_params, timed, warm_up
+from runtime.config import RuntimeConfig
 from runtime.engine import Engine
-from runtime.llm_engine import LLMEngine, RuntimeConfig
+from runtime.llm_engine import LLMEngine
 from runtime.results import tokens_per_step
-from runtime.sampling import SamplingParams
 from training.corpus import heldout_prompts
 
 CONFIGS = {  # name -> (method, speculation mode)
@@ -46,38 +46,23 @@ class Row:
     tokens_per_s: dict[str, float]
     ratio_to_ar: dict[str, float]
     tau: dict[str, float]
-    load_aware_widths: dict[int, int] = field(default_factory=dict)
+    load_aware_budgets: dict[int, int] = field(default_factory=dict)
 
 
 def run_batch(
     engines: dict[str, LLMEngine], prompts: list[list[int]], max_tokens: int, rounds: int, temperature: float
 ) -> tuple[dict[str, float], dict[str, float], dict[str, float], Counter[int]]:
-    """tokens/s over all rounds, median per-round ratio to AR, tau, load-aware width histogram."""
-    params = [
-        SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i, ignore_eos=True)
-        for i in range(len(prompts))
-    ]
-    seconds = dict.fromkeys(engines, 0.0)
-    tokens = dict.fromkeys(engines, 0)
-    ratios: dict[str, list[float]] = {name: [] for name in engines}
-    taus: dict[str, list[float]] = {name: [] for name in engines}
-    for _ in range(rounds):
-        rate = {}
-        for name, engine in engines.items():
-            start = time.perf_counter()
-            results = engine.generate(prompts, params, CONFIGS[name][0])
-            elapsed = time.perf_counter() - start
-            emitted = sum(len(r.output_ids) for r in results)
-            seconds[name] += elapsed
-            tokens[name] += emitted
-            rate[name] = emitted / elapsed
-            taus[name].append(tokens_per_step(results))
-        for name in engines:
-            ratios[name].append(rate[name] / rate["ar"])
-    widths = engines["redrafter-load-aware"].policy.widths_chosen
+    """tokens/s over all rounds, median per-round ratio to AR, tau, load-aware budget histogram."""
+    params = sampling_params(len(prompts), max_tokens, temperature)
+    runs = {
+        name: functools.partial(timed, engine, prompts, params, CONFIGS[name][0]) for name, engine in engines.items()
+    }
+    timings = alternate([runs] * rounds, "ar")
+    widths = engines["redrafter-load-aware"].policy.budgets_chosen
+    taus = {name: [tokens_per_step(run.results) for run in t.runs] for name, t in timings.items()}
     return (
-        {name: tokens[name] / seconds[name] for name in engines},
-        {name: statistics.median(r) for name, r in ratios.items()},
+        {name: t.tokens_per_s for name, t in timings.items()},
+        {name: t.speedup for name, t in timings.items()},
         {name: sum(t) / len(t) for name, t in taus.items()},
         widths,
     )
@@ -94,11 +79,11 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
         "the ratio to auto-regressive decoding within a round; tau = tokens per decoding step per request.",
         "",
         "| batch | " + " | ".join(f"{n} tok/s" for n in names) + " | fixed / AR | load-aware / AR | "
-        "tau fixed | tau load-aware | load-aware widths (steps) |",
+        "tau fixed | tau load-aware | load-aware tree budgets (steps) |",
         "|---|" + "---|" * (len(names) + 5),
     ]
     for r in rows:
-        widths = ", ".join(f"W{w}: {n}" for w, n in sorted(r.load_aware_widths.items()))
+        widths = ", ".join(f"{b} nodes: {n}" for b, n in sorted(r.load_aware_budgets.items()))
         lines.append(
             f"| {r.batch_size} | "
             + " | ".join(f"{r.tokens_per_s[n]:.0f}" for n in names)
@@ -136,8 +121,9 @@ def main() -> None:
             for name, (_, mode) in CONFIGS.items()
         }
         prompts = [loaded.encode(t) for t in texts[:size]]
-        run_batch(engines, prompts[:1], 8, 1, args.temperature)  # warm-up (allocator growth, first-step measurements)
-        engines["redrafter-load-aware"].policy.widths_chosen.clear()
+        for name, llm in engines.items():  # warm-up (allocator growth, first-step measurements)
+            warm_up(llm, prompts[0], CONFIGS[name][0], args.temperature)
+        engines["redrafter-load-aware"].policy.budgets_chosen.clear()
         rate, ratio, taus, widths = run_batch(engines, prompts, args.max_tokens, args.rounds, args.temperature)
         rows.append(Row(size, rate, ratio, taus, dict(widths)))
         tqdm.write(str(asdict(rows[-1])))

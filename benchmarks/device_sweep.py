@@ -25,9 +25,9 @@ Writes `<out>.json` (machine, arguments and the command line that reproduces it)
 from __future__ import annotations
 
 import argparse
+import functools
 import shlex
 import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,16 +36,17 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.report import machine, torch_threads, write_report
+from benchmarks.timing import Timings, alternate, sampling_params, timed, warm_up
+from runtime.config import RuntimeConfig
 from runtime.engine import Engine
-from runtime.llm_engine import METHODS, LLMEngine, RuntimeConfig
-from runtime.results import GenerationResult, tokens_per_step
-from runtime.sampling import SamplingParams
+from runtime.engine_dir import DTYPES
+from runtime.llm_engine import LLMEngine
+from runtime.results import tokens_per_step
+from runtime.spec.registry import METHODS
 from training.corpus import heldout_prompts
 
 ENGINES = ("engines/demo-redrafter", "engines/demo-draft-lm", "engines/demo-lyanna")
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 SPECULATION_MODES = ("fixed", "load-aware")
-WARMUP_TOKENS = 8
 
 
 @dataclass
@@ -86,13 +87,12 @@ def cast(engine: Engine, dtype: torch.dtype) -> None:
 
 
 def supported_methods(llm: LLMEngine, prompt: list[int]) -> tuple[list[str], dict[str, str]]:
-    """Warm up every method of METHODS with one short request; those the engine refuses
+    """Warm up every method of METHODS with one short greedy request; those the engine refuses
     (ValueError at submission, nothing queued) come back as skipped, with the reason."""
-    params = [SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0.0, seed=0, ignore_eos=True)]
     methods, skipped = [], {}
     for method in METHODS:
         try:
-            llm.generate([prompt], params, method)
+            warm_up(llm, prompt, method, temperature=0.0)
         except ValueError as e:
             skipped[method] = str(e)
             continue
@@ -102,54 +102,25 @@ def supported_methods(llm: LLMEngine, prompt: list[int]) -> tuple[list[str], dic
     return methods, skipped
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run_cell(
     llm: LLMEngine, methods: list[str], prompts: list[list[int]], temperature: float, max_tokens: int, rounds: int
-) -> dict[str, dict[str, Any]]:
-    """Alternating rounds over `methods` (AR first) on one batch: per method, the rate of
-    each round, its ratio to AR's in that round, the results of each round."""
-    params = [
-        SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i, ignore_eos=True)
-        for i in range(len(prompts))
-    ]
-    device = llm.engine.device
-    out: dict[str, dict[str, Any]] = {
-        m: {"rates": [], "ratios": [], "results": [], "tokens": 0, "seconds": 0.0} for m in methods
-    }
-    for _ in range(rounds):
-        rate = {}
-        for method in methods:
-            synchronize(device)
-            start = time.perf_counter()
-            results = llm.generate(prompts, params, method)
-            synchronize(device)
-            elapsed = time.perf_counter() - start
-            emitted = sum(len(r.output_ids) for r in results)
-            rate[method] = emitted / elapsed
-            out[method]["rates"].append(rate[method])
-            out[method]["tokens"] += emitted
-            out[method]["seconds"] += elapsed
-            out[method]["results"].append(results)
-        for method in methods:
-            out[method]["ratios"].append(rate[method] / rate["ar"])
-    return out
+) -> dict[str, Timings]:
+    """Alternating rounds over `methods` (AR first) on one batch: per method, its runs, each
+    compared to AR's run in the same round."""
+    params = sampling_params(len(prompts), max_tokens, temperature)
+    runs = {method: functools.partial(timed, llm, prompts, params, method) for method in methods}
+    return alternate([runs] * rounds, "ar")
 
 
-def cells_of(
-    engine: str, drafter: str, batch: int, temperature: float, measured: dict[str, dict[str, Any]]
-) -> list[Cell]:
-    ar = measured["ar"]
+def cells_of(engine: str, drafter: str, batch: int, temperature: float, measured: dict[str, Timings]) -> list[Cell]:
+    ar_runs = [run.results for run in measured["ar"].runs]
     cells = []
     for method, m in measured.items():
-        runs: list[list[GenerationResult]] = m["results"]
+        runs = [run.results for run in m.runs]
         greedy_equal = None
         if temperature == 0:
             greedy_equal = sum(
-                all(run[i].output_ids == ar_run[i].output_ids for run, ar_run in zip(runs, ar["results"], strict=True))
+                all(run[i].output_ids == ar_run[i].output_ids for run, ar_run in zip(runs, ar_runs, strict=True))
                 for i in range(batch)
             )
         cells.append(
@@ -159,10 +130,10 @@ def cells_of(
                 method=method,
                 batch_size=batch,
                 temperature=temperature,
-                tokens_per_s=m["tokens"] / m["seconds"],
-                ar_tokens_per_s=ar["tokens"] / ar["seconds"],
-                ratio_to_ar=statistics.median(m["ratios"]),
-                ratio_per_round=m["ratios"],
+                tokens_per_s=m.tokens_per_s,
+                ar_tokens_per_s=measured["ar"].tokens_per_s,
+                ratio_to_ar=m.speedup,
+                ratio_per_round=m.ratios,
                 tau=statistics.mean(tokens_per_step(run) for run in runs),
                 greedy_equal_ar=greedy_equal,
                 prompts=batch,
@@ -265,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument(
         "--dtype",
-        choices=("engine", *DTYPES),
+        choices=("engine", *sorted(DTYPES)),
         default="engine",
         help="engine = as built; else cast target and drafter after loading (default: %(default)s)",
     )

@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_defs.redrafter import ReDrafter, ResBlock, warp_logits
-from runtime.beam_search import beam_search
 from runtime.engine import Engine
+from runtime.spec.beam_search import beam_search
 from runtime.tensor_parallel import exit_process, join_process_group
 
 

@@ -17,23 +17,20 @@ Writes `<out>.json` and `<out>.md`.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
 from benchmarks.report import machine, write_report
+from benchmarks.timing import ONE_AT_A_TIME, alternate, sampling_params, timed
 from runtime.engine import Engine
-from runtime.llm_engine import LLMEngine, RuntimeConfig
-from runtime.redrafter import ReDrafterParams
-from runtime.results import GenerationResult
-from runtime.sampling import SamplingParams
+from runtime.llm_engine import LLMEngine
+from runtime.spec.redrafter import ReDrafterParams
 from training.corpus import heldout_prompts
-
-ONE_AT_A_TIME = RuntimeConfig(max_batch_size=1, speculation="fixed")
 
 
 @dataclass
@@ -49,31 +46,24 @@ class SweepRow:
     speedup: float
 
 
-def timed(
-    engine: LLMEngine, prompt: list[int], params: SamplingParams, method: str, spec: ReDrafterParams
-) -> tuple[GenerationResult, float]:
-    start = time.perf_counter()
-    result = engine.generate([prompt], [params], method, beam_width=spec.beam_width, beam_length=spec.beam_length)
-    return result[0], time.perf_counter() - start
-
-
 def run_setting(
     engine: LLMEngine, prompts: list[list[int]], spec: ReDrafterParams, temperature: float, max_tokens: int
 ) -> SweepRow:
-    ar_time = spec_time = 0.0
-    ar_tokens = 0
-    spec_results: list[GenerationResult] = []
-    for i, prompt in enumerate(prompts):  # alternate: machine noise hits both methods alike
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i, ignore_eos=True)
-        res, t = timed(engine, prompt, params, "redrafter", spec)
-        spec_results.append(res)
-        spec_time += t
-        res, t = timed(engine, prompt, params, "ar", spec)
-        ar_tokens += len(res.output_ids)
-        ar_time += t
-    spec_tokens = sum(len(r.output_ids) for r in spec_results)
-    steps = [a for r in spec_results for a in r.accepted_per_step]
-    nodes = sum(r.num_drafted for r in spec_results) / len(steps) + 1  # + root
+    shape = {"beam_width": spec.beam_width, "beam_length": spec.beam_length}
+    params = sampling_params(len(prompts), max_tokens, temperature)
+    timings = alternate(  # prompt by prompt: machine noise hits both methods alike
+        (
+            {
+                "redrafter": functools.partial(timed, engine, [prompt], [p], "redrafter", **shape),
+                "ar": functools.partial(timed, engine, [prompt], [p], "ar", **shape),
+            }
+            for prompt, p in zip(prompts, params, strict=True)
+        ),
+        "ar",
+    )
+    ar, spec_runs = timings["ar"], timings["redrafter"]
+    steps = [a for r in spec_runs.results for a in r.accepted_per_step]
+    nodes = sum(r.num_drafted for r in spec_runs.results) / len(steps) + 1  # + root
     return SweepRow(
         beam_width=spec.beam_width,
         beam_length=spec.beam_length,
@@ -81,9 +71,9 @@ def run_setting(
         tau=sum(a + 1 for a in steps) / len(steps),
         acceptance_at=[sum(a >= k for a in steps) / len(steps) for k in range(1, spec.beam_length + 1)],
         compression=spec.beam_width * (spec.beam_length + 1) / nodes,
-        ar_ms_per_token=1000 * ar_time / ar_tokens,
-        spec_ms_per_token=1000 * spec_time / spec_tokens,
-        speedup=(ar_time / ar_tokens) / (spec_time / spec_tokens),
+        ar_ms_per_token=1000 * ar.seconds / ar.tokens,
+        spec_ms_per_token=1000 * spec_runs.seconds / spec_runs.tokens,
+        speedup=(ar.seconds / ar.tokens) / (spec_runs.seconds / spec_runs.tokens),
     )
 
 

@@ -39,11 +39,11 @@ from tqdm import tqdm
 
 from benchmarks.prompts import bundled
 from benchmarks.report import machine, write_report
+from benchmarks.timing import ONE_AT_A_TIME, Timings, bracketed_round, grouped, sampling_params, warm_up
 from runtime.engine import Engine
-from runtime.llm_engine import LLMEngine, RuntimeConfig
-from runtime.results import GenerationResult, tokens_per_step
-from runtime.rsd import TreeSpec
-from runtime.sampling import SamplingParams
+from runtime.llm_engine import LLMEngine
+from runtime.results import tokens_per_step
+from runtime.spec.rsd import TreeSpec
 
 ENGINES = ("engines/demo-redrafter", "engines/demo-draft-lm")
 DRAFTER_NAMES = {"redrafter": "rnn", "draft-lm": "draft-lm"}
@@ -53,7 +53,6 @@ EXP2_BRANCHING = {6: (2, 2), 10: (2, 1, 1, 1, 1), 14: (2, 2, 1, 1), 21: (3, 2, 1
 """rsd-c tree of each Exp2 budget B: b0 + b0*b1 + ... = B nodes."""
 EXP2_BEAMS = {6: (2, 3), 10: (2, 5), 14: (2, 7), 21: (3, 7), 30: (5, 6)}
 """rsd-s / redrafter (W, L) of each Exp2 budget B: W * L = B."""
-ONE_AT_A_TIME = RuntimeConfig(max_batch_size=1, speculation="fixed")
 
 
 @dataclass(frozen=True)
@@ -141,24 +140,6 @@ class Row:
     speedup_per_round: list[float] = field(default_factory=list)
 
 
-@dataclass
-class _Timings:
-    results: list[GenerationResult] = field(default_factory=list)
-    rates: list[float] = field(default_factory=list)
-    ar_rates: list[float] = field(default_factory=list)  # mean of the bracketing AR rates, per round
-    tokens: int = 0
-    seconds: float = 0.0
-
-
-def timed(
-    llm: LLMEngine, prompts: list[list[int]], params: list[SamplingParams], method: str, **overrides: Any
-) -> tuple[list[GenerationResult], float, int]:
-    start = time.perf_counter()
-    results = llm.generate(prompts, params, method, **overrides)
-    elapsed = time.perf_counter() - start
-    return results, elapsed, sum(len(r.output_ids) for r in results)
-
-
 def sweep_engine(
     path: str,
     configs: list[Config],
@@ -175,52 +156,21 @@ def sweep_engine(
     drafter = DRAFTER_NAMES[loaded.config.drafter.kind]
     llm = LLMEngine(loaded, ONE_AT_A_TIME)  # one engine: one KV cache, one set of lazily built kernels
     prompts = [loaded.encode(p.text) for p in bundled(num_prompts)]
-    columns: dict[tuple[int, int], list[Config]] = {}
-    for c in configs:
-        columns.setdefault((c.experiment, c.column), []).append(c)
-    # warm-up: first calls pay for allocator growth and lazy initialisation
-    warm = [SamplingParams(max_tokens=8, temperature=1.0, seed=0, ignore_eos=True)]
+    columns = grouped(configs, lambda c: (c.experiment, c.column))
     for c in [Config(0, 0, "ar"), *configs]:
-        llm.generate(prompts[:1], warm, c.method, **c.overrides())
+        warm_up(llm, prompts[0], c.method, **c.overrides())
     rows = []
     for temperature in temperatures:
-        params = [
-            SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i, ignore_eos=True)
-            for i in range(len(prompts))
-        ]
-        timings = {c: _Timings() for c in configs}
-        ar = _Timings()
+        params = sampling_params(len(prompts), max_tokens, temperature)
+        timings = {c: Timings() for c in configs}
+        ar = Timings()
         for _ in range(rounds):
-            results, seconds, tokens = timed(llm, prompts, params, "ar")
-            ar.results += results
-            ar.seconds, ar.tokens = ar.seconds + seconds, ar.tokens + tokens
-            before = tokens / seconds
-            bar.update()
-            for group in columns.values():
-                rates = {}
-                for c in group:
-                    results, seconds, tokens = timed(llm, prompts, params, c.method, **c.overrides())
-                    t = timings[c]
-                    t.results += results
-                    t.seconds, t.tokens = t.seconds + seconds, t.tokens + tokens
-                    rates[c] = tokens / seconds
-                    bar.update()
-                results, seconds, tokens = timed(llm, prompts, params, "ar")
-                ar.results += results
-                ar.seconds, ar.tokens = ar.seconds + seconds, ar.tokens + tokens
-                after = tokens / seconds
-                bar.update()
-                for c, rate in rates.items():
-                    timings[c].rates.append(rate)
-                    timings[c].ar_rates.append((before + after) / 2)
-                before = after
-        ar_rate = ar.tokens / ar.seconds
+            bracketed_round(llm, prompts, params, columns, timings, ar, bar.update)
         for experiment in sorted({c.experiment for c in configs}):
-            ar_row = Row(experiment, path, drafter, temperature, "ar", "", 0, 0, tokens_per_step(ar.results), ar_rate,
-                         ar_rate, 1.0, rounds)  # fmt: skip
+            ar_row = Row(experiment, path, drafter, temperature, "ar", "", 0, 0, tokens_per_step(ar.results),
+                         ar.tokens_per_s, ar.tokens_per_s, 1.0, rounds)  # fmt: skip
             rows.append(ar_row)
         for c, t in timings.items():
-            ratios = [r / a for r, a in zip(t.rates, t.ar_rates, strict=True)]
             rows.append(
                 Row(
                     experiment=c.experiment,
@@ -232,11 +182,11 @@ def sweep_engine(
                     column=c.column,
                     draft_tokens=c.draft_tokens,
                     tau=tokens_per_step(t.results),
-                    tokens_per_s=t.tokens / t.seconds,
+                    tokens_per_s=t.tokens_per_s,
                     ar_tokens_per_s=statistics.mean(t.ar_rates),
-                    speedup=statistics.median(ratios),
+                    speedup=t.speedup,
                     rounds=rounds,
-                    speedup_per_round=ratios,
+                    speedup_per_round=t.ratios,
                 )
             )
             tqdm.write(

@@ -41,23 +41,14 @@ from safetensors.torch import save_file
 
 from build.engine import BuildError
 from build.trtllm_weights import TpSizeError, check_tp_size, drafter_rank_tensors, target_rank_tensors
-from model_defs.checkpoint import (
-    CheckpointError,
-    load_llama_checkpoint,
-    load_tensors,
-    read_json,
-    read_llama_config,
-    tensor_files,
-    validate_tensors,
-)
+from model_defs.checkpoint import load_checkpoint_dir, load_llama_checkpoint, read_llama_config
 from model_defs.llama import LlamaConfig
 from model_defs.redrafter import ReDrafterConfig, expected_shapes
+from runtime.engine_dir import DTYPES
 
 ARCHITECTURE = "ReDrafterForLLaMALM"
 """`REDRAFTER_MAP["LlamaForCausalLM"]` in TRT-LLM's ReDrafter converter (older releases: `ReDrafterForCausalLM`)."""
 BASE_ARCHITECTURE = "LlamaForCausalLM"
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-"""The converter's `--dtype` choices."""
 SCRIPT_NAME = "build_engine.sh"
 ENGINE_SUBDIR = "engine"
 
@@ -105,19 +96,12 @@ class BuildLimits:
 
 def load_drafter(drafter_dir: Path, target: LlamaConfig) -> tuple[ReDrafterConfig, dict[str, torch.Tensor]]:
     """Apple's drafter directory, validated and checked against the target it drafts for."""
-    config_path = drafter_dir / "config.json"
-    try:
-        cfg = ReDrafterConfig.from_json(read_json(config_path))
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{config_path}: {e}") from e
+    cfg, tensors = load_checkpoint_dir(drafter_dir, ReDrafterConfig.from_json, expected_shapes)
     if (cfg.hidden_size, cfg.vocab_size) != (target.hidden_size, target.vocab_size):
         raise BuildError(
-            f"{config_path}: drafter hidden_size/vocab_size {cfg.hidden_size}/{cfg.vocab_size} do not match the "
-            f"target's {target.hidden_size}/{target.vocab_size}"
+            f"{drafter_dir / 'config.json'}: drafter hidden_size/vocab_size {cfg.hidden_size}/{cfg.vocab_size} do "
+            f"not match the target's {target.hidden_size}/{target.vocab_size}"
         )
-    files = tensor_files(drafter_dir)
-    tensors = load_tensors(files)
-    validate_tensors(tensors, files, expected_shapes(cfg))
     return cfg, tensors
 
 

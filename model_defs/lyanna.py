@@ -284,7 +284,7 @@ def collapse(
     return HotTokenTable(hot_ids, hot_index, torch.cat(rows).to(dtype))
 
 
-class _ChainKV:
+class ChainKV:
     """The per-call KV of the drafter's chain: each layer step appends its key/value and
     attends over everything appended so far (dense; the chain is k <= a few entries long).
     Called as `attend(layer, q, k, v)` exactly like `DenseAttention` / `PagedBatch`."""
@@ -338,7 +338,7 @@ class LyannaDrafter(nn.Module):
         x = self.fuse(x)[:, None]  # [B, 1, D]
         positions = torch.arange(1, k + 1, device=x.device).expand(x.shape[0], -1)
         cos, sin = self.rotary_emb(positions, x.dtype)
-        attend = cast(Attend, _ChainKV())  # DecoderLayer only calls attend(layer, q, k, v)
+        attend = cast(Attend, ChainKV())  # DecoderLayer only calls attend(layer, q, k, v)
         states = []
         for i in range(k):
             x = self.norm(self.layer(x, cos[:, i : i + 1], sin[:, i : i + 1], attend))

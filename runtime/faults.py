@@ -21,12 +21,18 @@ A seed is a per-request value every door already carries (`--seed`, Triton's
 
 from __future__ import annotations
 
+import logging
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from runtime.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+R = TypeVar("R")
 
 ENV = "SPECPIPE_INJECT_FAULTS"
 STAGES = ("draft", "verify", "sample", "forward", "step", "hang", "detokenize")
@@ -65,3 +71,27 @@ class FaultInjector:
                 time.sleep(HANG_S)
             if p.seed in victims:
                 raise InjectedFault(f"fault injected at {stage} for seed {p.seed} ({ENV})")
+
+
+def describe(e: BaseException) -> str:
+    """An exception as a request's error message."""
+    return f"{type(e).__name__}: {e}"
+
+
+def each_alone(
+    run: Callable[[list[T]], list[R]], items: Sequence[T], what: str
+) -> tuple[list[tuple[T, R]], list[tuple[T, str]]]:
+    """`run` on all items at once; if that fails, on each item alone, to find the culprit.
+    Returns (item, result) pairs and (item, error message) for the items that failed."""
+    try:
+        return list(zip(items, run(list(items)), strict=True)), []
+    except Exception:
+        log.exception("%s %d item(s) together failed; trying each alone", what, len(items))
+    done, failed = [], []
+    for item in items:
+        try:
+            done.append((item, run([item])[0]))
+        except Exception as e:
+            log.exception("%s one item failed", what)
+            failed.append((item, describe(e)))
+    return done, failed

@@ -10,7 +10,9 @@ rank 0 schedules, drafts and prints, the other ranks run their shards of each fo
 Several --prompt flags are decoded together as one batch. Temperature 0 (the default)
 is greedy decoding; --temperature/--top-k/--top-p/--seed sample. Speculative methods
 emit exactly what auto-regressive decoding would (greedy) or the same distribution
-(sampling); they only change how many target forwards it takes.
+(sampling); they only change how many target forwards it takes. --stop ends each text
+before the first stop string, with finish reason "stop": tokens become text through the
+output stage the servers use (`runtime/output.py`).
 """
 
 from __future__ import annotations
@@ -19,25 +21,30 @@ import argparse
 import json
 import sys
 import time
+from collections import deque
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 
 from runtime.engine import Engine
 from runtime.engine_dir import EngineConfig
 from runtime.llm_engine import EngineDeadError, LLMEngine
-from runtime.methods import METHODS
-from runtime.results import GenerationResult, tokens_per_step
-from runtime.rsd import parse_branching
+from runtime.output import RequestOutput
+from runtime.request import RequestEvent
+from runtime.results import tokens_per_step
 from runtime.runtime_args import add_runtime_args, runtime_config
 from runtime.sampling import SamplingParams
+from runtime.spec.registry import METHODS
+from runtime.spec.rsd import parse_branching
 from runtime.tensor_parallel import exit_process, init_tensor_parallel, rank_device, serve_worker, start_workers
 
 
 def run(
     engine: Engine, prompts: list[list[int]], params: list[SamplingParams], args: argparse.Namespace, world_size: int
-) -> tuple[list[GenerationResult], float]:
-    """Rank 0's generation and its seconds (start-up calibration excluded, like engine
-    loading); with tensor parallelism it drives the other ranks' forwards."""
+) -> tuple[list[RequestOutput], float]:
+    """Rank 0's generation, each request through its output stage, and its seconds (start-up
+    calibration excluded, like engine loading); with tensor parallelism it drives the other
+    ranks' forwards. Requests are queued as fast as the waiting queue takes them."""
     overrides = {
         "beam_width": args.beam_width,
         "beam_length": args.beam_length,
@@ -52,10 +59,22 @@ def run(
         config, broadcast = runtime_config(args), None
         if world_size > 1:
             config, broadcast = stack.enter_context(start_workers(engine, config))
+        outputs = [RequestOutput(engine.tokenizer, args.stop or ()) for _ in prompts]
         llm = LLMEngine(engine, config, broadcast)
         start = time.perf_counter()
-        results = llm.generate(prompts, params, args.method, **overrides)
-        return results, time.perf_counter() - start
+        pending = deque(zip(prompts, params, outputs, strict=True))
+        while pending or llm.has_unfinished():
+            while pending and llm.stats().waiting < config.max_queue_size:
+                prompt, p, output = pending.popleft()
+                llm.add_request(prompt, p, args.method, callback=partial(_on_event, llm, output), **overrides)
+            llm.step()
+        return outputs, time.perf_counter() - start
+
+
+def _on_event(llm: LLMEngine, output: RequestOutput, event: RequestEvent) -> None:
+    """A request's callback: its output stage takes the event; a stop string ends the request."""
+    if output.push(event).stop_hit:
+        llm.cancel(event.request_id, "stop")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus filter, 1.0 = off (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=None, help="sampling seed; request i uses seed + i")
     ap.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
+    ap.add_argument(
+        "--stop", action="append", metavar="TEXT", help="end the text before this string; repeat for several"
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
     ap.add_argument("--device", default="cpu", help="torch device to run on, e.g. cuda (default: %(default)s)")
     ap.add_argument(
@@ -120,38 +142,39 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(len(args.prompt))
         ]
         prompts = [engine.encode(p) for p in args.prompt]
-        results, seconds = run(engine, prompts, params, args, world_size)
+        outputs, seconds = run(engine, prompts, params, args, world_size)
     except (ValueError, FileNotFoundError, EngineDeadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for prompt, r in zip(args.prompt, results, strict=True):
+    results = [o.result for o in outputs if o.result is not None]
+    for prompt, o in zip(args.prompt, outputs, strict=True):
         if args.json:
             print(
                 json.dumps(
                     {
                         "prompt": prompt,
-                        "text": engine.decode(r.output_ids),
-                        "output_ids": r.output_ids,
-                        "finish_reason": r.finish_reason,
-                        "error": r.error,
-                        "tokens_per_step": r.tokens_per_step,
-                        "num_drafted": r.num_drafted,
-                        "num_accepted": r.num_accepted,
+                        "text": o.text,
+                        "output_ids": o.token_ids,
+                        "finish_reason": o.finish_reason,
+                        "error": o.error,
+                        "tokens_per_step": o.result.tokens_per_step if o.result else None,
+                        "num_drafted": o.stats.num_draft_tokens if o.stats else 0,
+                        "num_accepted": o.stats.num_accepted_tokens if o.stats else 0,
                     }
                 )
             )
         else:
-            print(f"--- prompt: {prompt!r} ({len(r.output_ids)} tokens, {r.finish_reason})")
-            if r.error is not None:
-                print(f"error: {r.error}", file=sys.stderr)
-            print(prompt + engine.decode(r.output_ids), flush=True)
+            print(f"--- prompt: {prompt!r} ({len(o.token_ids)} tokens, {o.finish_reason})")
+            if o.error is not None:
+                print(f"error: {o.error}", file=sys.stderr)
+            print(prompt + o.text, flush=True)
     total = sum(len(r.output_ids) for r in results)
     print(
         f"# {len(results)} prompt(s), {total} tokens in {seconds:.2f} s ({total / seconds:.1f} tokens/s), "
         f"{tokens_per_step(results):.2f} tokens per decoding forward",
         file=sys.stderr,
     )
-    return 1 if any(r.finish_reason == "error" for r in results) else 0
+    return 1 if any(o.finish_reason in ("error", None) for o in outputs) else 0
 
 
 if __name__ == "__main__":

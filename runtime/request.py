@@ -18,20 +18,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from runtime.lyanna import LyannaParams, Subtree
-from runtime.redrafter import ReDrafterParams
 from runtime.results import GenerationResult
-from runtime.rsd import TreeSpec
 from runtime.sampling import SamplingParams
 
 FINISH_REASONS = ("length", "stop", "cancelled", "error")
-
-SpecParams = ReDrafterParams | TreeSpec | LyannaParams
-"""A decoding method's drafting parameters: ReDrafter beams over the RNN, a tree drafted
-level by level (RSD methods, beams over a draft LM), or Lyanna's chain + token info."""
 
 
 @dataclass(frozen=True)
@@ -63,9 +57,9 @@ class Request:
     prompt: list[int]
     params: SamplingParams
     method: str
-    """"ar" or a speculative method (`runtime.llm_engine.METHODS`)."""
-    spec: SpecParams | None
-    """Method parameters; None for ar."""
+    """Its decoding method (`runtime.spec.registry.METHODS`)."""
+    draft_params: Any
+    """The method's typed parameters (its proposer's `params`); None for ar."""
     generator: torch.Generator
     """The request's own sampling generator (its tokens do not depend on its batch)."""
     stop_ids: set[int]
@@ -76,12 +70,9 @@ class Request:
     """Tokens whose K/V are committed in the cache."""
     hidden: torch.Tensor | None = None
     """[D] target final-norm hidden state at the last computed token (the drafter's input)."""
-    draft_computed: int = 0
-    """Tokens with K/V in the draft LM's cache (it catches up before drafting)."""
-    chain_logits: torch.Tensor | None = None
-    """Lyanna: [k, V] logits of the chain drafted this step (re-sampling reads its unused rows)."""
-    resampled: Subtree | None = None
-    """Lyanna: candidates re-sampled after the last step's rejection, rooted at the pending token."""
+    draft_state: Any = None
+    """Owned by the request's proposer (a draft cache's progress, re-sampled candidates);
+    None when fresh or after a preemption."""
     num_preemptions: int = 0
     cancel_requested: str | None = None
     """Why the caller ended it early ("cancelled", or "stop" for a stop string the output

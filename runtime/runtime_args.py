@@ -8,8 +8,8 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+from runtime.config import SPECULATION_MODES, RuntimeConfig
 from runtime.kv_budget import KVBudget
-from runtime.llm_engine import SPECULATION_MODES, RuntimeConfig
 
 
 def add_runtime_args(ap: argparse.ArgumentParser) -> None:

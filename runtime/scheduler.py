@@ -4,9 +4,9 @@ of running ones. There are no prefill/decode phases; a step is bounded by
 `max_batch_size` running requests and `max_num_tokens` new tokens.
 
 Order of service each step:
-1. running requests, oldest first: a decoding step (a tree of up to `1 + W * L` nodes,
-   shrunk to fit the token budget, down to a single auto-regressive token) or the next
-   chunk of an unfinished prefill;
+1. running requests, oldest first: a decoding step (the largest tree size the request
+   offers that fits the token budget, down to its root alone: an auto-regressive token)
+   or the next chunk of an unfinished prefill;
 2. waiting requests, oldest first, while a batch slot, budget and KV blocks remain.
 
 KV pressure: a running request that cannot get blocks for its step takes them from the
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from runtime.block_manager import BlockManager
@@ -35,11 +34,19 @@ class QueueFullError(RuntimeError):
 @dataclass
 class ScheduledWork:
     request: Request
-    num_new: int
-    """Prefill: tokens of this chunk. Decode: most tree nodes this step may write."""
-    width: int = 0
-    """Decode: beams to draft (0 = auto-regressive). Unused for prefill."""
-    prefill: bool = True
+    chunk: int = 0
+    """Prefill: prompt tokens of this step's chunk (0 for a decoding step)."""
+    budget: int = 0
+    """Decoding: most tree nodes this step may verify, root included (1 = auto-regressive)."""
+
+    @property
+    def prefill(self) -> bool:
+        return self.chunk > 0
+
+    @property
+    def num_new(self) -> int:
+        """Positions this step writes at most (the KV blocks reserved for it)."""
+        return self.chunk or self.budget
 
 
 class Scheduler:
@@ -76,8 +83,8 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         del self.running[request.request_id]
         self.blocks.free(request.request_id)
-        request.num_computed = request.draft_computed = 0
-        request.hidden = None
+        request.num_computed = 0
+        request.hidden = request.draft_state = None
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.num_decode_preemptions += bool(request.result.output_ids)
@@ -94,25 +101,20 @@ class Scheduler:
                 return False
         return True
 
-    def schedule(
-        self, width_for: Callable[[Request], int], nodes_for: Callable[[Request, int], int]
-    ) -> list[ScheduledWork]:
-        """This step's work. `width_for(r)` is the drafting width wanted for a decoding
-        request, `nodes_for(r, w)` the most tree nodes that width can produce."""
+    def schedule(self, sizes: dict[str, list[int]]) -> list[ScheduledWork]:
+        """This step's work. `sizes[request_id]`: the tree sizes (ascending) a decoding
+        request may draft this step; it gets the largest that fits the token budget, or 1."""
         budget = self.max_num_tokens
         work: list[ScheduledWork] = []
         for request in list(self.running.values()):
             if request.request_id not in self.running:  # preempted by an earlier request this step
                 continue
             if request.in_prefill:
-                n = min(request.prefill_target - request.num_computed, budget)
-                item = ScheduledWork(request, n)
+                item = ScheduledWork(request, chunk=min(request.prefill_target - request.num_computed, budget))
             else:
-                width = width_for(request)
-                while width > 0 and nodes_for(request, width) > budget:
-                    width //= 2
-                n = nodes_for(request, width)
-                item = ScheduledWork(request, n, width, prefill=False)
+                fits = [s for s in sizes.get(request.request_id, [1]) if s <= budget]
+                item = ScheduledWork(request, budget=max(fits, default=1))
+            n = item.num_new
             if n == 0 or n > budget:
                 continue
             if self._fit(request, request.num_computed + n):
@@ -126,6 +128,6 @@ class Scheduler:
             with self._lock:
                 self.waiting.popleft()
             self.running[request.request_id] = request
-            work.append(ScheduledWork(request, n))
+            work.append(ScheduledWork(request, chunk=n))
             budget -= n
         return work

@@ -1,25 +1,30 @@
-"""Load-aware speculation: how many beams to draft this step, from the current batch and
-measured step costs.
+"""Load-aware speculation: how large a tree to draft this step (its node budget), from the
+current batch and measured step costs.
 
 Speculation trades target work for fewer steps: a tree of n nodes costs n tokens of the
 step's forward (plus drafting) and returns tau tokens (accepted + bonus). With few
-requests the forward is latency-bound and extra tokens are nearly free, so wide trees
-win; with many, the forward is compute-bound, every node costs, and the best width
+requests the forward is latency-bound and extra tokens are nearly free, so large trees
+win; with many, the forward is compute-bound, every node costs, and the best size
 shrinks — to none (auto-regressive) when drafting cannot pay for itself. vLLM and SGLang
-keep a fixed tree and lose their speedup at batch 24-56; here the width is chosen per
+keep a fixed tree and lose their speedup at batch 24-56; here the budget is chosen per
 step to maximise expected tokens per second:
 
-    rate(w) = sum_r tau_r(w) / (forward_time(tokens(w)) + draft_time(beams(w)))
+    rate(c) = sum_r tau_r(c) / (forward_time(tokens(c)) + draft_time(drafted(c)))
 
-- forward_time(n) = a + b n and draft_time(rows) = c + d rows are least-squares fits
-  over recent measured steps (seeded by a short calibration when the engine starts);
-- tau(w) and nodes(w) are running means per width. A step at width W also measures
-  every w < W exactly for greedy acceptance: beams come best first, so the tree of the
-  first w beams is a sub-tree, and the accepted path stays accepted as long as each of
-  its nodes is reached by one of those beams (`first_beam` of the node < w).
-  Widths never tried start optimistic (every draft accepted), so they get tried.
+- a request offers the tree sizes its proposer can draft (`Proposer.sizes`); at budget c
+  it drafts the largest size <= c. Several sizes are nested trees (ReDrafter's beams,
+  best first), which the policy may shrink down to 1 (no drafting); a single size is a
+  whole tree (RSD, Lyanna, n-gram), always drafted and only counted here;
+- forward_time(n) = a + b n and draft_time(d) = c + e d (d drafted nodes) are
+  least-squares fits over recent measured steps (forward costs seeded by a short
+  calibration when the engine starts);
+- tau(size) and nodes(size) are running means per size. A nested tree also measures
+  every smaller size exactly for greedy acceptance: the accepted path stays accepted at
+  budget c as long as each of its nodes is in the tree of that budget
+  (`DraftTree.node_budget` <= c). Sizes never tried start optimistic (every node
+  accepted), so they get tried.
 
-Whatever the width, acceptance is lossless; the policy only moves speed.
+Whatever the budget, acceptance is lossless; the policy only moves speed.
 """
 
 from __future__ import annotations
@@ -42,20 +47,23 @@ class StepStats:
     num_tokens: int
     draft_seconds: float
     forward_seconds: float
-    beams: int = 0
-    """Beams drafted this step, over all requests."""
+    drafted: int = 0
+    """Drafted nodes this step (roots excluded), over all requests."""
     accepted: dict[int, list[int]] = field(default_factory=dict)
-    """width -> accepted drafts of each tree that could have been drafted at that width."""
+    """size -> accepted drafts of each tree that could have been drafted at that size."""
     nodes: dict[int, list[int]] = field(default_factory=dict)
-    """width -> tree sizes observed at exactly that width."""
+    """size -> tree sizes observed at exactly that size (duplicate beams merge)."""
 
-    def record(self, width: int, nodes: int, first_beam_on_path: list[int]) -> None:
-        """One verified tree: drafted at `width`; `first_beam_on_path[j]` is the first beam
-        reaching the (j+1)-th accepted draft."""
-        self.beams += width
-        self.nodes.setdefault(width, []).append(nodes)
-        for w in range(1, width + 1):
-            self.accepted.setdefault(w, []).append(sum(b < w for b in first_beam_on_path))
+    def record(self, size: int, nodes: int, accepted: int, smaller: list[int], path_budgets: list[int]) -> None:
+        """One verified tree drafted at `size` with `nodes` nodes, `accepted` drafts kept;
+        for nested trees, `smaller` are the request's smaller sizes and `path_budgets` the
+        `node_budget` of each accepted draft (what each smaller size would have kept)."""
+        self.drafted += nodes - 1
+        self.nodes.setdefault(size, []).append(nodes)
+        self.accepted.setdefault(size, []).append(accepted)
+        if path_budgets:
+            for c in smaller:
+                self.accepted.setdefault(c, []).append(sum(b <= c for b in path_budgets))
 
 
 class LinearCost:
@@ -87,47 +95,54 @@ class LinearCost:
 @dataclass
 class SpeculationPolicy:
     adaptive: bool = True
-    """False: always draft each request's own width."""
+    """False: every request drafts its largest size."""
     forward_cost: LinearCost = field(default_factory=LinearCost)
     draft_cost: LinearCost = field(default_factory=LinearCost)
     tau: dict[int, float] = field(default_factory=dict)
-    """width -> mean accepted drafts + 1."""
+    """size -> mean accepted drafts + 1."""
     tree_nodes: dict[int, float] = field(default_factory=dict)
-    """width -> mean tree size (root included)."""
-    length: int = 4
-    """Draft length assumed for widths not seen yet (the engine's default beam length)."""
-    widths_chosen: Counter[int] = field(default_factory=Counter)
-    """Steps run at each width (for reports)."""
+    """size -> mean tree size (root included)."""
+    budgets_chosen: Counter[int] = field(default_factory=Counter)
+    """Steps run at each budget (for reports)."""
 
-    def width(self, num_running: int, wanted: list[int]) -> int:
-        """Beams to draft this step (requests draft min(this, their own width)); 0 = auto-regressive."""
-        if not wanted:
-            return 0
-        top = max(wanted)
+    def budget(self, options: list[list[int]], others: int) -> int:
+        """This step's node budget for the decoding requests, whose tree sizes are
+        `options` (ascending each); `others` (prefilling) requests add ~1 token each."""
+        if not options:
+            return 1
+        top = max(o[-1] for o in options)
         if self.adaptive:
-            others = num_running - len(wanted)  # auto-regressive and prefilling requests: ~1 token each
-            candidates = sorted({0, top, *(1 << i for i in range(top.bit_length()) if 1 << i < top)})
-            top = max(candidates, key=lambda w: self.rate(w, wanted, others))
-        self.widths_chosen[top] += 1
+            nested = {s for o in options if len(o) > 1 for s in o}
+            if nested:
+                top = max(sorted(nested | {1}), key=lambda c: self.rate(c, options, others))
+        self.budgets_chosen[top] += 1
         return top
 
-    def rate(self, width: int, wanted: list[int], others: int) -> float:
-        """Expected tokens per second of the decoding requests at this width."""
-        widths = [min(width, w) for w in wanted]
-        gain = sum(self.tau.get(w, 1.0 + self.length) if w else 1.0 for w in widths)
-        tokens = others + sum(self.tree_nodes.get(w, 1.0 + w * self.length) if w else 1.0 for w in widths)
-        seconds = self.forward_cost(tokens) + (self.draft_cost(sum(widths)) if width else 0.0)
+    def rate(self, budget: int, options: list[list[int]], others: int) -> float:
+        """Expected tokens per second of the decoding requests at this budget."""
+        sizes = [fitting(o, budget) for o in options]
+        gain = sum(self.tau.get(s, float(s)) if s > 1 else 1.0 for s in sizes)
+        tokens = others + sum(self.tree_nodes.get(s, float(s)) if s > 1 else 1.0 for s in sizes)
+        drafted = sum(s - 1 for s in sizes)
+        seconds = self.forward_cost(tokens) + (self.draft_cost(drafted) if drafted else 0.0)
         return gain / max(seconds, 1e-9)
 
     def observe(self, stats: StepStats) -> None:
         self.forward_cost.add(stats.num_tokens, stats.forward_seconds)
-        if stats.beams:
-            self.draft_cost.add(stats.beams, stats.draft_seconds)
-        for w, values in stats.accepted.items():
-            self._mean(self.tau, w, 1.0 + sum(values) / len(values))
-        for w, values in stats.nodes.items():
-            self._mean(self.tree_nodes, w, sum(values) / len(values))
+        if stats.drafted:
+            self.draft_cost.add(stats.drafted, stats.draft_seconds)
+        for c, values in stats.accepted.items():
+            self._mean(self.tau, c, 1.0 + sum(values) / len(values))
+        for c, values in stats.nodes.items():
+            self._mean(self.tree_nodes, c, sum(values) / len(values))
 
     @staticmethod
     def _mean(table: dict[int, float], key: int, value: float) -> None:
         table[key] = value if key not in table else (1 - EMA) * table[key] + EMA * value
+
+
+def fitting(sizes: list[int], budget: int) -> int:
+    """The size a request offering `sizes` drafts at `budget`: the largest within it; a
+    whole tree (one size) is drafted whatever the budget (the step's token budget may
+    still cut it to the root)."""
+    return max((s for s in sizes if s <= budget), default=sizes[0]) if len(sizes) > 1 else sizes[0]

@@ -15,8 +15,9 @@ import torch
 from runtime.attention_batch import Segment, build_attention, write_slots
 from runtime.block_manager import BlockManager
 from runtime.model_runner import StepInput
+from runtime.request import Request
 from runtime.scheduler import ScheduledWork
-from runtime.verify import DraftTree
+from runtime.tree import DraftTree
 
 
 @dataclass
@@ -37,7 +38,7 @@ class Batch:
 
 
 def assemble(
-    work: list[ScheduledWork], trees: dict[str, DraftTree], blocks: BlockManager, device: torch.device
+    work: list[ScheduledWork], trees: dict[Request, DraftTree], blocks: BlockManager, device: torch.device
 ) -> Batch:
     tokens: list[int] = []
     positions: list[int] = []
@@ -49,14 +50,14 @@ def assemble(
         request, start, context = item.request, len(tokens), item.request.num_computed
         logits_start, mask = -1, None
         if item.prefill:
-            chunk = request.tokens[context : context + item.num_new]
+            chunk = request.tokens[context : context + item.chunk]
             tokens += chunk
             positions += range(context, context + len(chunk))
             if context + len(chunk) == request.prefill_target and not request.result.output_ids:
                 logits_start = len(logit_rows)
                 logit_rows.append(start + len(chunk) - 1)
         else:
-            tree = trees[request.request_id]
+            tree = trees[request]
             tokens += tree.tokens
             positions += [context + d for d in tree.depths]
             logits_start = len(logit_rows)

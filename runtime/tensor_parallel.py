@@ -39,9 +39,9 @@ from typing import Any, NamedTuple, NoReturn, Protocol, TypeAlias
 import torch
 import torch.distributed as dist
 
+from runtime.config import RuntimeConfig
 from runtime.engine import Engine
 from runtime.kv_budget import KVBudget, kv_cache_blocks
-from runtime.llm_engine import RuntimeConfig
 from runtime.model_runner import ModelRunner, StepInput
 
 WORLD_SIZE_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")

@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from runtime.config import RuntimeConfig
 from runtime.engine import Engine
 from runtime.engine_dir import EngineConfig
-from runtime.llm_engine import RuntimeConfig
 from runtime.model_runner import StepInput
 from runtime.tensor_parallel import (
     GroupChannel,

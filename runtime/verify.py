@@ -29,52 +29,13 @@ README notes that "might not give the exact distribution match", so it is not us
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from runtime.sampling import SamplingParams, sample, target_probs_rows
-
-
-@dataclass
-class DraftTree:
-    """One request's packed draft tree (root first, parents before children). An
-    auto-regressive step is the one-node tree `[root]`: verifying it is sampling the next token."""
-
-    tokens: list[int]
-    """[N] token of every node; node 0 is the root (the previous bonus token)."""
-    parents: list[int]
-    """[N] parent node index, -1 for the root."""
-    draft_log_probs: torch.Tensor | None = None
-    """[N, V] draft log-distribution each node was proposed from (row 0 unused; siblings
-    share a row); None when nothing needs it."""
-    depths: list[int] = field(default_factory=list)
-    """[N] distance from the root (RoPE position = context length + depth); derived from parents if empty."""
-    mask: torch.Tensor | None = None
-    """[N, N] bool ancestor-or-self mask for verification; derived from parents if None."""
-    first_beam: list[int] = field(default_factory=list)
-    """[N] first (best) drafted beam through each node; empty when not drafted as beams.
-    Lets load-aware speculation tell what a narrower tree would have accepted."""
-    sampled: bool = False
-    """True: every node was *drawn* from its `draft_log_probs` row, siblings without
-    replacement in packed order, so verification uses those laws; False: nodes are
-    deterministic candidates, verified as point masses."""
-
-    def __post_init__(self) -> None:
-        if not self.depths:
-            for parent in self.parents:
-                self.depths.append(0 if parent < 0 else self.depths[parent] + 1)
-        if self.mask is None:
-            mask = torch.eye(len(self.tokens), dtype=torch.bool)
-            for node, parent in enumerate(self.parents):
-                if parent >= 0:
-                    mask[node] |= mask[parent]
-            self.mask = mask
-
-    @classmethod
-    def root(cls, token: int) -> DraftTree:
-        return cls([token], [-1], depths=[0], mask=torch.ones(1, 1, dtype=torch.bool))
+from runtime.tree import DraftTree, children_lists
 
 
 @dataclass
@@ -87,15 +48,6 @@ class Acceptance:
     @property
     def num_accepted(self) -> int:
         return len(self.path) - 1
-
-
-def children_lists(parents: list[int]) -> list[list[int]]:
-    """Children of every node in packed order (= the drafter's preference order)."""
-    children: list[list[int]] = [[] for _ in parents]
-    for node, parent in enumerate(parents):
-        if parent >= 0:
-            children[parent].append(node)
-    return children
 
 
 def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> Acceptance:

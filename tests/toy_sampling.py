@@ -13,10 +13,10 @@ from tokenizers import Tokenizer, models
 from model_defs.llama import ARCHITECTURE, LlamaForCausalLM
 from model_defs.lyanna import LyannaConfig, LyannaDrafter
 from model_defs.redrafter import ReDrafter, ReDrafterConfig
-from runtime import methods
+from runtime import llm_engine
+from runtime.config import RuntimeConfig
 from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig, DrafterSpec, EngineConfig
-from runtime.llm_engine import RuntimeConfig
 from runtime.sampling import SamplingParams, target_probs
 from tests.device import TEST_DEVICE
 from tests.tiny_models import tiny_target
@@ -87,7 +87,7 @@ def emitted_first_three(engine: Engine, params: SamplingParams, method: str, tri
         for i in range(trials)
     ]
     config = RuntimeConfig(max_num_tokens=16 * trials, max_queue_size=trials, speculation="fixed")
-    results = methods.generate(engine, [PROMPT] * trials, per_request, method, config)
+    results = llm_engine.generate(engine, [PROMPT] * trials, per_request, method, config)
     counts = torch.zeros(V, V, V)
     for r in results:
         counts[tuple(r.output_ids)] += 1

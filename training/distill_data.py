@@ -22,10 +22,10 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from model_defs.llama import ARCHITECTURE, LlamaForCausalLM
+from runtime.config import RuntimeConfig
 from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig, EngineConfig
-from runtime.llm_engine import RuntimeConfig
-from runtime.methods import generate
+from runtime.llm_engine import generate
 from runtime.sampling import SamplingParams
 
 

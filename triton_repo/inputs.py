@@ -24,9 +24,10 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
+from runtime.config import check_request
 from runtime.engine_dir import EngineConfig
-from runtime.llm_engine import METHODS, check_request
 from runtime.sampling import SamplingParams
+from runtime.spec.registry import METHODS
 
 DEFAULT_MAX_TOKENS = 64
 """When a request gives no max_tokens (the TensorRT-LLM ensemble requires it; we default)."""

@@ -10,8 +10,9 @@ import re
 import urllib.request
 from typing import Any
 
-from runtime.llm_engine import LLMEngine
-from runtime.request import FINISH_REASONS, Request
+from runtime.llm_engine import EngineStats
+from runtime.output import RequestStats
+from runtime.request import FINISH_REASONS
 
 OUTCOMES = (*FINISH_REASONS, "invalid", "rejected")
 """Request outcomes: the finish reasons, plus refused at admission (bad input / queue full)."""
@@ -67,24 +68,25 @@ class ServingMetrics:
         self.kv_used = blocks.Metric(labels={"state": "used"})
         self.kv_free = blocks.Metric(labels={"state": "free"})
 
-    def observe_finished(self, request: Request, reason: str, first_token_at: float | None, now: float) -> None:
-        result = request.result
+    def observe_finished(self, stats: RequestStats, reason: str, first_token_at: float | None, now: float) -> None:
+        """A request ended with `reason` (the output stage's: "stop" for a stop word too)."""
         self.requests[reason].increment(1)
-        self.output_tokens.increment(len(result.output_ids))
-        self.drafted.increment(result.num_drafted)
-        self.accepted.increment(result.num_accepted)
-        if result.num_drafted:  # speculative requests only: auto-regressive steps accept nothing by design
-            for accepted in result.accepted_per_step:
+        self.output_tokens.increment(stats.num_output_tokens)
+        self.drafted.increment(stats.num_draft_tokens)
+        self.accepted.increment(stats.num_accepted_tokens)
+        if stats.num_draft_tokens:  # speculative requests only: auto-regressive steps accept nothing by design
+            for accepted in stats.accepted_per_step:
                 self.accepted_per_step.observe(accepted)
-        if first_token_at is not None and len(result.output_ids) > 1:
-            self.tpot.observe((now - first_token_at) / (len(result.output_ids) - 1))
+        if first_token_at is not None and stats.num_output_tokens > 1:
+            self.tpot.observe((now - first_token_at) / (stats.num_output_tokens - 1))
 
-    def observe_engine(self, llm: LLMEngine, up: bool) -> None:
+    def observe_engine(self, stats: EngineStats, up: bool) -> None:
+        """The gauges, from a `LLMEngine.stats()` snapshot."""
         self.engine_up.set(int(up))
-        self.queue_depth.set(len(llm.scheduler.waiting))
-        self.running.set(len(llm.scheduler.running))
-        self.kv_used.set(llm.blocks.num_used)
-        self.kv_free.set(llm.blocks.num_free)
+        self.queue_depth.set(stats.waiting)
+        self.running.set(stats.running)
+        self.kv_used.set(stats.kv_blocks_used)
+        self.kv_free.set(stats.kv_blocks_free)
 
 
 def parse_metrics(text: str) -> dict[str, float]:

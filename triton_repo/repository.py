@@ -24,8 +24,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from runtime.config import RuntimeConfig
 from runtime.engine_dir import EngineConfig
-from runtime.llm_engine import RuntimeConfig
 from runtime.runtime_args import add_runtime_args, runtime_config, runtime_parameters
 from triton_repo.template import pbtxt_string, render_template
 

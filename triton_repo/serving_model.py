@@ -7,8 +7,9 @@ Threads:
   once with INVALID_ARG / UNAVAILABLE);
 - the engine thread runs the in-flight batching loop (`LLMEngine.step`), whose per-request
   callbacks only queue events;
-- the response thread turns events into responses (text deltas when streaming, one
-  response otherwise), ends every request with exactly one FINAL response, notices
+- the response thread turns events into responses through each request's output stage
+  (`runtime/output.py`: text deltas, stop words, finish reason, statistics; deltas when
+  streaming, one response otherwise), ends every request with exactly one FINAL response, notices
   cancelled requests and cancels them in the engine, and updates the metrics.
 
 Under tensor parallelism this process is rank 0 (it joins the other ranks at the address
@@ -29,16 +30,16 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import numpy as np
 
-from runtime.detokenize import IncrementalDetokenizer
 from runtime.engine import Engine
-from runtime.llm_engine import EngineDeadError, LLMEngine
-from runtime.request import Request, RequestEvent
+from runtime.llm_engine import EngineDeadError, EngineStats, LLMEngine
+from runtime.output import OutputDelta, RequestOutput
+from runtime.request import RequestEvent
 from runtime.runtime_args import runtime_from_parameters
 from runtime.scheduler import QueueFullError
 from triton_repo.inputs import AdmissionCheck, GenerateRequest
@@ -51,6 +52,8 @@ POLL_SECONDS = 0.02
 HOUSEKEEPING_SECONDS = 0.1
 """How often the response thread asks Triton which requests were cancelled (one IPC round
 trip per request in flight) and refreshes the gauges."""
+STATS_OUTPUTS = ("num_input_tokens", "num_output_tokens", "num_draft_tokens", "num_accepted_tokens")
+"""The final response's statistics (`RequestStats` fields of the same names)."""
 CANCEL_INPUT = "cancel_request_id"
 """A request holding this input only cancels the requests in flight with that Triton request id."""
 
@@ -62,16 +65,14 @@ class Stream:
     triton_request: Any
     sender: Any
     parsed: GenerateRequest
-    detokenizer: IncrementalDetokenizer
+    output: RequestOutput
+    """Text deltas, stop words, finish reason and statistics (`runtime/output.py`)."""
     arrival: float
-    request: Request | None = None
-    text: list[str] = field(default_factory=list)
+    request_id: str = ""
+    """The engine's id of the request, once added."""
     first_token_at: float | None = None
-    tokens_seen: int = 0
-    """Tokens the engine has emitted for this request so far (streamed responses carry it, so
-    clients can count tokens, not chunks, when a speculative step streams several)."""
-    stopped_by_word: bool = False
     done: bool = False
+    """Its FINAL response went out (the engine may still send an event, which is ignored)."""
     triton_id: str = ""
     """Triton's id of the request (what `cancel_request_id` names)."""
 
@@ -121,8 +122,7 @@ class SpecpipeModel:
         self.wake.set()
         self.engine_thread.join(timeout=10)
         self.response_thread.join(timeout=10)
-        if self.llm.runner.broadcast is not None:
-            self.llm.runner.shutdown()
+        self.llm.close()
 
     # ---- admission ----------------------------------------------------------------------
 
@@ -139,17 +139,19 @@ class SpecpipeModel:
             return
         try:
             parsed, prompt = self.admission.parse(get)  # size limit first, then tokenizing
-            stream = Stream(triton_request, sender, parsed, IncrementalDetokenizer(self.engine.tokenizer), arrival)
+            output = RequestOutput(self.engine.tokenizer, parsed.stop_words)
+            stream = Stream(triton_request, sender, parsed, output, arrival)
             stream.triton_id = triton_request.request_id()
             with self.lock:
-                stream.request = self.llm.add_request(
+                request = self.llm.add_request(
                     prompt,
                     parsed.params,
                     parsed.method,
                     callback=partial(self._queue_event, stream),
                     **parsed.overrides,
                 )
-                self.streams[stream.request.request_id] = stream
+                stream.request_id = request.request_id
+                self.streams[request.request_id] = stream
         except (QueueFullError, EngineDeadError) as e:
             self._reject(sender, str(e), self.pb.TritonError.UNAVAILABLE, "rejected")
             return
@@ -166,8 +168,8 @@ class SpecpipeModel:
         with self.lock:
             streams = [s for s in self.streams.values() if triton_id and s.triton_id == triton_id]
         for stream in streams:
-            if stream.request is not None:
-                self.llm.cancel(stream.request.request_id)
+            if stream.request_id:
+                self.llm.cancel(stream.request_id)
 
     def _queue_event(self, stream: Stream, event: RequestEvent) -> None:
         """The engine thread's callback: hand the event to the response thread, nothing more."""
@@ -185,7 +187,7 @@ class SpecpipeModel:
 
     def _engine_loop(self) -> None:
         """Step while there is work; never dies silently: whatever ends it fails the
-        requests in flight and leaves the reason in `llm.dead` (the gauge shows it)."""
+        requests in flight and leaves the engine dead (`llm.stats().dead`; the gauge shows it)."""
         try:
             while self.running:
                 if not self.llm.has_unfinished():
@@ -195,18 +197,18 @@ class SpecpipeModel:
                 self.step_started = time.perf_counter()
                 self.llm.step()
                 self.step_started = None
-        except EngineDeadError:
-            log.error("engine is dead: %s; refusing new requests", self.llm.dead)
+        except EngineDeadError as e:
+            log.error("engine is dead: %s; refusing new requests", e)
         except BaseException as e:
             log.exception("engine thread failed")
             self.llm.shut_down(f"engine thread failed: {type(e).__name__}: {e}")
         self.step_started = None
 
-    def engine_up(self) -> bool:
+    def engine_up(self, stats: EngineStats) -> bool:
         """The engine can serve: its thread runs, it is not dead, no step is stalled."""
         started = self.step_started
         stalled = started is not None and time.perf_counter() - started > self.stall_timeout_s
-        return self.engine_thread.is_alive() and self.llm.dead is None and not stalled
+        return self.engine_thread.is_alive() and stats.dead is None and not stalled
 
     # ---- response thread ----------------------------------------------------------------
 
@@ -224,7 +226,8 @@ class SpecpipeModel:
             if time.perf_counter() - last_housekeeping >= HOUSEKEEPING_SECONDS:
                 last_housekeeping = time.perf_counter()
                 self._check_cancelled()
-                self.metrics.observe_engine(self.llm, self.engine_up())
+                stats = self.llm.stats()
+                self.metrics.observe_engine(stats, self.engine_up(stats))
 
     def _handle(self, stream: Stream, event: RequestEvent) -> None:
         """One event; a failure to respond (a detokenizer error, the client went away)
@@ -233,9 +236,9 @@ class SpecpipeModel:
         try:
             self._on_event(stream, event)
         except Exception as e:
-            log.exception("responding to %s failed", stream.request.request_id if stream.request else "?")
-            if stream.request is not None:
-                self.llm.cancel(stream.request.request_id)
+            log.exception("responding to %s failed", stream.request_id or "?")
+            if stream.request_id:
+                self.llm.cancel(stream.request_id)
             if not stream.done:
                 stream.done = True
                 error = self.pb.TritonError(f"{type(e).__name__}: {e}", self.pb.TritonError.INTERNAL)
@@ -246,88 +249,58 @@ class SpecpipeModel:
                     )
                 except Exception:
                     log.exception("could not send the error FINAL")
-                if stream.request is not None:
+                if stream.request_id:
                     self.metrics.requests["error"].increment(1)
-            if stream.request is not None:
+            if stream.request_id:
                 with self.lock:
-                    self.streams.pop(stream.request.request_id, None)
+                    self.streams.pop(stream.request_id, None)
 
     def _check_cancelled(self) -> None:
         with self.lock:
             streams = list(self.streams.values())
         for stream in streams:
-            if not stream.done and stream.triton_request.is_cancelled() and stream.request is not None:
-                self.llm.cancel(stream.request.request_id)
+            if not stream.done and stream.triton_request.is_cancelled() and stream.request_id:
+                self.llm.cancel(stream.request_id)
 
     def _on_event(self, stream: Stream, event: RequestEvent) -> None:
+        """Text deltas go out as they come when streaming; the final delta (for a stop word,
+        the engine's event after `cancel(id, "stop")`) becomes the FINAL response."""
         if stream.done:
-            return  # a stop word already ended it; this is the engine's "cancelled" echo
-        assert stream.request is not None
-        self.llm.faults.check("detokenize", [stream.request.params])
-        now = time.perf_counter()
-        stream.tokens_seen += len(event.tokens)
+            return  # an error FINAL went out already; this is the engine's "cancelled" echo
+        self.llm.faults.check("detokenize", [stream.parsed.params])
         if event.tokens and stream.first_token_at is None:
-            stream.first_token_at = now
-            self.metrics.ttft.observe(now - stream.arrival)
-        delta = stream.detokenizer.push(event.tokens)
-        reason = event.finish_reason
-        if reason is not None:
-            delta += stream.detokenizer.flush()
-        delta, hit = self._cut_at_stop_word(stream, delta)
-        if hit:
-            reason = "stop"
-            stream.stopped_by_word = True
-            assert stream.request is not None
-            self.llm.cancel(stream.request.request_id)  # frees its KV at the next step
-        if stream.parsed.stream:
-            if delta and reason is None:
-                stream.sender.send(self._response(stream, delta, None))
-            elif reason is not None:
-                self._finish(stream, delta, reason, event.error)
-        else:
-            stream.text.append(delta)
-            if reason is not None:
-                self._finish(stream, "".join(stream.text), reason, event.error)
+            stream.first_token_at = time.perf_counter()
+            self.metrics.ttft.observe(stream.first_token_at - stream.arrival)
+        delta = stream.output.push(event)
+        if delta.stop_hit:
+            self.llm.cancel(event.request_id, "stop")  # frees its KV at the next step, which ends it
+        if delta.finished:
+            self._finish(stream, delta)
+        elif stream.parsed.stream and delta.text:
+            stream.sender.send(self._response(delta.text, delta))
 
-    def _cut_at_stop_word(self, stream: Stream, delta: str) -> tuple[str, bool]:
-        """Truncate before the first stop word in the text so far (it may span deltas)."""
-        if not stream.parsed.stop_words or not delta:
-            return delta, False
-        before = stream.detokenizer.sent - len(delta)  # characters emitted before this delta
-        text = stream.detokenizer.text[: stream.detokenizer.sent]
-        cut = min((i for w in stream.parsed.stop_words if (i := text.find(w)) >= 0), default=-1)
-        if cut < 0:
-            return delta, False
-        return delta[: max(0, cut - before)], True
-
-    def _finish(self, stream: Stream, text: str, reason: str, error: str | None) -> None:
+    def _finish(self, stream: Stream, delta: OutputDelta) -> None:
         stream.done = True
-        request = stream.request
-        assert request is not None
-        if error is not None:
+        assert delta.finish_reason is not None and delta.stats is not None
+        if delta.error is not None:
             response = self.pb.InferenceResponse(
-                output_tensors=[], error=self.pb.TritonError(error, self.pb.TritonError.INTERNAL)
+                output_tensors=[], error=self.pb.TritonError(delta.error, self.pb.TritonError.INTERNAL)
             )
         else:
-            response = self._response(stream, text, reason)
+            response = self._response(delta.text if stream.parsed.stream else stream.output.text, delta)
         stream.sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         with self.lock:
-            self.streams.pop(request.request_id, None)
-        self.metrics.observe_finished(request, reason, stream.first_token_at, time.perf_counter())
+            self.streams.pop(stream.request_id, None)
+        self.metrics.observe_finished(delta.stats, delta.finish_reason, stream.first_token_at, time.perf_counter())
 
-    def _response(self, stream: Stream, text: str, reason: str | None) -> Any:
+    def _response(self, text: str, delta: OutputDelta) -> Any:
+        """`text` with the final delta's statistics and finish reason, or a streamed delta's
+        output-token count (clients count tokens, not chunks, when one step streams several)."""
         tensors = [self.pb.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))]
-        if reason is not None:  # statistics go with the final response
-            assert stream.request is not None
-            result = stream.request.result
-            stats = {
-                "num_input_tokens": len(result.prompt_ids),
-                "num_output_tokens": len(result.output_ids),
-                "num_draft_tokens": result.num_drafted,
-                "num_accepted_tokens": result.num_accepted,
-            }
+        if delta.stats is not None and delta.finish_reason is not None:
+            stats = {name: getattr(delta.stats, name) for name in STATS_OUTPUTS}
             tensors += [self.pb.Tensor(k, np.array([v], dtype=np.int32)) for k, v in stats.items()]
-            tensors.append(self.pb.Tensor("finish_reason", np.array([reason.encode()], dtype=np.object_)))
+            tensors.append(self.pb.Tensor("finish_reason", np.array([delta.finish_reason.encode()], dtype=np.object_)))
         else:
-            tensors.append(self.pb.Tensor("num_output_tokens", np.array([stream.tokens_seen], dtype=np.int32)))
+            tensors.append(self.pb.Tensor("num_output_tokens", np.array([delta.num_tokens], dtype=np.int32)))
         return self.pb.InferenceResponse(output_tensors=tensors)

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.lyanna_sweep import _only, conditional_acceptance, main
+from benchmarks.lyanna.table1 import conditional_acceptance
+from benchmarks.lyanna_sweep import main, only
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
 
@@ -22,10 +23,10 @@ def test_conditional_acceptance() -> None:
 
 
 def test_only_accepts_repeats_and_comma_lists() -> None:
-    assert _only(["fig13a,table1", "table2"]) == ["table1", "table2", "fig13a"]
-    assert _only(None) == ["table1", "fig12", "table2", "fig13a"]
+    assert only(["fig13a,table1", "table2"]) == ["table1", "table2", "fig13a"]
+    assert only(None) == ["table1", "fig12", "table2", "fig13a"]
     with pytest.raises(SystemExit):
-        _only(["table3"])
+        only(["table3"])
 
 
 def test_sweep_table1_and_fig13a(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from build.engine import build_engine
-from runtime import methods
+from runtime import llm_engine
 from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig
 from runtime.results import GenerationResult
@@ -24,7 +24,7 @@ MAX_NEW = 24
 
 
 def generate(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationResult]:
-    return methods.generate(engine, prompts, params, "ar")
+    return llm_engine.generate(engine, prompts, params, "ar")
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 
 from build.engine import build_engine
+from runtime.config import RuntimeConfig
 from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig
-from runtime.llm_engine import LLMEngine, RuntimeConfig
+from runtime.llm_engine import LLMEngine
 from runtime.sampling import SamplingParams
 from tests.device import TEST_DEVICE
 from training.corpus import heldout_prompts

@@ -18,13 +18,15 @@ import torch
 from tokenizers import Tokenizer, models
 
 from model_defs.llama import ARCHITECTURE
-from runtime import llm_engine
+from runtime import engine_core
+from runtime.config import RuntimeConfig
 from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig, DrafterSpec, EngineConfig
 from runtime.kv_budget import KVBudget
-from runtime.llm_engine import LLMEngine, RuntimeConfig
+from runtime.llm_engine import LLMEngine
 from runtime.sampling import SamplingParams
-from runtime.verify import Acceptance, DraftTree, children_lists
+from runtime.tree import DraftTree, children_lists
+from runtime.verify import Acceptance
 from tests.device import TEST_DEVICE
 from tests.tiny_models import tiny_target
 
@@ -58,8 +60,8 @@ def test_identical_draft_is_always_accepted(method: str, temperature: float, mon
                 verified.append(bool(children_lists(tree.parents)[acc.path[-1]]))
         return accs
 
-    real_accept = llm_engine.accept_batch
-    monkeypatch.setattr(llm_engine, "accept_batch", recording)
+    real_accept = engine_core.accept_batch
+    monkeypatch.setattr(engine_core, "accept_batch", recording)
     engine = self_drafting_engine()
     # 6 running of 8, 48-token steps (prompts are chunked), a KV cache small enough to preempt
     config = RuntimeConfig(

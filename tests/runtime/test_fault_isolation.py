@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 
 from build.engine import build_engine
-from runtime import methods
+from runtime import llm_engine
+from runtime.config import RuntimeConfig
 from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig
 from runtime.faults import FaultInjector
-from runtime.llm_engine import MAX_STEP_FAILURES, EngineDeadError, LLMEngine, RuntimeConfig
+from runtime.llm_engine import MAX_STEP_FAILURES, EngineDeadError, LLMEngine
 from runtime.sampling import SamplingParams
 from tests.device import TEST_DEVICE
 from training.corpus import heldout_prompts
@@ -52,7 +53,7 @@ def prompts(engines: dict[str, Engine]) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(engines: dict[str, Engine], prompts: list[list[int]]) -> list[list[int]]:
     params = [SamplingParams(max_tokens=MAX_TOKENS)] * len(prompts)
-    return [r.output_ids for r in methods.generate(engines["rnn"], prompts, params, "ar")]
+    return [r.output_ids for r in llm_engine.generate(engines["rnn"], prompts, params, "ar")]
 
 
 def with_victim(n: int, victim: int) -> list[SamplingParams]:

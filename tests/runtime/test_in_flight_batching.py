@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 
 from build.engine import build_engine
+from runtime.config import RuntimeConfig
 from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig
 from runtime.kv_budget import KVBudget
-from runtime.llm_engine import LLMEngine, RuntimeConfig
+from runtime.llm_engine import LLMEngine
 from runtime.request import RequestEvent
 from runtime.sampling import SamplingParams
 from runtime.scheduler import QueueFullError

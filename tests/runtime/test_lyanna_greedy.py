@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from build.engine import build_engine
-from runtime import methods
+from runtime import llm_engine
+from runtime.config import RuntimeConfig
 from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig
-from runtime.llm_engine import RuntimeConfig
 from runtime.sampling import SamplingParams
 from tests.device import TEST_DEVICE
 from training.corpus import heldout_prompts
@@ -38,14 +38,14 @@ def prompts(engine: Engine) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
-    return [r.output_ids for r in methods.generate(engine, prompts, [PARAMS] * len(prompts), "ar")]
+    return [r.output_ids for r in llm_engine.generate(engine, prompts, [PARAMS] * len(prompts), "ar")]
 
 
 @pytest.mark.parametrize(("resample", "fuse"), [(False, False), (True, True), (True, False)])
 def test_batched_greedy_equals_target(
     engine: Engine, prompts: list[list[int]], reference: list[list[int]], resample: bool, fuse: bool
 ) -> None:
-    results = methods.generate(
+    results = llm_engine.generate(
         engine, prompts, [PARAMS] * len(prompts), "lyanna", FIXED, resample=resample, fuse=fuse, budget=12
     )
     for i, r in enumerate(results):

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import torch
 
-from runtime.lyanna import LyannaParams, Subtree, merge, prune, resample_subtree, token_info_tree
-from runtime.verify import children_lists
+from runtime.spec.lyanna import LyannaParams, resample_subtree, token_info_tree
+from runtime.tree import DraftTree, children_lists, merge, prune
 from tests.device import TEST_DEVICE
 
 V = 6
 
 
-def paths(tree: Subtree) -> set[tuple[int, ...]]:
+def paths(tree: DraftTree) -> set[tuple[int, ...]]:
     out = set()
     for n in range(1, len(tree.tokens)):
         path, m = [], n
@@ -26,7 +26,7 @@ def paths(tree: Subtree) -> set[tuple[int, ...]]:
     return out
 
 
-def distinct_siblings(tree: Subtree) -> bool:
+def distinct_siblings(tree: DraftTree) -> bool:
     return all(len({tree.tokens[c] for c in cs}) == len(cs) for cs in children_lists(tree.parents))
 
 
@@ -60,13 +60,13 @@ def test_budget_keeps_the_best_nodes_and_a_tree() -> None:
 
 
 def test_prune_breaks_ties_towards_the_parent() -> None:
-    tree = Subtree([0, 7, 8], [-1, 0, 1])
+    tree = DraftTree([0, 7, 8], [-1, 0, 1])
     assert prune(tree, [0.0, -1.0, -1.0], budget=1).tokens == [0, 7]
 
 
 def test_merge_is_a_trie_union() -> None:
-    a = Subtree([9, 1, 2, 3], [-1, 0, 0, 1])
-    b = Subtree([9, 1, 4, 5], [-1, 0, 1, 0])  # shares (1,), adds (1, 4) and (5,)
+    a = DraftTree([9, 1, 2, 3], [-1, 0, 0, 1])
+    b = DraftTree([9, 1, 4, 5], [-1, 0, 1, 0])  # shares (1,), adds (1, 4) and (5,)
     merged = merge(a, b)
     assert paths(merged) == {(1,), (2,), (1, 3), (1, 4), (5,)}
     assert len(merged.tokens) == 6 and distinct_siblings(merged)

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from build.engine import build_engine
-from runtime import methods
+from runtime import llm_engine
+from runtime.config import RuntimeConfig
 from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig
-from runtime.llm_engine import RuntimeConfig
 from runtime.sampling import SamplingParams
 from tests.device import TEST_DEVICE
 from training.corpus import heldout_prompts
@@ -37,14 +37,14 @@ def prompts(engine: Engine) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
-    return [r.output_ids for r in methods.generate(engine, prompts, [PARAMS] * len(prompts), "ar")]
+    return [r.output_ids for r in llm_engine.generate(engine, prompts, [PARAMS] * len(prompts), "ar")]
 
 
 @pytest.mark.parametrize(("width", "length"), [(1, 3), (4, 4), (8, 5), (16, 2)])
 def test_batched_greedy_equals_target(
     engine: Engine, prompts: list[list[int]], reference: list[list[int]], width: int, length: int
 ) -> None:
-    results = methods.generate(
+    results = llm_engine.generate(
         engine, prompts, [PARAMS] * len(prompts), "redrafter", FIXED, beam_width=width, beam_length=length
     )
     for i, r in enumerate(results):
@@ -57,12 +57,12 @@ def test_mixed_lengths_in_one_batch(engine: Engine, prompts: list[list[int]], re
     """Rows finish at different steps (and may accept past max_tokens); the others go on."""
     lengths = [3, 32, 9, 1, 17, 32, 5, 26]
     params = [SamplingParams(max_tokens=n) for n in lengths]
-    results = methods.generate(engine, prompts[:8], params, "redrafter", FIXED, beam_width=8, beam_length=5)
+    results = llm_engine.generate(engine, prompts[:8], params, "redrafter", FIXED, beam_width=8, beam_length=5)
     for i, r in enumerate(results):
         assert r.output_ids == reference[i][: lengths[i]]
 
 
 def test_one_by_one_greedy_equals_target(engine: Engine, prompts: list[list[int]], reference: list[list[int]]) -> None:
     for i, prompt in enumerate(prompts):
-        result = methods.generate(engine, [prompt], [PARAMS], "redrafter", FIXED, beam_width=4, beam_length=4)[0]
+        result = llm_engine.generate(engine, [prompt], [PARAMS], "redrafter", FIXED, beam_width=4, beam_length=4)[0]
         assert result.output_ids == reference[i]

@@ -19,7 +19,8 @@ import torch
 from runtime import llm_engine
 from runtime.engine import Engine
 from runtime.sampling import SamplingParams, sample, target_probs
-from runtime.verify import Acceptance, DraftTree, children_lists
+from runtime.tree import DraftTree, children_lists
+from runtime.verify import Acceptance
 from tests import toy_sampling
 from tests.stats import passes_chi_square
 

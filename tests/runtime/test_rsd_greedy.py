@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from build.engine import build_engine
-from runtime import methods
+from runtime import llm_engine
+from runtime.config import RuntimeConfig
 from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig
-from runtime.llm_engine import RuntimeConfig
 from runtime.sampling import SamplingParams
 from tests.device import TEST_DEVICE
 from training.corpus import heldout_prompts
@@ -46,7 +46,7 @@ def prompts(engines: dict[str, Engine]) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(engines: dict[str, Engine], prompts: list[list[int]]) -> list[list[int]]:
-    return [r.output_ids for r in methods.generate(engines["rnn"], prompts, [PARAMS] * len(prompts), "ar")]
+    return [r.output_ids for r in llm_engine.generate(engines["rnn"], prompts, [PARAMS] * len(prompts), "ar")]
 
 
 @pytest.mark.parametrize(
@@ -69,7 +69,7 @@ def test_batched_greedy_equals_target(
     method: str,
     settings: dict[str, Any],
 ) -> None:
-    results = methods.generate(engines[drafter], prompts, [PARAMS] * len(prompts), method, FIXED, **settings)
+    results = llm_engine.generate(engines[drafter], prompts, [PARAMS] * len(prompts), method, FIXED, **settings)
     for i, r in enumerate(results):
         assert r.output_ids == reference[i], f"prompt {i} diverged ({drafter}, {method}, {settings})"
     steps = [a for r in results for a in r.accepted_per_step]

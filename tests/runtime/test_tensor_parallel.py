@@ -23,7 +23,7 @@ from build.tp_shard import shard_tensors, split_dim
 from model_defs.llama import LlamaConfig, expected_shapes
 from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig, rank_file
-from runtime.methods import generate
+from runtime.llm_engine import generate
 from runtime.sampling import SamplingParams
 from tests.host_tools import MPIRUN, needs_mpirun
 from triton_repo.processes import LAUNCH_ID_ENV, launched_processes

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from build.engine import build_engine
+from runtime.config import RuntimeConfig
 from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig
-from runtime.llm_engine import RuntimeConfig
 from runtime.tensor_parallel import TensorParallelError
 from runtime.tp_worker import start_leader
 from tests.host_tools import MPIRUN, needs_mpirun
@@ -30,7 +30,8 @@ LEADER = """
 import json, sys
 from runtime import tp_worker
 from runtime.engine import Engine
-from runtime.llm_engine import LLMEngine, RuntimeConfig
+from runtime.llm_engine import LLMEngine
+from runtime.config import RuntimeConfig
 from runtime.sampling import SamplingParams
 
 engine_dir, master, timeout, prompts, max_tokens, methods = sys.argv[1:]

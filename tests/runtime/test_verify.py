@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from runtime.sampling import SamplingParams, target_probs
-from runtime.verify import Acceptance, DraftTree, accept_greedy, accept_sampled, children_lists
+from runtime.tree import DraftTree, children_lists
+from runtime.verify import Acceptance, accept_greedy, accept_sampled
 from tests.device import TEST_DEVICE
 from tests.stats import passes_chi_square
 

@@ -17,10 +17,11 @@ import pytest
 
 pytest.importorskip("tritonclient.grpc", reason="needs the Triton client: pip install tritonclient[grpc,http]")
 
+from runtime.config import RuntimeConfig
 from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig
 from runtime.faults import ENV
-from runtime.llm_engine import MAX_STEP_FAILURES, LLMEngine, RuntimeConfig
+from runtime.llm_engine import MAX_STEP_FAILURES, LLMEngine
 from runtime.sampling import SamplingParams
 from tests.demo_engines import demo_redrafter_engine
 from tests.host_tools import skip_without_tritonserver

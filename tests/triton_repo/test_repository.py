@@ -15,9 +15,9 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from build.engine import build_engine
+from runtime.config import RuntimeConfig
 from runtime.engine_dir import BuildConfig
 from runtime.kv_budget import KVBudget
-from runtime.llm_engine import RuntimeConfig
 from runtime.runtime_args import runtime_from_parameters
 from triton_repo.repository import INFER_SOURCE, MODEL_SOURCE, PROJECT_ROOT, ServingConfig, main, write_repository
 from triton_repo.server import backend_directory, find_tritonserver

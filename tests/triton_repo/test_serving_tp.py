@@ -20,9 +20,10 @@ pytest.importorskip("tritonclient.grpc", reason="needs the Triton client: pip in
 import tritonclient.grpc as grpcclient
 
 from build.engine import build_engine
+from runtime.config import RuntimeConfig
 from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig
-from runtime.llm_engine import LLMEngine, RuntimeConfig
+from runtime.llm_engine import LLMEngine
 from runtime.sampling import SamplingParams
 from tests.host_tools import needs_mpirun, skip_without_tritonserver
 from tests.triton_repo.streams import MODEL, PROMPTS, stream_grpc

@@ -32,12 +32,16 @@ are (`runtime/verify.py`). Re-sampling only changes *which* candidates are offer
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
-from runtime.verify import DraftTree
+from runtime.request import Request
+from runtime.spec.proposer import KVMoves, Proposer, target_hidden
+from runtime.tree import DraftTree, merge, prune
+from runtime.verify import Acceptance
 
 Bias = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """(previous tokens [M], logits [M, V]) -> logits with their token-info bias added."""
@@ -77,15 +81,7 @@ class LyannaParams:
         return 1 + self.budget + (self.resample_budget if self.resample else 0)
 
 
-@dataclass
-class Subtree:
-    """Candidate continuations of a root: `tokens[0]` is the root, parents before children."""
-
-    tokens: list[int]
-    parents: list[int]
-
-
-def token_info_tree(root: int, logits: torch.Tensor, bias: Bias | None, width: int, budget: int) -> Subtree:
+def token_info_tree(root: int, logits: torch.Tensor, bias: Bias | None, width: int, budget: int) -> DraftTree:
     """Algorithm 1 for one request: `logits` `[k, V]` are the chain rows for depths 1..k."""
     tokens, parents, joint = [root], [-1], [0.0]
     frontier = [0]
@@ -105,63 +101,12 @@ def token_info_tree(root: int, logits: torch.Tensor, bias: Bias | None, width: i
             joint.append(score)
             frontier_next.append(len(tokens) - 1)
         frontier = frontier_next
-    return prune(Subtree(tokens, parents), joint, budget)
-
-
-def depths(parents: list[int]) -> list[int]:
-    """Distance of every node from the root (parents come before their children)."""
-    out: list[int] = []
-    for p in parents:
-        out.append(0 if p < 0 else out[p] + 1)
-    return out
-
-
-def prune(tree: Subtree, joint: list[float], budget: int) -> Subtree:
-    """Keep the `budget` best non-root nodes by joint log-probability (a child never scores
-    above its parent, so the kept set is a tree; ties go to the shallower node), packed
-    breadth-first with siblings best first."""
-    depth = depths(tree.parents)
-    order = sorted(range(1, len(tree.tokens)), key=lambda n: (-joint[n], depth[n], n))
-    kept = {0}
-    for n in order:
-        if len(kept) > budget:
-            break
-        if tree.parents[n] in kept:
-            kept.add(n)
-    packed = sorted(kept, key=lambda n: (depth[n], -joint[n], n))
-    index = {n: i for i, n in enumerate(packed)}
-    return Subtree([tree.tokens[n] for n in packed], [index.get(tree.parents[n], -1) for n in packed])
-
-
-def merge(base: Subtree, extra: Subtree) -> Subtree:
-    """Trie union of two candidate trees with the same root (§6.2 fusion): a path of `extra`
-    already in `base` is not added again, so siblings stay distinct tokens."""
-    if base.tokens[0] != extra.tokens[0]:
-        raise ValueError(f"cannot merge trees with roots {base.tokens[0]} and {extra.tokens[0]}")
-    tokens, parents = list(base.tokens), list(base.parents)
-    child = {(p, t): n for n, (t, p) in enumerate(zip(tokens, parents, strict=True)) if p >= 0}
-    where = {0: 0}  # node of `extra` -> node of the merged tree
-    for n in range(1, len(extra.tokens)):
-        parent, token = where[extra.parents[n]], extra.tokens[n]
-        if (parent, token) not in child:
-            tokens.append(token)
-            parents.append(parent)
-            child[parent, token] = len(tokens) - 1
-        where[n] = child[parent, token]
-    return breadth_first(Subtree(tokens, parents))
-
-
-def breadth_first(tree: Subtree) -> Subtree:
-    """Repack so that levels are contiguous (parents before children, sibling order kept)."""
-    depth = depths(tree.parents)
-    packed = sorted(range(len(tree.tokens)), key=lambda n: (depth[n], n))
-    index = {n: i for i, n in enumerate(packed)}
-    return Subtree([tree.tokens[n] for n in packed], [index.get(tree.parents[n], -1) for n in packed])
+    return prune(DraftTree(tokens, parents), joint, budget)
 
 
 def resample_subtree(
     bonus: int, logits: torch.Tensor, accepted: int, bias: Bias | None, params: LyannaParams
-) -> Subtree | None:
+) -> DraftTree | None:
     """Algorithm 2: after `accepted` drafted tokens and the bonus token (at depth accepted+1),
     a subtree rooted at the bonus from the chain rows still unused (depths accepted+2..k),
     or None when no more than `min_remaining` rows remain."""
@@ -171,6 +116,73 @@ def resample_subtree(
     return token_info_tree(bonus, rest, bias, params.width, params.resample_budget)
 
 
-def to_draft_tree(tree: Subtree) -> DraftTree:
-    """A deterministic (point-mass) tree for verification."""
-    return DraftTree(list(tree.tokens), list(tree.parents))
+@dataclass
+class LyannaState:
+    """A request's draft state between steps."""
+
+    chain_logits: torch.Tensor | None = None
+    """[k, V] logits of the chain drafted this step (re-sampling reads its unused rows)."""
+    resampled: DraftTree | None = None
+    """Candidates re-sampled after the last step's rejection, rooted at the pending token."""
+
+
+class LyannaProposer(Proposer):
+    """Lyanna on its hidden-state drafter: one chain per request (`depth` layer steps), ONE
+    LM-head product over all of them, token-info sampling per request; a pending re-sampled
+    subtree is merged in (fusion) or verified alone."""
+
+    def setting_names(self, method: str) -> Collection[str]:
+        return [f.name for f in fields(LyannaParams)]
+
+    def params(self, method: str, settings: Mapping[str, Any]) -> LyannaParams:
+        return LyannaParams(**settings)
+
+    def sizes(self, params: LyannaParams) -> list[int]:
+        return [params.max_nodes]
+
+    def propose(self, requests: list[Request], budgets: list[int]) -> list[DraftTree]:
+        trees: dict[Request, DraftTree] = {}
+        groups: dict[LyannaParams, list[Request]] = {}
+        for request, budget in zip(requests, budgets, strict=True):
+            params, state = request.draft_params, request.draft_state or LyannaState()
+            request.draft_state = state
+            if budget < params.max_nodes:
+                trees[request] = DraftTree.root(request.tokens[-1])
+                state.resampled = state.chain_logits = None  # rooted at a token this step moves past
+            elif state.resampled is not None and not params.fuse:  # verified alone, no new chain
+                trees[request], state.chain_logits = state.resampled, None
+            else:
+                groups.setdefault(params, []).append(request)
+        for params, group in groups.items():
+            trees |= self._draft(params, group)
+        return [trees[r] for r in requests]
+
+    @torch.inference_mode()
+    def _draft(self, params: LyannaParams, requests: list[Request]) -> dict[Request, DraftTree]:
+        drafter, model = self.engine.lyanna_drafter, self.engine.model
+        assert drafter is not None
+        roots = torch.tensor([r.tokens[-1] for r in requests], device=self.engine.device)
+        chain = drafter.draft_chain(target_hidden(requests), roots, model.model.embed_tokens, params.depth)
+        logits = drafter.head_logits(chain, model.lm_head)  # [B, k, V]
+        trees = {}
+        for r, rows in zip(requests, logits, strict=True):
+            r.draft_state.chain_logits = rows
+            tree = token_info_tree(r.tokens[-1], rows, self._bias, params.width, params.budget)
+            if r.draft_state.resampled is not None:
+                tree = merge(tree, r.draft_state.resampled)
+            trees[r] = tree
+        return trees
+
+    @property
+    def _bias(self) -> Bias | None:
+        table = self.engine.token_table
+        return table.bias if table is not None else None
+
+    def on_accept(self, request: Request, tree: DraftTree, accepted: Acceptance, moves: KVMoves | None) -> None:
+        """Algorithm 2: candidates for the next step from the chain rows this step left unused."""
+        state: LyannaState = request.draft_state
+        rows, state.resampled, state.chain_logits = state.chain_logits, None, None
+        if request.draft_params.resample and rows is not None:
+            state.resampled = resample_subtree(
+                accepted.tokens[-1], rows, accepted.num_accepted, self._bias, request.draft_params
+            )

@@ -9,6 +9,8 @@ draft LM, `runtime/level_drafters.py`).
     sd         one chain of L tokens (= rsd-c, b = (1,)*L)       one sample per level
     redrafter  W beams of L tokens, deterministic (draft LM)    beam search (top-W), point masses
 
+One proposer (`LevelTreeProposer`) drafts all four, on either drafter.
+
 Every node's row of `DraftTree.draft_log_probs` is the law its siblings were drawn from:
 the drafter's logits under the request's own temperature/top-k/top-p
 (`runtime.sampling.target_probs`, the same warp as the target's), so verification
@@ -28,14 +30,22 @@ after k children is a stopping rule the recursive rejection sampler allows.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
+from model_defs.paged_kv_cache import PagedKVCache
+from runtime.block_manager import BlockManager
+from runtime.engine import Engine
 from runtime.gumbel import gumbel_noise, gumbel_top_k, top_k_valid, truncated_gumbel
+from runtime.request import Request
 from runtime.sampling import SamplingParams, target_probs_rows
-from runtime.verify import DraftTree
+from runtime.spec.level_drafters import DraftLMLevels, RNNLevels
+from runtime.spec.proposer import KVMoves, Proposer, target_hidden
+from runtime.tree import DraftTree
+from runtime.verify import Acceptance
 
 RSD_METHODS = ("rsd-c", "rsd-s", "sd")
 DEFAULT_BRANCHING = (2, 2, 1, 1)
@@ -217,3 +227,63 @@ def _beam_level(
     tree.scores = [float(phi[k, t]) for k, t in zip(parents_k, tokens, strict=True)]
     tree.gumbels = [float(keys[k, t]) for k, t in zip(parents_k, tokens, strict=True)]
     return [(tree.frontier[k], t) for k, t in zip(parents_k, tokens, strict=True)]
+
+
+SETTINGS = {"rsd-c": ("branching",), "sd": ("beam_length",), "rsd-s": ("beam_width", "beam_length")}
+SETTINGS["redrafter"] = SETTINGS["rsd-s"]
+DEFAULTS: dict[str, Any] = {"beam_width": 4, "beam_length": 4, "branching": DEFAULT_BRANCHING}
+
+
+class LevelTreeProposer(Proposer):
+    """Trees drafted level by level (`draft_rsd_trees`) over the engine's drafter: the
+    ReDrafter RNN, or a draft LM with its own paged KV cache that shares the target's block
+    tables (`Request.draft_state`: tokens of the request that cache holds)."""
+
+    def __init__(self, engine: Engine, blocks: BlockManager) -> None:
+        super().__init__(engine, blocks)
+        draft = engine.draft_model
+        self.draft_cache: PagedKVCache | None = (
+            draft.new_kv_cache(blocks.num_blocks, blocks.block_size) if draft is not None else None
+        )
+
+    def setting_names(self, method: str) -> Collection[str]:
+        return SETTINGS[method]
+
+    def params(self, method: str, settings: Mapping[str, Any]) -> TreeSpec:
+        s = DEFAULTS | dict(settings)
+        return TreeSpec.for_method(method, s["beam_width"], s["beam_length"], tuple(s["branching"]))
+
+    def sizes(self, params: TreeSpec) -> list[int]:
+        return [params.max_nodes]
+
+    def propose(self, requests: list[Request], budgets: list[int]) -> list[DraftTree]:
+        trees: dict[Request, DraftTree] = {}
+        groups: dict[TreeSpec, list[Request]] = {}
+        for request, budget in zip(requests, budgets, strict=True):
+            if budget < request.draft_params.max_nodes:
+                trees[request] = DraftTree.root(request.tokens[-1])
+            else:
+                groups.setdefault(request.draft_params, []).append(request)
+        for spec, group in groups.items():
+            roots = [r.tokens[-1] for r in group]
+            levels: RNNLevels | DraftLMLevels
+            if self.draft_cache is not None:
+                assert self.engine.draft_model is not None
+                levels = DraftLMLevels(self.engine.draft_model, self.draft_cache, self.blocks, group)
+            else:
+                assert self.engine.drafter is not None
+                embed = self.engine.model.model.embed_tokens
+                levels = RNNLevels(self.engine.drafter, embed, target_hidden(group), roots, spec.max_nodes)
+            params, gens = [r.params for r in group], [r.generator for r in group]
+            trees |= dict(zip(group, draft_rsd_trees(levels, roots, params, gens, spec), strict=True))
+        return [trees[r] for r in requests]
+
+    def on_accept(self, request: Request, tree: DraftTree, accepted: Acceptance, moves: KVMoves | None) -> None:
+        if self.draft_cache is None:
+            return
+        if moves is not None:  # local, so at once (before any block is reused)
+            self.draft_cache.copy(moves.src, moves.dst)
+        if len(tree.tokens) > 1:
+            # the draft LM fed every node above the last level; a last-level leaf it did not
+            fed = tree.depths[accepted.path[-1]] < request.draft_params.length
+            request.draft_state = request.num_computed - (0 if fed else 1)

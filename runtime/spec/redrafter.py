@@ -6,20 +6,26 @@ packed tree per request that the target verifies in the step's forward.
     tree  = pack_beams(beams)                shared prefixes verified once
 
 Verification, acceptance and KV compaction are the same for every method
-(`runtime/llm_engine.py`, `runtime/verify.py`); this module only proposes.
+(`runtime/llm_engine.py`, `runtime/verify.py`); this module only proposes. On an engine
+whose drafter is a draft LM, "redrafter" means deterministic beams drafted level by level
+(`runtime/spec/rsd.py`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from model_defs.redrafter import ReDrafter
 from plugins.beam_packing import pack
-from runtime.beam_search import beam_search
-from runtime.verify import DraftTree
+from runtime.request import Request
+from runtime.spec.beam_search import beam_search
+from runtime.spec.proposer import Proposer, largest_fitting, target_hidden
+from runtime.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -72,10 +78,12 @@ def draft_trees(
     beam = torch.arange(w, device=hidden.device)[None, :, None].expand(b, w, d).reshape(b, w * d)
     first = torch.full((b, w * d), w, device=hidden.device)
     first_beam = first.scatter_reduce(1, tree.unpack_index.reshape(b, w * d), beam, "amin")
+    node_budget = 1 + (first_beam + 1) * length  # the tree of the first k beams has 1 + k * length nodes at most
+    node_budget[:, 0] = 1
     # everything the host needs in two copies (one per dtype): each .tolist() on a GPU would sync
     num_nodes = tree.num_nodes[:, None].expand(b, w * d)
-    tokens, parents, depths, firsts, counts = torch.stack(
-        [tree.tokens, tree.parents, tree.depths, first_beam, num_nodes]
+    tokens, parents, depths, budgets, counts = torch.stack(
+        [tree.tokens, tree.parents, tree.depths, node_budget, num_nodes]
     ).tolist()
     masks = tree.tree_mask.cpu()
     sizes = [c[0] for c in counts]
@@ -87,7 +95,47 @@ def draft_trees(
             None if dists is None else dists[b, :num],
             depths[b][:num],
             masks[b, :num, :num],
-            firsts[b][:num],
+            budgets[b][:num],
         )
         for b, num in enumerate(sizes)
     ]
+
+
+def beam_widths(width: int) -> list[int]:
+    """Widths load-aware speculation may pick for a request of `width` beams: the powers of
+    two below it, and itself."""
+    return sorted({width, *(1 << i for i in range(width.bit_length()) if 1 << i < width)})
+
+
+class ReDrafterProposer(Proposer):
+    """ReDrafter on the RNN drafter: beams are best first, so the first w beams form a
+    nested smaller tree, and load-aware speculation may draft fewer of them."""
+
+    def setting_names(self, method: str) -> Collection[str]:
+        return ("beam_width", "beam_length")
+
+    def params(self, method: str, settings: Mapping[str, Any]) -> ReDrafterParams:
+        return ReDrafterParams(**settings)
+
+    def sizes(self, params: ReDrafterParams) -> list[int]:
+        return [1, *(max_tree_nodes(w, params.beam_length) for w in beam_widths(params.beam_width))]
+
+    def propose(self, requests: list[Request], budgets: list[int]) -> list[DraftTree]:
+        drafter = self.engine.drafter
+        assert drafter is not None
+        trees: dict[Request, DraftTree] = {}
+        groups: dict[tuple[int, int], list[Request]] = {}
+        for request, budget in zip(requests, budgets, strict=True):
+            length = request.draft_params.beam_length
+            width = (largest_fitting(self.sizes(request.draft_params), budget) - 1) // length
+            if width == 0:
+                trees[request] = DraftTree.root(request.tokens[-1])
+            else:
+                groups.setdefault((width, length), []).append(request)
+        embed = self.engine.model.model.embed_tokens
+        for (width, length), group in groups.items():
+            with_dists = any(not r.params.greedy for r in group)  # per-node draft laws, for rules that use them
+            roots = [r.tokens[-1] for r in group]
+            drafted = draft_trees(drafter, embed, target_hidden(group), roots, width, length, with_dists)
+            trees |= dict(zip(group, drafted, strict=True))
+        return [trees[r] for r in requests]

@@ -1,4 +1,4 @@
-"""Drafters fed one tree level at a time (`runtime.rsd.LevelDrafter`), for the RSD methods.
+"""Drafters fed one tree level at a time (`runtime.spec.rsd.LevelDrafter`), for the RSD methods.
 
 - `RNNLevels`: the ReDrafter RNN drafter. A node's state is the recurrence over its path
   (s_node = step(s_parent, E(token))); every node reads the target hidden state of its
@@ -9,7 +9,8 @@
   the draft cache up on the request's tokens it has not seen (after prefill: the prompt;
   later: the last accepted token, if it was a leaf, and the pending root); `extend()` runs
   one level of every tree in one forward, each node attending to the context and its own
-  ancestors. The engine applies the target's accepted-path compaction to this cache too.
+  ancestors. The proposer applies the target's accepted-path compaction to this cache too,
+  and keeps in `Request.draft_state` how many of the request's tokens the cache holds.
 """
 
 from __future__ import annotations
@@ -79,12 +80,12 @@ class DraftLMLevels:
         segments, rows = [], []
         for r in self.requests:
             context = r.num_computed  # the root (pending token) sits at position `context`
-            start = min(r.draft_computed, context)
+            start = min(r.draft_state or 0, context)
             segments.append(Segment(len(tokens), start, self.blocks.slots(r.request_id, 0, context + 1)))
             tokens += r.tokens[start : context + 1]
             positions += range(start, context + 1)
             rows.append(len(tokens) - 1)
-            r.draft_computed = context + 1
+            r.draft_state = context + 1
         return self._run(tokens, positions, segments, rows)
 
     def extend(self, rows: list[int], parents: list[int], nodes: list[int], tokens: list[int]) -> torch.Tensor:

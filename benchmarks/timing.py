@@ -1,0 +1,198 @@
+"""How the sweeps time decoding: one clock around a `generate` call, a warm-up request,
+and speculative-vs-AR ratios measured in the same run, so that load on a shared machine
+hits both sides of a ratio alike.
+
+- `alternate`: rounds in which every configuration runs once, each compared to AR's
+  rate in the same round (batch_sweep, device_sweep, redrafter_sweep).
+- `bracketed_round`: AR, a group of configurations, AR, the next group, ..., AR; each
+  configuration is compared to the mean of the two AR rates around its group (rsd_sweep,
+  Lyanna fig12).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+import torch
+
+from runtime.config import RuntimeConfig
+from runtime.llm_engine import LLMEngine
+from runtime.results import GenerationResult
+from runtime.sampling import SamplingParams
+
+ONE_AT_A_TIME = RuntimeConfig(max_batch_size=1, speculation="fixed")
+"""Batch 1, fixed speculation: the latency-bound regime the papers' speedups are measured in."""
+WARMUP_TOKENS = 8
+"""Output tokens of a warm-up request."""
+
+K = TypeVar("K", bound=Hashable)
+T = TypeVar("T")
+
+
+class Method(Protocol):
+    """A decoding method with its tree-shape overrides (a sweep's configuration)."""
+
+    @property
+    def method(self) -> str: ...
+
+    def overrides(self) -> dict[str, Any]: ...
+
+
+M = TypeVar("M", bound=Method)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One timed `generate` call."""
+
+    results: list[GenerationResult]
+    seconds: float
+
+    @property
+    def tokens(self) -> int:
+        """Output tokens of every request."""
+        return sum(len(r.output_ids) for r in self.results)
+
+    @property
+    def rate(self) -> float:
+        """Output tokens/s, prefill included (as a user sees it)."""
+        return self.tokens / self.seconds
+
+
+@dataclass
+class Timings:
+    """Every timed run of one configuration, each with the AR rate it is compared to."""
+
+    runs: list[Run] = field(default_factory=list)
+    ar_rates: list[float] = field(default_factory=list)
+
+    def add(self, run: Run, ar_rate: float) -> None:
+        self.runs.append(run)
+        self.ar_rates.append(ar_rate)
+
+    @property
+    def results(self) -> list[GenerationResult]:
+        """The results of every run, in order."""
+        return [r for run in self.runs for r in run.results]
+
+    @property
+    def tokens(self) -> int:
+        return sum(run.tokens for run in self.runs)
+
+    @property
+    def seconds(self) -> float:
+        return sum(run.seconds for run in self.runs)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Output tokens/s over all runs."""
+        return self.tokens / self.seconds
+
+    @property
+    def rates(self) -> list[float]:
+        """Output tokens/s of each run."""
+        return [run.rate for run in self.runs]
+
+    @property
+    def ratios(self) -> list[float]:
+        """Each run's rate over the AR rate it is compared to."""
+        return [run.rate / ar for run, ar in zip(self.runs, self.ar_rates, strict=True)]
+
+    @property
+    def speedup(self) -> float:
+        """Median of `ratios`: robust to a burst of load during one run."""
+        return statistics.median(self.ratios)
+
+
+def sampling_params(num: int, max_tokens: int, temperature: float) -> list[SamplingParams]:
+    """`num` requests of exactly `max_tokens` tokens (EOS ignored), request i seeded with i,
+    so every method decodes the same number of tokens from the same seeds."""
+    return [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i, ignore_eos=True) for i in range(num)]
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on CPU), so the clock reads finished work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(llm: LLMEngine, prompts: list[list[int]], params: list[SamplingParams], method: str, **overrides: Any) -> Run:
+    """`llm.generate(prompts, params, method, **overrides)` under the clock."""
+    device = llm.engine.device
+    synchronize(device)
+    start = time.perf_counter()
+    results = llm.generate(prompts, params, method, **overrides)
+    synchronize(device)
+    return Run(results, time.perf_counter() - start)
+
+
+def warm_up(llm: LLMEngine, prompt: list[int], method: str, temperature: float = 1.0, **overrides: Any) -> None:
+    """One short request of `method`: the first calls pay for allocator growth and lazy
+    initialisation, which no timed run should."""
+    llm.generate([prompt], sampling_params(1, WARMUP_TOKENS, temperature), method, **overrides)
+
+
+def alternate(rounds: Iterable[Mapping[K, Callable[[], Run]]], ar: K) -> dict[K, Timings]:
+    """Run every entry of each round once, in order; each run is compared to the rate of
+    the round's `ar` entry (so AR's own ratio is 1)."""
+    timings: dict[K, Timings] = {}
+    for round_ in rounds:
+        runs = {key: run() for key, run in round_.items()}
+        for key, run in runs.items():
+            timings.setdefault(key, Timings()).add(run, runs[ar].rate)
+    return timings
+
+
+def grouped(configs: Iterable[T], key: Callable[[T], Hashable]) -> list[list[T]]:
+    """`configs` grouped by `key`, groups and members in first-seen order."""
+    out: dict[Hashable, list[T]] = {}
+    for c in configs:
+        out.setdefault(key(c), []).append(c)
+    return list(out.values())
+
+
+def bracketed_round(
+    llm: LLMEngine,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    groups: Sequence[Sequence[M]],
+    timings: Mapping[M, Timings],
+    ar: Timings,
+    tick: Callable[[], object] = lambda: None,
+) -> None:
+    """One round on one engine: AR, the configurations of the first group, AR, the next
+    group, ..., AR. A configuration's run is compared to the mean of the two AR rates
+    around its group; AR's own runs go to `ar`. `tick` is called after every run."""
+
+    def run_ar() -> float:
+        run = timed(llm, prompts, params, "ar")
+        ar.add(run, run.rate)
+        tick()
+        return run.rate
+
+    before = run_ar()
+    for group in groups:
+        runs = {}
+        for c in group:
+            runs[c] = timed(llm, prompts, params, c.method, **c.overrides())
+            tick()
+        after = run_ar()
+        for c, run in runs.items():
+            timings[c].add(run, (before + after) / 2)
+        before = after
+
+
+def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
+    """Median wall time of `repeats` calls of `fn`, in ms, after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)

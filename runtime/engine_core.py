@@ -1,0 +1,262 @@
+"""One step of the in-flight batching engine. The loop knows no method: a request's
+proposer (`runtime/spec/`) drafts its trees; everything else is shared.
+
+    schedule -> propose -> assemble -> forward -> verify -> commit -> emit
+
+- schedule: load-aware node budgets (`speculation_policy.py`), prefill chunks and decoding
+  steps under the token budget (`scheduler.py`);
+- propose: one `DraftTree` per decoding request (`spec/*.py`; the root alone = auto-regressive);
+- assemble + forward: prefill chunks and trees of every request in ONE target forward over
+  the paged cache (`step_batch.py`, `model_runner.py`);
+- verify: greedy or recursive rejection sampling on the target's own logits (`verify.py`),
+  so output is lossless whatever the batch, the budgets or preemptions;
+- commit: the accepted path's KV compacted to consecutive positions (`ModelRunner.move`),
+  the rest of the tree's blocks freed, the proposer told (`Proposer.on_accept`);
+- emit: the tokens go to the request's callback.
+
+A failure while serving one request (drafting, sampling, acceptance, committing) ends that
+request with "error"; a failed forward fails that step's requests (`LLMEngine.step` handles
+what escapes).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from runtime.attention_batch import Segment
+from runtime.block_manager import BlockManager
+from runtime.config import RuntimeConfig
+from runtime.cuda_graphs import CudaGraphs
+from runtime.engine import Engine
+from runtime.faults import FaultInjector, describe, each_alone
+from runtime.kv_budget import kv_cache_blocks
+from runtime.model_runner import ModelRunner, StepBroadcast
+from runtime.request import Request
+from runtime.sampling import next_token
+from runtime.scheduler import ScheduledWork, Scheduler
+from runtime.spec.proposer import KVMoves, Proposer
+from runtime.spec.registry import methods_for, proposer_class
+from runtime.speculation_policy import SpeculationPolicy, StepStats, fitting
+from runtime.step_batch import Batch, assemble, step_input
+from runtime.tree import DraftTree
+from runtime.verify import Acceptance, accept_batch
+
+log = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Owns the paged KV cache, the scheduler, the model runner and the proposers of one
+    loaded engine, and runs one step; `LLMEngine` adds the request API and fault handling."""
+
+    def __init__(self, engine: Engine, config: RuntimeConfig | None = None, broadcast: StepBroadcast | None = None):
+        self.engine = engine
+        self.config = config = config or RuntimeConfig()
+        self.max_batch_size = config.batch_limit(engine.config.build)
+        num_blocks = kv_cache_blocks(engine, config.kv, config.block_size, self.max_batch_size, config.max_draft_tokens)
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        cache = engine.model.new_kv_cache(num_blocks, config.block_size)
+        engine.model.set_batch_invariant(config.batch_invariant)
+        graphs = None
+        if config.cuda_graphs and engine.device.type == "cuda" and broadcast is None:
+            longest = engine.config.build.max_seq_len + config.max_draft_tokens + 1
+            graphs = CudaGraphs(
+                engine.model, cache, self.max_batch_size, self.blocks.blocks_for(longest),
+                config.max_draft_tokens + 1, config.max_num_tokens,
+            )  # fmt: skip
+        self.runner = ModelRunner(engine.model, cache, broadcast, graphs)
+        self.scheduler = Scheduler(self.blocks, self.max_batch_size, config.max_num_tokens, config.max_queue_size)
+        self.kind = engine.config.drafter.kind if engine.config.drafter else None
+        instances: dict[type[Proposer], Proposer] = {}  # one per class: methods sharing a drafter share its state
+        self.proposers = {
+            m: instances.setdefault(cls, cls(engine, self.blocks))
+            for m in methods_for(self.kind)
+            if (cls := proposer_class(m, self.kind))
+        }
+        self.policy = SpeculationPolicy(adaptive=config.speculation == "load-aware")
+        self._requests: dict[str, Request] = {}
+        self._lock = threading.Lock()
+        self.faults = FaultInjector.from_env()
+        self.dead: str | None = None
+        """Why the engine cannot step any more (None while it can)."""
+        self._failed_steps = 0
+        if self.policy.adaptive and self.kind is not None:
+            self._calibrate()
+
+    def _calibrate(self) -> None:
+        """Seed the load-aware forward-cost fit with a few timed forwards (like vLLM's
+        profiling run). They write into free blocks only."""
+        for n in (1, 16, 64, 256):
+            n = min(n, self.config.max_num_tokens, self.blocks.num_blocks * self.blocks.block_size)
+            segments = [Segment(0, 0, torch.arange(n))]
+            step = step_input(torch.zeros(n, dtype=torch.long), torch.arange(n), segments, torch.arange(n),
+                              self.engine.device, self.blocks.block_size)  # fmt: skip
+            for _ in range(2):
+                start = time.perf_counter()
+                self.runner.execute(step)
+                self.policy.forward_cost.add(n, time.perf_counter() - start)
+
+    # ---- one step -------------------------------------------------------------------
+
+    def _step(self) -> list[Request]:
+        finished = self._drop_cancelled()
+        work = self._schedule()
+        self.faults.check("step", (item.request.params for item in work))
+        self.faults.check("hang", (item.request.params for item in work))
+        start = time.perf_counter()
+        trees, failures = self._propose([item for item in work if not item.prefill])
+        finished += [self._finish(r, "error", message) for r, message in failures]
+        work = [item for item in work if item.prefill or item.request in trees]
+        if not work:
+            return finished
+        drafted = time.perf_counter()
+        try:
+            self.faults.check("forward", (item.request.params for item in work))
+            batch = assemble(work, trees, self.blocks, self.engine.device)
+            out = self.runner.execute(batch.step)
+            logits, hidden = out.logits[0], out.hidden[0]
+        except Exception as e:  # a failed forward fails its requests, not the engine ...
+            if self.runner.broadcast is not None:
+                raise  # ... except under TP: the other ranks may be inside that forward, out of step
+            log.exception("forward failed; failing its %d request(s)", len(work))
+            return finished + [self._finish(item.request, "error", describe(e)) for item in work]
+        stats = StepStats(len(batch.step.tokens), drafted - start, time.perf_counter() - drafted)
+        rows = {r: logits[span.logits_start : span.logits_start + len(trees[r].tokens)]
+                for r, span in zip((i.request for i in work), batch.spans, strict=True) if r in trees}  # fmt: skip
+        acceptances = self._verify(trees, rows)
+        for item, span in zip(work, batch.spans, strict=True):
+            request = item.request
+            try:
+                if item.prefill:
+                    self._commit_prefill(
+                        request, item.chunk, logits, span.logits_start, hidden[span.start + item.chunk - 1]
+                    )
+                elif isinstance(acc := acceptances[request], str):  # its verification failed
+                    finished.append(self._finish(request, "error", acc))
+                    continue
+                else:
+                    self._commit(
+                        request, item.budget, trees[request], acc, hidden[span.start + acc.path[-1]], batch, stats
+                    )
+            except Exception as e:  # this request only
+                log.exception("request %s failed", request.request_id)
+                finished.append(self._finish(request, "error", describe(e)))
+                continue
+            if request.finished:
+                finished.append(self._finish(request, request.result.finish_reason))
+        self.policy.observe(stats)
+        return finished
+
+    def _schedule(self) -> list[ScheduledWork]:
+        """Tree sizes the decoding requests may draft (load-aware), then the scheduler's work."""
+        running = list(self.scheduler.running.values())
+        decoding = [r for r in running if not r.in_prefill]
+        options = {r.request_id: self.proposers[r.method].sizes(r.draft_params) for r in decoding}
+        budget = self.policy.budget(list(options.values()), len(running) - len(decoding))
+        return self.scheduler.schedule({i: [s for s in o if s <= fitting(o, budget)] for i, o in options.items()})
+
+    def _propose(self, work: list[ScheduledWork]) -> tuple[dict[Request, DraftTree], list[tuple[Request, str]]]:
+        """Trees of the decoding requests, one batched call per proposer, and the requests
+        whose drafting failed (with what went wrong)."""
+        groups: dict[Proposer, list[ScheduledWork]] = {}
+        for item in work:
+            groups.setdefault(self.proposers[item.request.method], []).append(item)
+        trees: dict[Request, DraftTree] = {}
+        failures: list[tuple[Request, str]] = []
+        for proposer, items in groups.items():
+
+            def propose(items: list[ScheduledWork], proposer: Proposer = proposer) -> list[DraftTree]:
+                self.faults.check("draft", (item.request.params for item in items))
+                return proposer.propose([item.request for item in items], [item.budget for item in items])
+
+            done, failed = each_alone(propose, items, "drafting")
+            trees |= {item.request: tree for item, tree in done}
+            failures += [(item.request, message) for item, message in failed]
+        return trees, failures
+
+    def _verify(
+        self, trees: dict[Request, DraftTree], logits: dict[Request, torch.Tensor]
+    ) -> dict[Request, Acceptance | str]:
+        """`accept_batch` over the decoding requests (each alone if that fails, so only the
+        culprit gets an error message instead of its acceptance)."""
+
+        def accept(requests: list[Request]) -> list[Acceptance]:
+            self.faults.check("verify", (r.params for r in requests))
+            return accept_batch([trees[r] for r in requests], [logits[r] for r in requests],
+                                [r.params for r in requests], [r.generator for r in requests])  # fmt: skip
+
+        if not logits:
+            return {}
+        done, failed = each_alone(accept, list(logits), "verifying")
+        return dict(done) | dict(failed)
+
+    def _commit_prefill(
+        self, request: Request, chunk: int, logits: torch.Tensor, row: int, hidden: torch.Tensor
+    ) -> None:
+        request.num_computed += chunk
+        if request.in_prefill:
+            return
+        request.hidden = hidden
+        if not request.result.output_ids:  # a fresh prompt (not a recompute): its first token
+            request.result.num_forwards = 1
+            self.faults.check("sample", [request.params])
+            self._notify(request, request.emit([next_token(logits[row], request.params, request.generator)]))
+
+    def _commit(
+        self,
+        request: Request,
+        budget: int,
+        tree: DraftTree,
+        acc: Acceptance,
+        hidden: torch.Tensor,
+        batch: Batch,
+        stats: StepStats,
+    ) -> None:
+        """Keep the accepted path: its KV compacted to consecutive positions, the rest of the
+        tree's blocks freed, the proposer told, the tokens emitted."""
+        context, slots = request.num_computed, batch.slots[request.request_id]
+        moved = [(context + p, context + i) for i, p in enumerate(acc.path) if p != i]
+        moves = None
+        if moved:
+            src, dst = zip(*moved, strict=True)
+            moves = KVMoves(slots[list(src)], slots[list(dst)])
+            self.runner.move(moves.src, moves.dst)
+        request.num_computed = context + len(acc.path)
+        self.proposers[request.method].on_accept(request, tree, acc, moves)
+        self.blocks.truncate(request.request_id, request.num_computed)  # rejected nodes' blocks
+        request.hidden = hidden
+        result = request.result
+        result.num_forwards += 1
+        result.num_drafted += len(tree.tokens) - 1
+        result.accepted_per_step.append(acc.num_accepted)
+        if len(tree.tokens) > 1:
+            sizes = self.proposers[request.method].sizes(request.draft_params)
+            path_budgets = [tree.node_budget[n] for n in acc.path[1:]] if tree.node_budget else []
+            stats.record(budget, len(tree.tokens), acc.num_accepted, [s for s in sizes if 1 < s < budget], path_budgets)
+        self._notify(request, request.emit(acc.tokens))
+
+    def _notify(self, request: Request, tokens: list[int], error: str | None = None) -> None:
+        try:
+            request.notify(tokens, error)
+        except Exception:  # a broken consumer must not take the engine (or other requests) down
+            log.exception("callback of request %s failed; cancelling it", request.request_id)
+            request.callback = None
+            request.cancel_requested = "cancelled"
+
+    def _finish(self, request: Request, reason: str, error: str | None = None) -> Request:
+        """Take the request out, free its blocks, send its final event."""
+        self.scheduler.remove(request)
+        with self._lock:
+            self._requests.pop(request.request_id, None)
+        if request.result.finish_reason != reason:  # "length"/"stop" went out with the last tokens
+            request.result.finish_reason, request.result.error = reason, error
+            self._notify(request, [], error)
+        return request
+
+    def _drop_cancelled(self) -> list[Request]:
+        with self._lock:
+            cancelled = [r for r in self._requests.values() if r.cancel_requested and not r.finished]
+        return [self._finish(r, r.cancel_requested or "cancelled") for r in cancelled]

@@ -1,0 +1,1 @@
+"""Drafting methods behind one interface (`proposer.Proposer`); `registry` maps method names to them."""

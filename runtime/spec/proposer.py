@@ -1,0 +1,101 @@
+"""The boundary between the engine loop and the drafting methods (the idea of vLLM v1's
+proposers and SGLang's spec workers): the loop schedules, verifies and commits; a proposer
+only proposes trees and keeps its own per-request draft state.
+
+A step, as the loop sees it (`runtime/llm_engine.py`):
+
+    sizes  = proposer.sizes(request.draft_params)       tree sizes it can draft (ascending)
+    budget = scheduler / policy pick one of them        (1 = the root alone: auto-regressive)
+    trees  = proposer.propose(requests, budgets)        one DraftTree each, <= its budget
+    ... one target forward verifies every tree; `runtime/verify.py` accepts a path ...
+    proposer.on_accept(request, tree, acceptance, moves)
+
+Verification is the same for every method, so a proposer cannot break losslessness as
+long as each tree says truthfully how it was drawn (`DraftTree.sampled` + its laws, or
+deterministic candidates verified as point masses).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from runtime.block_manager import BlockManager
+from runtime.engine import Engine
+from runtime.request import Request
+from runtime.tree import DraftTree
+from runtime.verify import Acceptance
+
+
+@dataclass(frozen=True)
+class KVMoves:
+    """Accepted-path compaction of one request: the cache slots `src[i]` were copied to `dst[i]`."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
+
+
+class Proposer(ABC):
+    """One drafting method (or a family sharing one drafter, like the RSD trees), for one
+    loaded engine. Owns the method's typed parameters and each request's draft state
+    (`Request.draft_state`, reset to None when the request is preempted)."""
+
+    def __init__(self, engine: Engine, blocks: BlockManager) -> None:
+        self.engine, self.blocks = engine, blocks
+
+    @abstractmethod
+    def params(self, method: str, settings: Mapping[str, Any]) -> Any:
+        """The request's typed parameters from its settings (engine defaults already merged
+        by `settings_for`); raises ValueError naming the fix for a bad value."""
+
+    def setting_names(self, method: str) -> Collection[str]:
+        """Per-request settings `method` takes (others are refused)."""
+        return ()
+
+    @abstractmethod
+    def sizes(self, params: Any) -> list[int]:
+        """Tree sizes (root included) this request can draft, ascending. Several sizes mean
+        nested trees (each contains the smaller ones), so load-aware speculation may pick
+        any of them, 1 (no drafting) included; one size means the whole tree or, when a
+        step has no room for it, the root alone."""
+
+    @abstractmethod
+    def propose(self, requests: list[Request], budgets: list[int]) -> list[DraftTree]:
+        """One tree per request, rooted at its pending token (`request.tokens[-1]`), of at
+        most `budgets[i]` nodes (a budget of 1: the root alone)."""
+
+    def on_accept(  # noqa: B027 (an optional hook)
+        self, request: Request, tree: DraftTree, accepted: Acceptance, moves: KVMoves | None
+    ) -> None:
+        """After verification: `accepted.path` was committed (its KV moved by `moves`);
+        update the draft state (a draft cache, re-sampled candidates). Default: nothing."""
+
+
+def settings_for(
+    method: str, names: Collection[str], defaults: Mapping[str, Any], overrides: Mapping[str, Any]
+) -> dict[str, Any]:
+    """A request's settings: the engine's defaults for `names`, then its own overrides
+    (None = not given). A setting `method` does not take is refused, not ignored."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if unknown := sorted(set(given) - set(names)):
+        takes = f"takes {sorted(names)}" if names else "takes no settings"
+        raise ValueError(f"method {method!r} {takes}; got {unknown}")
+    return {k: v for k, v in defaults.items() if k in names} | given
+
+
+def largest_fitting(sizes: list[int], budget: int) -> int:
+    """The largest of `sizes` within `budget`, or 1 (the root alone)."""
+    return max((s for s in sizes if s <= budget), default=1)
+
+
+def target_hidden(requests: list[Request]) -> torch.Tensor:
+    """[B, D] target hidden states at the requests' last committed tokens (what hidden-state
+    drafters read)."""
+    states = [r.hidden for r in requests]
+    if any(h is None for h in states):
+        raise RuntimeError("a decoding request has no target hidden state (its prefill did not finish)")
+    return torch.stack(states)  # type: ignore[arg-type]

@@ -1,0 +1,118 @@
+"""The one draft-tree type every method proposes and `runtime/verify.py` accepts, with the
+tree helpers the proposers share (depths, children, prune, trie merge, breadth-first order).
+
+Packed order: the root (node 0) first, parents before children, siblings in the order the
+drafter prefers (= the order verification tries them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    """One request's packed draft tree. An auto-regressive step is the one-node tree
+    `[root]`: verifying it is sampling the next token."""
+
+    tokens: list[int]
+    """[N] token of every node; node 0 is the root (the previous bonus token)."""
+    parents: list[int]
+    """[N] parent node index, -1 for the root."""
+    draft_log_probs: torch.Tensor | None = None
+    """[N, V] draft law (log) each node was proposed from (row 0 unused; siblings share a
+    row); None when nothing needs it."""
+    depths: list[int] = field(default_factory=list)
+    """[N] distance from the root (RoPE position = context length + depth); derived from parents if empty."""
+    mask: torch.Tensor | None = None
+    """[N, N] bool ancestor-or-self mask for verification; derived from parents if None."""
+    node_budget: list[int] = field(default_factory=list)
+    """[N] smallest tree size (node budget, root included) whose tree also holds this node;
+    empty when only the whole tree is known. Nested trees (ReDrafter's best-first beams)
+    let load-aware speculation tell what a smaller budget would have accepted."""
+    sampled: bool = False
+    """True: every node was *drawn* from its `draft_log_probs` row, siblings without
+    replacement in packed order, so verification uses those laws; False: nodes are
+    deterministic candidates, verified as point masses."""
+
+    def __post_init__(self) -> None:
+        if not self.depths:
+            self.depths = depths_of(self.parents)
+        if self.mask is None:
+            mask = torch.eye(len(self.tokens), dtype=torch.bool)
+            for node, parent in enumerate(self.parents):
+                if parent >= 0:
+                    mask[node] |= mask[parent]
+            self.mask = mask
+
+    @classmethod
+    def root(cls, token: int) -> DraftTree:
+        return cls([token], [-1], depths=[0], mask=torch.ones(1, 1, dtype=torch.bool))
+
+
+def depths_of(parents: list[int]) -> list[int]:
+    """Distance of every node from the root (parents come before their children)."""
+    out: list[int] = []
+    for p in parents:
+        out.append(0 if p < 0 else out[p] + 1)
+    return out
+
+
+def children_lists(parents: list[int]) -> list[list[int]]:
+    """Children of every node in packed order (= the drafter's preference order)."""
+    children: list[list[int]] = [[] for _ in parents]
+    for node, parent in enumerate(parents):
+        if parent >= 0:
+            children[parent].append(node)
+    return children
+
+
+def _repack(tree: DraftTree, order: list[int]) -> DraftTree:
+    """The deterministic tree of `tree`'s nodes `order` (a subset closed under parents, root first)."""
+    index = {n: i for i, n in enumerate(order)}
+    return DraftTree([tree.tokens[n] for n in order], [index.get(tree.parents[n], -1) for n in order])
+
+
+def prune(tree: DraftTree, scores: list[float], budget: int) -> DraftTree:
+    """Keep the `budget` best non-root nodes by score (a child never scores above its
+    parent, so the kept set is a tree; ties go to the shallower node), packed breadth-first
+    with siblings best first."""
+    depth = depths_of(tree.parents)
+    kept = {0}
+    for n in sorted(range(1, len(tree.tokens)), key=lambda n: (-scores[n], depth[n], n)):
+        if len(kept) > budget:
+            break
+        if tree.parents[n] in kept:
+            kept.add(n)
+    return _repack(tree, sorted(kept, key=lambda n: (depth[n], -scores[n], n)))
+
+
+def breadth_first(tree: DraftTree) -> DraftTree:
+    """Repack so that levels are contiguous (parents before children, sibling order kept)."""
+    depth = depths_of(tree.parents)
+    return _repack(tree, sorted(range(len(tree.tokens)), key=lambda n: (depth[n], n)))
+
+
+def merge(base: DraftTree, extra: DraftTree) -> DraftTree:
+    """Trie union of two candidate trees with the same root: a path of `extra` already in
+    `base` is not added again, so siblings stay distinct tokens."""
+    if base.tokens[0] != extra.tokens[0]:
+        raise ValueError(f"cannot merge trees with roots {base.tokens[0]} and {extra.tokens[0]}")
+    tokens, parents = list(base.tokens), list(base.parents)
+    child = {(p, t): n for n, (t, p) in enumerate(zip(tokens, parents, strict=True)) if p >= 0}
+    where = {0: 0}  # node of `extra` -> node of the merged tree
+    for n in range(1, len(extra.tokens)):
+        parent, token = where[extra.parents[n]], extra.tokens[n]
+        if (parent, token) not in child:
+            tokens.append(token)
+            parents.append(parent)
+            child[parent, token] = len(tokens) - 1
+        where[n] = child[parent, token]
+    return breadth_first(DraftTree(tokens, parents))
+
+
+def chain(root: int, drafts: list[int]) -> DraftTree:
+    """A single path: the root, then `drafts` in order (point-mass candidates)."""
+    return DraftTree([root, *drafts], list(range(-1, len(drafts))))
