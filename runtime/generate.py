@@ -54,6 +54,9 @@ def run(
         "budget": args.lyanna_budget,
         "resample": args.lyanna_resample,
         "fuse": args.lyanna_fuse,
+        "num_draft_tokens": args.ngram_num_draft_tokens,
+        "max_ngram": args.ngram_max,
+        "min_ngram": args.ngram_min,
     }
     with ExitStack() as stack:
         config, broadcast = runtime_config(args), None
@@ -99,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         choices=METHODS,
         help="decoding method: ar; redrafter (beam search, point-mass verification); rsd-c (constant "
         "branching, Gumbel-top-k); rsd-s (stochastic beam search); sd (one sampled chain); lyanna "
-        "(hidden-state chain + token info). Default: the engine's (set at build), else ar",
+        "(hidden-state chain + token info); ngram (prompt lookup, no drafter: any engine). "
+        "Default: the engine's (set at build), else ar",
     )
     ap.add_argument("--beam-width", type=int, help="beams per step W of redrafter / rsd-s (default: the engine's)")
     ap.add_argument(
@@ -122,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
         action=argparse.BooleanOptionalAction,
         help="verify re-sampled drafts inside the next step's forward (else as the next step's own tree)",
     )
+    ngram = ap.add_argument_group("ngram (prompt lookup; defaults: 4 tokens, n-grams of 3 down to 1)")
+    ngram.add_argument("--ngram-num-draft-tokens", type=int, help="tokens drafted per step (k)")
+    ngram.add_argument("--ngram-max", type=int, help="longest suffix n-gram looked up (tried first)")
+    ngram.add_argument("--ngram-min", type=int, help="shortest suffix n-gram looked up")
     add_runtime_args(ap)
     args = ap.parse_args(argv)
     try:

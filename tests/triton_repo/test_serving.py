@@ -127,6 +127,7 @@ def test_concurrent_streams_equal_their_solo_runs(server: TritonServer, engine: 
                 ("rsd-c", {"branching": (3, 1, 1)}),
                 ("sd", {"beam_length": 3}),
                 ("rsd-c", {"temperature": 0.9, "top_p": 0.95, "seed": 6}),
+                ("ngram", {}),
             ]
         )
     ]
