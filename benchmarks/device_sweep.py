@@ -5,7 +5,7 @@ batch sizes and temperatures, on one device (a GPU by default when there is one)
     python -m benchmarks.device_sweep --engine engines/demo-redrafter --dtype bfloat16
     python -m benchmarks.device_sweep --enforce-eager                   # no CUDA graphs
 
-For each engine, the methods are those of `runtime.llm_engine.METHODS` the engine accepts
+For each engine, the methods are those of `runtime.spec.registry.METHODS` the engine accepts
 (a method whose request the engine refuses, e.g. lyanna on a ReDrafter engine, is listed
 as skipped with the engine's reason). One `LLMEngine` per engine serves every cell (its KV
 cache and, on a GPU, its CUDA graphs are made once), after a warm-up request per method.

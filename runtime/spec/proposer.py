@@ -2,7 +2,7 @@
 proposers and SGLang's spec workers): the loop schedules, verifies and commits; a proposer
 only proposes trees and keeps its own per-request draft state.
 
-A step, as the loop sees it (`runtime/llm_engine.py`):
+A step, as the loop sees it (`runtime/engine_core.py`):
 
     sizes  = proposer.sizes(request.draft_params)       tree sizes it can draft (ascending)
     budget = scheduler / policy pick one of them        (1 = the root alone: auto-regressive)

@@ -6,7 +6,7 @@ packed tree per request that the target verifies in the step's forward.
     tree  = pack_beams(beams)                shared prefixes verified once
 
 Verification, acceptance and KV compaction are the same for every method
-(`runtime/llm_engine.py`, `runtime/verify.py`); this module only proposes. On an engine
+(`runtime/engine_core.py`, `runtime/verify.py`); this module only proposes. On an engine
 whose drafter is a draft LM, "redrafter" means deterministic beams drafted level by level
 (`runtime/spec/rsd.py`).
 """

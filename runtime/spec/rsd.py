@@ -1,7 +1,7 @@
 """Recursive Speculative Decoding drafts (Jeon et al. 2024, arXiv 2402.14160): draft trees
 whose siblings are drawn *without replacement*, built level by level over any drafter
 that gives a next-token distribution per node (`LevelDrafter`: the ReDrafter RNN or a
-draft LM, `runtime/level_drafters.py`).
+draft LM, `runtime/spec/level_drafters.py`).
 
     method     tree                                            siblings drawn by
     rsd-c      constant branching b = (b_0, ..., b_{L-1})       Gumbel-top-k (RSD Alg. 3/4)
