@@ -28,8 +28,8 @@ from tqdm import tqdm
 from benchmarks.report import machine, write_report
 from benchmarks.timing import alternate, sampling_params, timed, warm_up
 from runtime.config import RuntimeConfig
-from runtime.engine import Engine
 from runtime.llm_engine import LLMEngine
+from runtime.loaded_engine import LoadedEngine
 from runtime.results import tokens_per_step
 from training.corpus import heldout_prompts
 
@@ -103,9 +103,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/batch_sweep"), help="output path stem")
     args = ap.parse_args()
 
-    loaded = Engine.load(args.engine)
-    if loaded.drafter is None:
-        raise SystemExit(f"error: {args.engine} has no drafter; build it with --drafter")
+    loaded = LoadedEngine.load(args.engine)
+    if loaded.redrafter is None:
+        raise SystemExit(f"error: {args.engine} has no ReDrafter RNN drafter; build it with --drafter")
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     if max(sizes) > loaded.config.build.max_batch_size:
         raise SystemExit(

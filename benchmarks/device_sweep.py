@@ -38,9 +38,9 @@ from tqdm import tqdm
 from benchmarks.report import machine, torch_threads, write_report
 from benchmarks.timing import Timings, alternate, sampling_params, timed, warm_up
 from runtime.config import RuntimeConfig
-from runtime.engine import Engine
 from runtime.engine_dir import DTYPES
 from runtime.llm_engine import LLMEngine
+from runtime.loaded_engine import LoadedEngine
 from runtime.results import tokens_per_step
 from runtime.spec.registry import METHODS
 from training.corpus import heldout_prompts
@@ -73,11 +73,11 @@ class Cell:
     """Requests that finished with "error" (there should be none)."""
 
 
-def cast(engine: Engine, dtype: torch.dtype) -> None:
+def cast(engine: LoadedEngine, dtype: torch.dtype) -> None:
     """Cast the loaded target and drafter (whichever kind) to `dtype`, in place."""
     engine.model = engine.model.to(dtype)
-    if engine.drafter is not None:
-        engine.drafter = engine.drafter.to(dtype)
+    if engine.redrafter is not None:
+        engine.redrafter = engine.redrafter.to(dtype)
     if engine.draft_model is not None:
         engine.draft_model = engine.draft_model.to(dtype)
     if engine.lyanna_drafter is not None:
@@ -281,7 +281,7 @@ def run(args: argparse.Namespace) -> None:
     engines_meta: dict[str, dict[str, Any]] = {}
     with tqdm(total=len(args.engine) * len(sizes) * len(temperatures), desc="device sweep", unit="cell") as bar:
         for path in args.engine:
-            loaded = Engine.load(path, device=args.device)
+            loaded = LoadedEngine.load(path, device=args.device)
             if args.dtype != "engine":
                 cast(loaded, DTYPES[args.dtype])
             if max(sizes) > loaded.config.build.max_batch_size:

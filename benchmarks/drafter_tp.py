@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_defs.redrafter import ReDrafter, ResBlock, warp_logits
-from runtime.engine import Engine
+from runtime.loaded_engine import LoadedEngine
 from runtime.spec.beam_search import beam_search
 from runtime.tensor_parallel import exit_process, join_process_group
 
@@ -105,8 +105,8 @@ def main() -> None:
     args = ap.parse_args()
 
     rank, world_size = join_process_group()
-    engine = Engine.load(args.engine)  # every rank: the whole drafter and embedding, one source of truth
-    drafter, embed = engine.drafter, engine.model.model.embed_tokens
+    engine = LoadedEngine.load(args.engine)  # every rank: the whole drafter and embedding, one source of truth
+    drafter, embed = engine.redrafter, engine.model.model.embed_tokens
     assert drafter is not None and drafter.config.rnn, "needs an engine with an RNN ReDrafter drafter"
     sharded = ShardedReDrafter.from_tensors(drafter.config, drafter.state_dict(), drafter.dtype)
     assert isinstance(sharded, ShardedReDrafter)

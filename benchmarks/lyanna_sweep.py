@@ -53,8 +53,8 @@ from benchmarks.lyanna.common import build
 from benchmarks.prompts import bundled
 from benchmarks.report import machine, torch_threads
 from benchmarks.timing import ONE_AT_A_TIME
-from runtime.engine import Engine
 from runtime.llm_engine import LLMEngine
+from runtime.loaded_engine import LoadedEngine
 
 REPORTS = ("table1", "fig12", "table2", "fig13a")
 
@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> None:
         "speculation": "fixed",
         "machine": machine(),
     }
-    engine = Engine.load(build(args.target, args.engine_dir / "full", lyanna=args.lyanna))
+    engine = LoadedEngine.load(build(args.target, args.engine_dir / "full", lyanna=args.lyanna))
     prompts = [engine.encode(p.text) for p in bundled(args.num_prompts)]
     llm = LLMEngine(engine, ONE_AT_A_TIME)
     if "table1" in reports:

@@ -24,8 +24,8 @@ from tqdm import tqdm
 from benchmarks.report import machine, write_report
 from benchmarks.timing import alternate, sampling_params, timed, warm_up
 from runtime.config import RuntimeConfig
-from runtime.engine import Engine
 from runtime.llm_engine import LLMEngine
+from runtime.loaded_engine import LoadedEngine
 from runtime.results import tokens_per_step
 from training.corpus import heldout_prompts
 
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--draft-tokens", type=int, nargs="+", default=[4], help="k values (default: %(default)s)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/ngram_sweep"), help="(default: %(default)s)")
     args = ap.parse_args(argv)
-    engine = Engine.load(args.engine)
+    engine = LoadedEngine.load(args.engine)
     prompts = [engine.encode(t) for t in heldout_prompts(args.prompts)]
     rows = []
     settings = [(b, t, k) for b in args.batches for t in args.temperatures for k in args.draft_tokens]

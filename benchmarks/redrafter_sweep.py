@@ -27,8 +27,8 @@ from tqdm import tqdm
 
 from benchmarks.report import machine, write_report
 from benchmarks.timing import ONE_AT_A_TIME, alternate, sampling_params, timed
-from runtime.engine import Engine
 from runtime.llm_engine import LLMEngine
+from runtime.loaded_engine import LoadedEngine
 from runtime.spec.redrafter import ReDrafterParams
 from training.corpus import heldout_prompts
 
@@ -113,9 +113,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/redrafter_sweep"), help="output path stem")
     args = ap.parse_args()
 
-    loaded = Engine.load(args.engine)
-    if loaded.drafter is None:
-        raise SystemExit(f"error: {args.engine} has no drafter; build it with --drafter")
+    loaded = LoadedEngine.load(args.engine)
+    if loaded.redrafter is None:
+        raise SystemExit(f"error: {args.engine} has no ReDrafter RNN drafter; build it with --drafter")
     engine = LLMEngine(loaded, ONE_AT_A_TIME)
     prompts = [loaded.encode(t) for t in heldout_prompts(args.prompts)]
     grid = list(

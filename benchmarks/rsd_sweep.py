@@ -40,8 +40,8 @@ from tqdm import tqdm
 from benchmarks.prompts import bundled
 from benchmarks.report import machine, write_report
 from benchmarks.timing import ONE_AT_A_TIME, Timings, bracketed_round, grouped, sampling_params, warm_up
-from runtime.engine import Engine
 from runtime.llm_engine import LLMEngine
+from runtime.loaded_engine import LoadedEngine
 from runtime.results import tokens_per_step
 from runtime.spec.rsd import TreeSpec
 
@@ -150,7 +150,7 @@ def sweep_engine(
     bar: tqdm,
 ) -> list[Row]:
     """Every config on one engine at every temperature, AR interleaved (module docstring)."""
-    loaded = Engine.load(path)
+    loaded = LoadedEngine.load(path)
     if loaded.config.drafter is None:
         raise SystemExit(f"error: {path} has no drafter; build it with --drafter or --draft-model")
     drafter = DRAFTER_NAMES[loaded.config.drafter.kind]

@@ -31,10 +31,10 @@ from runtime.attention_batch import Segment
 from runtime.block_manager import BlockManager
 from runtime.config import RuntimeConfig
 from runtime.cuda_graphs import CudaGraphs
-from runtime.engine import Engine
 from runtime.faults import FaultInjector, describe, each_alone
 from runtime.kv_budget import kv_cache_blocks
-from runtime.model_runner import ModelRunner, StepBroadcast
+from runtime.loaded_engine import LoadedEngine
+from runtime.model_runner import ModelRunner, StepSender
 from runtime.request import Request
 from runtime.sampling import next_token
 from runtime.scheduler import ScheduledWork, Scheduler
@@ -52,7 +52,7 @@ class EngineCore:
     """Owns the paged KV cache, the scheduler, the model runner and the proposers of one
     loaded engine, and runs one step; `LLMEngine` adds the request API and fault handling."""
 
-    def __init__(self, engine: Engine, config: RuntimeConfig | None = None, broadcast: StepBroadcast | None = None):
+    def __init__(self, engine: LoadedEngine, config: RuntimeConfig | None = None, broadcast: StepSender | None = None):
         self.engine = engine
         self.config = config = config or RuntimeConfig()
         self.max_batch_size = config.batch_limit(engine.config.build)

@@ -26,9 +26,9 @@ from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
 
-from runtime.engine import Engine
 from runtime.engine_dir import EngineConfig
 from runtime.llm_engine import EngineDeadError, LLMEngine
+from runtime.loaded_engine import LoadedEngine
 from runtime.output import RequestOutput
 from runtime.request import RequestEvent
 from runtime.results import tokens_per_step
@@ -40,7 +40,11 @@ from runtime.tensor_parallel import exit_process, init_tensor_parallel, rank_dev
 
 
 def run(
-    engine: Engine, prompts: list[list[int]], params: list[SamplingParams], args: argparse.Namespace, world_size: int
+    engine: LoadedEngine,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    args: argparse.Namespace,
+    world_size: int,
 ) -> tuple[list[RequestOutput], float]:
     """Rank 0's generation, each request through its output stage, and its seconds (start-up
     calibration excluded, like engine loading); with tensor parallelism it drives the other
@@ -134,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         rank, world_size = init_tensor_parallel(EngineConfig.load(args.engine).build.tp_size, args.device)
-        engine = Engine.load(args.engine, device=rank_device(args.device), rank=rank)
+        engine = LoadedEngine.load(args.engine, device=rank_device(args.device), rank=rank)
         if rank > 0:
             serve_worker(engine)
             return 0

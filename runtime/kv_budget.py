@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from model_defs.paged_kv_cache import PagedKVCache
-from runtime.engine import Engine
+from runtime.loaded_engine import LoadedEngine
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ def free_memory_bytes(device: torch.device) -> int:
 
 
 def kv_cache_blocks(
-    engine: Engine, budget: KVBudget, block_size: int, max_batch_size: int, max_draft_tokens: int
+    engine: LoadedEngine, budget: KVBudget, block_size: int, max_batch_size: int, max_draft_tokens: int
 ) -> int:
     """Blocks to allocate; at least enough for one request of max_seq_len plus a full
     draft tree, so preemption can always make progress. A draft LM's cache has as many

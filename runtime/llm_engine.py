@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime.config import RuntimeConfig, check_request
-from runtime.engine import Engine
 from runtime.engine_core import EngineCore
-from runtime.model_runner import StepBroadcast
+from runtime.loaded_engine import LoadedEngine
+from runtime.model_runner import StepSender
 from runtime.request import Callback, Request
 from runtime.results import GenerationResult, stop_ids
 from runtime.sampling import SamplingParams
@@ -55,7 +55,7 @@ class LLMEngine(EngineCore):
     """The engine's public API: requests in, events out, one `step()` at a time (servers
     call it from their engine thread; `generate` runs prompts to completion)."""
 
-    def __init__(self, engine: Engine, config: RuntimeConfig | None = None, broadcast: StepBroadcast | None = None):
+    def __init__(self, engine: LoadedEngine, config: RuntimeConfig | None = None, broadcast: StepSender | None = None):
         super().__init__(engine, config, broadcast)
         self._ids = itertools.count()
 
@@ -189,7 +189,7 @@ class LLMEngine(EngineCore):
 
 
 def generate(
-    engine: Engine,
+    engine: LoadedEngine,
     prompts: list[list[int]],
     params: list[SamplingParams],
     method: str | None = None,

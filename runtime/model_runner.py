@@ -49,8 +49,9 @@ class StepInput:
         )
 
 
-class StepBroadcast(Protocol):
-    """Rank 0 sends each step to the other ranks (None = shut down)."""
+class StepSender(Protocol):
+    """What the runner sends each step through to the other tensor-parallel ranks (None =
+    shut down); `tensor_parallel.StepBroadcaster` is the implementation."""
 
     def send_step(self, step: StepInput | None) -> None: ...
 
@@ -60,7 +61,7 @@ class ModelRunner:
         self,
         model: LlamaForCausalLM,
         cache: PagedKVCache,
-        broadcast: StepBroadcast | None = None,
+        broadcast: StepSender | None = None,
         graphs: CudaGraphs | None = None,
     ) -> None:
         self.model, self.cache, self.broadcast, self.graphs = model, cache, broadcast, graphs

@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 
 from runtime.config import RuntimeConfig
-from runtime.engine import Engine
 from runtime.kv_budget import KVBudget, kv_cache_blocks
+from runtime.loaded_engine import LoadedEngine
 from runtime.model_runner import ModelRunner, StepInput
 
 WORLD_SIZE_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
@@ -207,7 +207,7 @@ class GroupChannel:
 
 
 class StepBroadcaster:
-    """Rank 0's `StepBroadcast`: each step goes to the other ranks on CPU (each moves it to
+    """Rank 0's `StepSender`: each step goes to the other ranks on CPU (each moves it to
     its own device); None tells them to stop."""
 
     def __init__(self, channel: Channel) -> None:
@@ -217,7 +217,7 @@ class StepBroadcaster:
         self.channel.send(None if step is None else step.to("cpu"))
 
 
-def announce_cache(engine: Engine, config: RuntimeConfig, broadcaster: StepBroadcaster) -> RuntimeConfig:
+def announce_cache(engine: LoadedEngine, config: RuntimeConfig, broadcaster: StepBroadcaster) -> RuntimeConfig:
     """Rank 0: size the KV cache and send its geometry to the other ranks; returns `config`
     pinned to that size, so the `LLMEngine` built from it allocates exactly the announced
     pool. If sizing fails the other ranks are told to stop, so none is left waiting."""
@@ -232,7 +232,7 @@ def announce_cache(engine: Engine, config: RuntimeConfig, broadcaster: StepBroad
 
 
 @contextmanager
-def start_workers(engine: Engine, config: RuntimeConfig) -> Iterator[tuple[RuntimeConfig, StepBroadcaster]]:
+def start_workers(engine: LoadedEngine, config: RuntimeConfig) -> Iterator[tuple[RuntimeConfig, StepBroadcaster]]:
     """Rank 0 of an `mpirun` launch: `announce_cache`, then yield the pinned config and the
     broadcaster to build the `LLMEngine` with. On exit, error or not, the other ranks are
     told to stop (what `ModelRunner.shutdown` sends), so none is left waiting."""
@@ -256,7 +256,7 @@ def serve_steps(runner: ModelRunner, channel: Channel) -> int:
     return count
 
 
-def serve_worker(engine: Engine, channel: Channel | None = None) -> int:
+def serve_worker(engine: LoadedEngine, channel: Channel | None = None) -> int:
     """Ranks > 0: allocate the KV cache rank 0 announces, then serve its steps; returns how
     many ran (none if rank 0 stopped before sizing the cache). `channel` defaults to the
     MPI world's."""

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from runtime.config import RuntimeConfig
-from runtime.engine import Engine
 from runtime.engine_dir import EngineConfig
+from runtime.loaded_engine import LoadedEngine
 from runtime.model_runner import StepInput
 from runtime.tensor_parallel import (
     GroupChannel,
@@ -60,7 +60,7 @@ def join(master: str, rank: int, world_size: int, device: str | torch.device, ti
     return GroupChannel(dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT))
 
 
-class LeaderBroadcaster(StepBroadcaster):
+class ServerBroadcaster(StepBroadcaster):
     """Rank 0's broadcaster in a server: after telling the followers to stop, it also leaves
     the process group, which the server's process outlives."""
 
@@ -70,7 +70,9 @@ class LeaderBroadcaster(StepBroadcaster):
             dist.destroy_process_group()
 
 
-def start_leader(engine: Engine, settings: RuntimeConfig, tp_master: str) -> tuple[RuntimeConfig, StepBroadcaster]:
+def start_leader(
+    engine: LoadedEngine, settings: RuntimeConfig, tp_master: str
+) -> tuple[RuntimeConfig, StepBroadcaster]:
     """Rank 0 in a server: join the followers at `tp_master`, size the KV cache and send its
     geometry; returns `settings` pinned to that size and the broadcaster to build the
     `LLMEngine` with (as `start_workers`, but the caller stops the followers, with
@@ -90,7 +92,7 @@ def start_leader(engine: Engine, settings: RuntimeConfig, tp_master: str) -> tup
             f"{LEADER_TIMEOUT.total_seconds():.0f} s ({e}); they are started by "
             f"`{follower_command(tp_size, '<engine dir>', tp_master)}`"
         ) from e
-    broadcaster = LeaderBroadcaster(channel)
+    broadcaster = ServerBroadcaster(channel)
     return announce_cache(engine, settings, broadcaster), broadcaster
 
 
@@ -134,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         comm = mpi_comm()
         rank = follower_rank(tp_size, comm.Get_size(), comm.Get_rank())
         device = follower_device(args.device, rank)
-        engine = Engine.load(args.engine, device=device, rank=rank)
+        engine = LoadedEngine.load(args.engine, device=device, rank=rank)
         serve_worker(engine, join(args.master, rank, tp_size, device, timedelta(seconds=args.timeout)))
     except (ValueError, FileNotFoundError, dist.DistError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -15,8 +15,8 @@ from model_defs.lyanna import LyannaConfig, LyannaDrafter
 from model_defs.redrafter import ReDrafter, ReDrafterConfig
 from runtime import llm_engine
 from runtime.config import RuntimeConfig
-from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig, DrafterSpec, EngineConfig
+from runtime.loaded_engine import LoadedEngine
 from runtime.sampling import SamplingParams, target_probs
 from tests.device import TEST_DEVICE
 from tests.tiny_models import tiny_target
@@ -27,7 +27,7 @@ TRIALS = 20000
 """Requests per distribution test: ~300 expected per cell of the 64 (x1, x2, x3) cells."""
 
 
-def toy_engine(drafter_kind: str, settings: dict[str, Any], device: str = TEST_DEVICE) -> Engine:
+def toy_engine(drafter_kind: str, settings: dict[str, Any], device: str = TEST_DEVICE) -> LoadedEngine:
     """The toy target with a "redrafter" RNN drafter, a "draft-lm" (another random tiny
     Llama) or a "lyanna" drafter (random, token info over every token), all confident and
     often wrong, so acceptance rules are exercised hard. Weights are drawn on the CPU (the
@@ -42,7 +42,7 @@ def toy_engine(drafter_kind: str, settings: dict[str, Any], device: str = TEST_D
                 p.normal_(0, 0.4)
         spec = DrafterSpec("redrafter", rnn.config.to_json(), settings)
         config = EngineConfig(ARCHITECTURE, target.config.to_hf(), build, drafter=spec)
-        return Engine(config, target, Tokenizer(models.BPE()), drafter=rnn.eval().to(device))
+        return LoadedEngine(config, target, Tokenizer(models.BPE()), redrafter=rnn.eval().to(device))
     if drafter_kind == "lyanna":
         lyanna = LyannaDrafter(LyannaConfig.from_target(target.config, num_hot_tokens=V, token_info_rank=4))
         with torch.no_grad():
@@ -53,11 +53,11 @@ def toy_engine(drafter_kind: str, settings: dict[str, Any], device: str = TEST_D
         spec = DrafterSpec("lyanna", lyanna.config.to_json(), settings)
         config = EngineConfig(ARCHITECTURE, target.config.to_hf(), build, drafter=spec)
         table = lyanna.hot_table(target.model.embed_tokens, torch.float32)
-        return Engine(config, target, Tokenizer(models.BPE()), lyanna_drafter=lyanna, token_table=table)
+        return LoadedEngine(config, target, Tokenizer(models.BPE()), lyanna_drafter=lyanna, token_table=table)
     draft = tiny_target(seed=5, vocab_size=V, device=device)
     spec = DrafterSpec("draft-lm", draft.config.to_hf(), settings)
     config = EngineConfig(ARCHITECTURE, target.config.to_hf(), build, drafter=spec)
-    return Engine(config, target, Tokenizer(models.BPE()), draft_model=draft)
+    return LoadedEngine(config, target, Tokenizer(models.BPE()), draft_model=draft)
 
 
 def exact_first_three(target: LlamaForCausalLM, params: SamplingParams) -> torch.Tensor:
@@ -80,7 +80,9 @@ def exact_first_three(target: LlamaForCausalLM, params: SamplingParams) -> torch
     return law
 
 
-def emitted_first_three(engine: Engine, params: SamplingParams, method: str, trials: int = TRIALS) -> torch.Tensor:
+def emitted_first_three(
+    engine: LoadedEngine, params: SamplingParams, method: str, trials: int = TRIALS
+) -> torch.Tensor:
     """Counts of the first three tokens of `trials` seeded requests, all in flight at once."""
     per_request = [
         SamplingParams(max_tokens=3, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=i)

@@ -23,9 +23,9 @@ from tqdm import tqdm
 
 from model_defs.llama import ARCHITECTURE, LlamaForCausalLM
 from runtime.config import RuntimeConfig
-from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig, EngineConfig
 from runtime.llm_engine import generate
+from runtime.loaded_engine import LoadedEngine
 from runtime.sampling import SamplingParams
 
 
@@ -55,7 +55,7 @@ def make_distill_data(
     tokens to predict from the generated part."""
     longest = max(map(len, prompts))
     build = BuildConfig(max_batch_size=batch_size, max_input_len=longest, max_seq_len=longest + gen_tokens)
-    engine = Engine(EngineConfig(ARCHITECTURE, target.config.to_hf(), build), target, tokenizer)
+    engine = LoadedEngine(EngineConfig(ARCHITECTURE, target.config.to_hf(), build), target, tokenizer)
     params = SamplingParams(max_tokens=gen_tokens, ignore_eos=True)  # fixed length: EOS is just a token here
     hidden, tokens = [], []
     for i in tqdm(range(0, len(prompts), batch_size), desc="distill data", unit="batch"):

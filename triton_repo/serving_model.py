@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from runtime.engine import Engine
 from runtime.llm_engine import EngineDeadError, EngineStats, LLMEngine
+from runtime.loaded_engine import LoadedEngine
 from runtime.output import OutputDelta, RequestOutput
 from runtime.request import RequestEvent
 from runtime.runtime_args import runtime_from_parameters
@@ -88,7 +88,7 @@ class SpecpipeModel:
         engine_dir = params["engine_dir"]
         device = params.get("device") or "cpu"
         broadcast = None
-        self.engine = Engine.load(engine_dir, device=device)
+        self.engine = LoadedEngine.load(engine_dir, device=device)
         settings = runtime_from_parameters(params)
         if self.engine.config.build.tp_size > 1:
             from runtime.tp_worker import start_leader

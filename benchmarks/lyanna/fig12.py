@@ -14,8 +14,8 @@ from tqdm import tqdm
 from benchmarks.lyanna.common import DEPTH, WIDTH, build, drafted_per_step, ints
 from benchmarks.report import write_report
 from benchmarks.timing import ONE_AT_A_TIME, Timings, bracketed_round, grouped, sampling_params, warm_up
-from runtime.engine import Engine
 from runtime.llm_engine import LLMEngine
+from runtime.loaded_engine import LoadedEngine
 from runtime.results import tokens_per_step
 
 VARIANTS: dict[str, dict[str, bool]] = {
@@ -161,7 +161,7 @@ def report(args: argparse.Namespace, meta: dict[str, Any], llm: LLMEngine, promp
     path = args.redrafter_engine
     if not (path / "config.json").is_file():
         path = build(args.target, args.engine_dir / "redrafter", redrafter=args.redrafter)
-    redrafter = LLMEngine(Engine.load(path), ONE_AT_A_TIME)
+    redrafter = LLMEngine(LoadedEngine.load(path), ONE_AT_A_TIME)
     temperatures = [float(t) for t in args.temperatures.split(",")]
     rows = run(llm, redrafter, prompts, ints(args.budgets), temperatures, args.max_tokens, args.rounds)
     meta = {**meta, "redrafter_engine": str(path), "budgets": ints(args.budgets), "temperatures": temperatures}

@@ -17,7 +17,7 @@ from benchmarks.report import write_report
 from benchmarks.timing import median_ms
 from model_defs.llama import Attend
 from model_defs.lyanna import ChainKV, LyannaDrafter, embedding_weight
-from runtime.engine import Engine
+from runtime.loaded_engine import LoadedEngine
 
 
 @dataclass
@@ -63,7 +63,7 @@ class Chain:
 
 
 @torch.inference_mode()
-def run(engine: Engine, ks: list[int], batches: list[int], repeats: int) -> list[Fig13aRow]:
+def run(engine: LoadedEngine, ks: list[int], batches: list[int], repeats: int) -> list[Fig13aRow]:
     drafter, model = engine.lyanna_drafter, engine.model
     assert drafter is not None
     embed, lm_head = model.model.embed_tokens, model.lm_head
@@ -104,7 +104,7 @@ def markdown(rows: list[Fig13aRow], meta: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def report(args: argparse.Namespace, meta: dict[str, Any], engine: Engine) -> None:
+def report(args: argparse.Namespace, meta: dict[str, Any], engine: LoadedEngine) -> None:
     """Time `engine`'s Lyanna drafter, write `<out-dir>/lyanna_fig13a.{json,md}`."""
     rows = run(engine, ints(args.ks), ints(args.batches), args.repeats)
     meta = {**meta, "fig13a_repeats": args.repeats, "drafter_dtype": str(engine.lyanna_drafter.dtype)}  # type: ignore[union-attr]

@@ -14,8 +14,8 @@ from benchmarks.lyanna.common import DEPTH, WIDTH, build, drafted_per_step, step
 from benchmarks.prompts import bundled
 from benchmarks.report import write_report
 from benchmarks.timing import ONE_AT_A_TIME, sampling_params
-from runtime.engine import Engine
 from runtime.llm_engine import LLMEngine
+from runtime.loaded_engine import LoadedEngine
 from runtime.results import tokens_per_step
 
 BUDGET = 16
@@ -113,7 +113,7 @@ def markdown(rows: list[Table1Row], meta: dict[str, Any], skipped: list[str]) ->
     return "\n".join(lines) + "\n"
 
 
-def report(args: argparse.Namespace, meta: dict[str, Any], engine: Engine, llm: LLMEngine) -> None:
+def report(args: argparse.Namespace, meta: dict[str, Any], engine: LoadedEngine, llm: LLMEngine) -> None:
     """Build an engine per ablation found (`llm` runs the main drafter), measure, write
     `<out-dir>/lyanna_table1.{json,md}`."""
     llms = {"full model": (str(args.lyanna), llm)}
@@ -124,7 +124,7 @@ def report(args: argparse.Namespace, meta: dict[str, Any], engine: Engine, llm: 
             skipped.append(f"{label} ({path})")
             tqdm.write(f"table1: skipping {label}: {path}/model.safetensors does not exist")
             continue
-        ablated = Engine.load(build(args.target, args.engine_dir / name, lyanna=path))
+        ablated = LoadedEngine.load(build(args.target, args.engine_dir / name, lyanna=path))
         llms[label] = (str(path), LLMEngine(ablated, ONE_AT_A_TIME))
     prompts = [engine.encode(p.text) for p in bundled(args.table1_prompts)]
     rows = run(llms, prompts, args.max_tokens)

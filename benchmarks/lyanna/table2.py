@@ -14,7 +14,7 @@ from tqdm import tqdm
 from benchmarks.lyanna.common import DEPTH
 from benchmarks.report import write_report
 from model_defs.lyanna import embedding_weight, hot_table_bytes
-from runtime.engine import Engine
+from runtime.loaded_engine import LoadedEngine
 from training import corpus
 from training.train_lyanna import ChainBatch
 from training.train_target import tokenize
@@ -29,7 +29,7 @@ class Table2Row:
     """Steps 1..3: top-1 agreement with the target's argmax."""
 
 
-def heldout_ids(engine: Engine) -> torch.Tensor:
+def heldout_ids(engine: LoadedEngine) -> torch.Tensor:
     """The held-out split of the training corpus as one token stream."""
     root, files = corpus.stdlib_root(), corpus.load_manifest()
     corpus.verify_manifest(files, root)
@@ -37,7 +37,7 @@ def heldout_ids(engine: Engine) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def run(engine: Engine, num_windows: int, seq_len: int) -> tuple[list[Table2Row], dict[str, Any]]:
+def run(engine: LoadedEngine, num_windows: int, seq_len: int) -> tuple[list[Table2Row], dict[str, Any]]:
     drafter, model = engine.lyanna_drafter, engine.model
     assert drafter is not None
     if drafter.token_info is None or not drafter.config.num_hot_tokens:
@@ -110,7 +110,7 @@ def markdown(rows: list[Table2Row], meta: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def report(args: argparse.Namespace, meta: dict[str, Any], engine: Engine) -> None:
+def report(args: argparse.Namespace, meta: dict[str, Any], engine: LoadedEngine) -> None:
     """Measure on `engine`'s Lyanna drafter, write `<out-dir>/lyanna_table2.{json,md}`."""
     rows, extra = run(engine, args.windows, args.seq_len)
     meta = {**meta, "table2": extra}

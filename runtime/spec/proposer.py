@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from runtime.block_manager import BlockManager
-from runtime.engine import Engine
+from runtime.loaded_engine import LoadedEngine
 from runtime.request import Request
 from runtime.tree import DraftTree
 from runtime.verify import Acceptance
@@ -44,7 +44,7 @@ class Proposer(ABC):
     loaded engine. Owns the method's typed parameters and each request's draft state
     (`Request.draft_state`, reset to None when the request is preempted)."""
 
-    def __init__(self, engine: Engine, blocks: BlockManager) -> None:
+    def __init__(self, engine: LoadedEngine, blocks: BlockManager) -> None:
         self.engine, self.blocks = engine, blocks
 
     @abstractmethod

@@ -121,7 +121,7 @@ class ReDrafterProposer(Proposer):
         return [1, *(max_tree_nodes(w, params.beam_length) for w in beam_widths(params.beam_width))]
 
     def propose(self, requests: list[Request], budgets: list[int]) -> list[DraftTree]:
-        drafter = self.engine.drafter
+        drafter = self.engine.redrafter
         assert drafter is not None
         trees: dict[Request, DraftTree] = {}
         groups: dict[tuple[int, int], list[Request]] = {}

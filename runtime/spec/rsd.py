@@ -38,8 +38,8 @@ import torch
 
 from model_defs.paged_kv_cache import PagedKVCache
 from runtime.block_manager import BlockManager
-from runtime.engine import Engine
 from runtime.gumbel import gumbel_noise, gumbel_top_k, top_k_valid, truncated_gumbel
+from runtime.loaded_engine import LoadedEngine
 from runtime.request import Request
 from runtime.sampling import SamplingParams, target_probs_rows
 from runtime.spec.level_drafters import DraftLMLevels, RNNLevels
@@ -239,7 +239,7 @@ class LevelTreeProposer(Proposer):
     ReDrafter RNN, or a draft LM with its own paged KV cache that shares the target's block
     tables (`Request.draft_state`: tokens of the request that cache holds)."""
 
-    def __init__(self, engine: Engine, blocks: BlockManager) -> None:
+    def __init__(self, engine: LoadedEngine, blocks: BlockManager) -> None:
         super().__init__(engine, blocks)
         draft = engine.draft_model
         self.draft_cache: PagedKVCache | None = (
@@ -271,9 +271,9 @@ class LevelTreeProposer(Proposer):
                 assert self.engine.draft_model is not None
                 levels = DraftLMLevels(self.engine.draft_model, self.draft_cache, self.blocks, group)
             else:
-                assert self.engine.drafter is not None
+                assert self.engine.redrafter is not None
                 embed = self.engine.model.model.embed_tokens
-                levels = RNNLevels(self.engine.drafter, embed, target_hidden(group), roots, spec.max_nodes)
+                levels = RNNLevels(self.engine.redrafter, embed, target_hidden(group), roots, spec.max_nodes)
             params, gens = [r.params for r in group], [r.generator for r in group]
             trees |= dict(zip(group, draft_rsd_trees(levels, roots, params, gens, spec), strict=True))
         return [trees[r] for r in requests]

@@ -13,8 +13,8 @@ import torch
 
 from benchmarks.device_sweep import cast, main
 from build.engine import build_engine
-from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig
+from runtime.loaded_engine import LoadedEngine
 from runtime.spec.registry import METHODS
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
@@ -85,9 +85,9 @@ def test_sampled_sweep_cast_to_float32(engines: dict[str, Path], tmp_path: Path)
 def test_cast_reaches_every_drafter_kind(engines: dict[str, Path]) -> None:
     """--dtype casts the target, the drafter of each kind and Lyanna's hot-token table."""
     for path in engines.values():
-        engine = Engine.load(path)
+        engine = LoadedEngine.load(path)
         cast(engine, torch.float16)
-        modules = [engine.model, engine.drafter, engine.draft_model, engine.lyanna_drafter]
+        modules = [engine.model, engine.redrafter, engine.draft_model, engine.lyanna_drafter]
         for module in (m for m in modules if m is not None):
             assert {p.dtype for p in module.parameters()} == {torch.float16}, path
         if engine.token_table is not None:

@@ -17,9 +17,9 @@ from safetensors.torch import load_file, save_file
 
 from build.engine import BuildError, build_engine, main
 from model_defs.redrafter import ReDrafter, ReDrafterConfig
-from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig
 from runtime.llm_engine import LLMEngine
+from runtime.loaded_engine import LoadedEngine
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = BuildConfig(max_batch_size=2, max_input_len=32, max_seq_len=64)
@@ -60,7 +60,7 @@ def test_build_and_load_matches_transformers(tiny_checkpoint: Path, tmp_path: Pa
         "drafter_dtype": "bfloat16",
     }
     assert cfg["drafter"] is None
-    engine = Engine.load(out)
+    engine = LoadedEngine.load(out)
     hf = transformers.LlamaForCausalLM.from_pretrained(tiny_checkpoint).eval()
     ids = torch.tensor([engine.encode("def add(a, b):")])
     with torch.no_grad():
@@ -73,7 +73,7 @@ def test_bfloat16_engine_stores_bfloat16(tiny_checkpoint: Path, tmp_path: Path) 
         tiny_checkpoint, tmp_path / "eng", BuildConfig(max_input_len=32, max_seq_len=64, dtype="bfloat16")
     )
     assert {t.dtype for t in load_file(str(out / "rank0.safetensors")).values()} == {torch.bfloat16}
-    assert Engine.load(out).model.lm_head.weight.dtype == torch.bfloat16
+    assert LoadedEngine.load(out).model.lm_head.weight.dtype == torch.bfloat16
 
 
 def test_missing_directory(tmp_path: Path) -> None:
@@ -178,8 +178,8 @@ def test_engine_with_drafter(tiny_checkpoint: Path, tmp_path: Path) -> None:
     assert {weights[k].dtype for k in weights.keys() - drafter_names} == {torch.float32}
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["drafter"]["kind"] == "redrafter" and cfg["drafter"]["settings"] == settings
-    engine = Engine.load(out)
-    assert engine.drafter is not None and engine.drafter.config.exit_dim == 48
+    engine = LoadedEngine.load(out)
+    assert engine.redrafter is not None and engine.redrafter.config.exit_dim == 48
 
 
 def test_drafter_for_another_target_is_refused(tiny_checkpoint: Path, tmp_path: Path) -> None:
@@ -196,8 +196,8 @@ def test_draft_model_engine_round_trips(tiny_checkpoint: Path, tmp_path: Path) -
     out = build_engine(
         tiny_checkpoint, tmp_path / "eng", build, draft_model=tiny_checkpoint, drafter_settings={"method": "rsd-s"}
     )
-    engine = Engine.load(out)
-    assert engine.drafter is None and engine.draft_model is not None
+    engine = LoadedEngine.load(out)
+    assert engine.redrafter is None and engine.draft_model is not None
     assert engine.config.drafter is not None and engine.config.drafter.kind == "draft-lm"
     for (name, a), b in zip(engine.model.state_dict().items(), engine.draft_model.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, msg=name)  # same checkpoint, same dtype

@@ -12,8 +12,8 @@ import transformers
 
 from build.engine import build_engine
 from runtime import llm_engine
-from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig
+from runtime.loaded_engine import LoadedEngine
 from runtime.results import GenerationResult
 from runtime.sampling import SamplingParams
 from tests.device import TEST_DEVICE
@@ -23,21 +23,21 @@ DEMO_TARGET = Path(__file__).resolve().parents[2] / "models" / "demo-target"
 MAX_NEW = 24
 
 
-def generate(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationResult]:
+def generate(engine: LoadedEngine, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationResult]:
     return llm_engine.generate(engine, prompts, params, "ar")
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+def engine(tmp_path_factory: pytest.TempPathFactory) -> LoadedEngine:
     out = tmp_path_factory.mktemp("engines") / "demo"
-    return Engine.load(
+    return LoadedEngine.load(
         build_engine(DEMO_TARGET, out, BuildConfig(max_batch_size=8, max_input_len=512, max_seq_len=1024)),
         device=TEST_DEVICE,
     )
 
 
 @pytest.fixture(scope="module")
-def reference(engine: Engine) -> tuple[list[list[int]], list[list[int]]]:
+def reference(engine: LoadedEngine) -> tuple[list[list[int]], list[list[int]]]:
     """Prompts and transformers' greedy continuations (stop token included, as HF returns it),
     computed on the test device like the engine's."""
     hf = transformers.LlamaForCausalLM.from_pretrained(DEMO_TARGET, dtype=torch.float32).eval().to(TEST_DEVICE)
@@ -62,7 +62,7 @@ def test_prompts_have_varied_lengths(reference: tuple[list[list[int]], list[list
 
 @pytest.mark.parametrize("batched", [True, False], ids=["batched", "one-by-one"])
 def test_greedy_matches_transformers(
-    engine: Engine, reference: tuple[list[list[int]], list[list[int]]], batched: bool
+    engine: LoadedEngine, reference: tuple[list[list[int]], list[list[int]]], batched: bool
 ) -> None:
     prompts, expected = reference
     params = SamplingParams(max_tokens=MAX_NEW)
@@ -75,7 +75,7 @@ def test_greedy_matches_transformers(
         assert with_stop(r.output_ids, r.finish_reason, eos) == expected[i], f"prompt {i} diverged"
 
 
-def test_seeded_sampling_does_not_depend_on_batch(engine: Engine) -> None:
+def test_seeded_sampling_does_not_depend_on_batch(engine: LoadedEngine) -> None:
     prompts = [engine.encode(t) for t in heldout_prompts(3)]
     params = [SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=s) for s in (1, 2, 3)]
     together = generate(engine, prompts, params)
@@ -83,7 +83,7 @@ def test_seeded_sampling_does_not_depend_on_batch(engine: Engine) -> None:
     assert [r.output_ids for r in together] == [r.output_ids for r in alone]
 
 
-def test_limits_are_enforced_with_clear_errors(engine: Engine) -> None:
+def test_limits_are_enforced_with_clear_errors(engine: LoadedEngine) -> None:
     with pytest.raises(ValueError, match="max_input_len 512"):
         generate(engine, [[1] * 513], [SamplingParams()])
     with pytest.raises(ValueError, match="max_seq_len 1024"):

@@ -16,9 +16,9 @@ import pytest
 
 from build.engine import build_engine
 from runtime.config import RuntimeConfig
-from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig
 from runtime.llm_engine import LLMEngine
+from runtime.loaded_engine import LoadedEngine
 from runtime.sampling import SamplingParams
 from tests.device import TEST_DEVICE
 from training.corpus import heldout_prompts
@@ -44,7 +44,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LLMEngine]:
         "lyanna": {"lyanna": MODELS / "demo-lyanna"},
     }
     return {
-        name: LLMEngine(Engine.load(build_engine(target, out / name, BUILD, **kw), device=TEST_DEVICE), CONFIG)
+        name: LLMEngine(LoadedEngine.load(build_engine(target, out / name, BUILD, **kw), device=TEST_DEVICE), CONFIG)
         for name, kw in drafters.items()
     }
 

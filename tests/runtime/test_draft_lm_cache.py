@@ -20,10 +20,10 @@ from tokenizers import Tokenizer, models
 from model_defs.llama import ARCHITECTURE
 from runtime import engine_core
 from runtime.config import RuntimeConfig
-from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig, DrafterSpec, EngineConfig
 from runtime.kv_budget import KVBudget
 from runtime.llm_engine import LLMEngine
+from runtime.loaded_engine import LoadedEngine
 from runtime.sampling import SamplingParams
 from runtime.tree import DraftTree, children_lists
 from runtime.verify import Acceptance
@@ -34,12 +34,12 @@ V = 11
 SETTINGS: dict[str, Any] = {"beam_width": 2, "beam_length": 3, "branching": (2, 2, 1)}
 
 
-def self_drafting_engine() -> Engine:
+def self_drafting_engine() -> LoadedEngine:
     target, draft = tiny_target(7, V, TEST_DEVICE), tiny_target(7, V, TEST_DEVICE)
     build = BuildConfig(max_batch_size=6, max_input_len=64, max_seq_len=128)
     spec = DrafterSpec("draft-lm", draft.config.to_hf(), SETTINGS)
     config = EngineConfig(ARCHITECTURE, target.config.to_hf(), build, drafter=spec)
-    return Engine(config, target, Tokenizer(models.BPE()), draft_model=draft)
+    return LoadedEngine(config, target, Tokenizer(models.BPE()), draft_model=draft)
 
 
 def prompts() -> list[list[int]]:

@@ -15,10 +15,10 @@ import pytest
 from build.engine import build_engine
 from runtime import llm_engine
 from runtime.config import RuntimeConfig
-from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig
 from runtime.faults import FaultInjector
 from runtime.llm_engine import MAX_STEP_FAILURES, EngineDeadError, LLMEngine
+from runtime.loaded_engine import LoadedEngine
 from runtime.sampling import SamplingParams
 from tests.device import TEST_DEVICE
 from training.corpus import heldout_prompts
@@ -31,14 +31,14 @@ FIXED = RuntimeConfig(speculation="fixed")
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Engine]:
+def engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LoadedEngine]:
     root = tmp_path_factory.mktemp("engines")
     return {
-        "rnn": Engine.load(
+        "rnn": LoadedEngine.load(
             build_engine(MODELS / "demo-target", root / "rnn", BUILD, drafter=MODELS / "demo-redrafter"),
             device=TEST_DEVICE,
         ),
-        "draft-lm": Engine.load(
+        "draft-lm": LoadedEngine.load(
             build_engine(MODELS / "demo-target", root / "lm", BUILD, draft_model=MODELS / "demo-draft-lm"),
             device=TEST_DEVICE,
         ),
@@ -46,12 +46,12 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Engine]:
 
 
 @pytest.fixture(scope="module")
-def prompts(engines: dict[str, Engine]) -> list[list[int]]:
+def prompts(engines: dict[str, LoadedEngine]) -> list[list[int]]:
     return [engines["rnn"].encode(t) for t in heldout_prompts(6)]
 
 
 @pytest.fixture(scope="module")
-def reference(engines: dict[str, Engine], prompts: list[list[int]]) -> list[list[int]]:
+def reference(engines: dict[str, LoadedEngine], prompts: list[list[int]]) -> list[list[int]]:
     params = [SamplingParams(max_tokens=MAX_TOKENS)] * len(prompts)
     return [r.output_ids for r in llm_engine.generate(engines["rnn"], prompts, params, "ar")]
 
@@ -73,7 +73,7 @@ def with_victim(n: int, victim: int) -> list[SamplingParams]:
     ],
 )
 def test_a_fault_ends_only_its_request(
-    engines: dict[str, Engine],
+    engines: dict[str, LoadedEngine],
     prompts: list[list[int]],
     reference: list[list[int]],
     stage: str,
@@ -94,7 +94,7 @@ def test_a_fault_ends_only_its_request(
 
 
 def test_a_failed_forward_fails_its_step_and_the_engine_goes_on(
-    engines: dict[str, Engine], prompts: list[list[int]], reference: list[list[int]]
+    engines: dict[str, LoadedEngine], prompts: list[list[int]], reference: list[list[int]]
 ) -> None:
     llm = LLMEngine(engines["rnn"], FIXED)
     llm.faults = FaultInjector({"forward": frozenset({VICTIM_SEED})})
@@ -107,7 +107,7 @@ def test_a_failed_forward_fails_its_step_and_the_engine_goes_on(
 
 
 def test_a_failed_step_fails_everything_in_flight_then_serving_resumes(
-    engines: dict[str, Engine], prompts: list[list[int]], reference: list[list[int]]
+    engines: dict[str, LoadedEngine], prompts: list[list[int]], reference: list[list[int]]
 ) -> None:
     llm = LLMEngine(engines["rnn"], RuntimeConfig(speculation="fixed", max_batch_size=3))
     llm.faults = FaultInjector({"step": frozenset({VICTIM_SEED})})
@@ -127,7 +127,7 @@ def test_a_failed_step_fails_everything_in_flight_then_serving_resumes(
 
 
 def test_a_fault_that_keeps_failing_every_step_makes_the_engine_dead(
-    engines: dict[str, Engine], prompts: list[list[int]]
+    engines: dict[str, LoadedEngine], prompts: list[list[int]]
 ) -> None:
     llm = LLMEngine(engines["rnn"], FIXED)
     llm.faults = FaultInjector({"step": frozenset({VICTIM_SEED})})

@@ -15,10 +15,10 @@ import pytest
 
 from build.engine import build_engine
 from runtime.config import RuntimeConfig
-from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig
 from runtime.kv_budget import KVBudget
 from runtime.llm_engine import LLMEngine
+from runtime.loaded_engine import LoadedEngine
 from runtime.request import RequestEvent
 from runtime.sampling import SamplingParams
 from runtime.scheduler import QueueFullError
@@ -30,14 +30,14 @@ BUILD = BuildConfig(max_batch_size=8, max_input_len=512, max_seq_len=640)
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+def engine(tmp_path_factory: pytest.TempPathFactory) -> LoadedEngine:
     out = tmp_path_factory.mktemp("engines") / "demo-redrafter"
     engine_dir = build_engine(MODELS / "demo-target", out, BUILD, drafter=MODELS / "demo-redrafter")
-    return Engine.load(engine_dir, device=TEST_DEVICE)
+    return LoadedEngine.load(engine_dir, device=TEST_DEVICE)
 
 
 @pytest.fixture(scope="module")
-def prompts(engine: Engine) -> list[list[int]]:
+def prompts(engine: LoadedEngine) -> list[list[int]]:
     return [engine.encode(t) for t in heldout_prompts(12)]
 
 
@@ -63,7 +63,7 @@ def params_of(i: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=100 + i)
 
 
-def solo(engine: Engine, prompt: list[int], i: int) -> list[int]:
+def solo(engine: LoadedEngine, prompt: list[int], i: int) -> list[int]:
     method, _, _, _, overrides = MIX[i]
     result = LLMEngine(engine, RuntimeConfig(max_batch_size=1)).generate([prompt], [params_of(i)], method, **overrides)
     return result[0].output_ids
@@ -86,13 +86,13 @@ def run_mix(engine: LLMEngine, prompts: list[list[int]]) -> tuple[dict[int, list
 
 
 @pytest.fixture(scope="module")
-def solo_outputs(engine: Engine, prompts: list[list[int]]) -> dict[int, list[int]]:
+def solo_outputs(engine: LoadedEngine, prompts: list[list[int]]) -> dict[int, list[int]]:
     return {i: solo(engine, prompts[i], i) for i, (_, t, _, _, _) in enumerate(MIX) if t == 0}
 
 
 @pytest.mark.parametrize("speculation", ["load-aware", "fixed"])
 def test_mixed_arrivals_equal_solo_runs(
-    engine: Engine, prompts: list[list[int]], solo_outputs: dict[int, list[int]], speculation: str
+    engine: LoadedEngine, prompts: list[list[int]], solo_outputs: dict[int, list[int]], speculation: str
 ) -> None:
     llm = LLMEngine(engine, RuntimeConfig(max_num_tokens=160, speculation=speculation))
     outputs, events = run_mix(llm, prompts)
@@ -107,7 +107,7 @@ def test_mixed_arrivals_equal_solo_runs(
 
 
 def test_kv_pressure_preempts_and_loses_nothing(
-    engine: Engine, prompts: list[list[int]], solo_outputs: dict[int, list[int]]
+    engine: LoadedEngine, prompts: list[list[int]], solo_outputs: dict[int, list[int]]
 ) -> None:
     """A cache of 1.5 max-length requests for 8 running ones: requests get preempted and
     recomputed, every one still completes with its solo output."""
@@ -121,7 +121,7 @@ def test_kv_pressure_preempts_and_loses_nothing(
     assert llm.blocks.num_used == 0
 
 
-def test_preempted_decoding_requests_resume_exactly(engine: Engine, prompts: list[list[int]]) -> None:
+def test_preempted_decoding_requests_resume_exactly(engine: LoadedEngine, prompts: list[list[int]]) -> None:
     """Eight requests growing to 150 tokens each in a cache of 720 tokens: requests are
     preempted in the middle of decoding, recompute their context and continue with the
     same tokens as when run alone."""
@@ -138,7 +138,7 @@ def test_preempted_decoding_requests_resume_exactly(engine: Engine, prompts: lis
     assert llm.blocks.num_used == 0
 
 
-def test_cancellation_frees_blocks_and_sends_final_event(engine: Engine, prompts: list[list[int]]) -> None:
+def test_cancellation_frees_blocks_and_sends_final_event(engine: LoadedEngine, prompts: list[list[int]]) -> None:
     llm = LLMEngine(engine, RuntimeConfig(speculation="fixed"))
     events: list[RequestEvent] = []
     cancelled = llm.add_request(prompts[0], SamplingParams(max_tokens=200, ignore_eos=True), callback=events.append)
@@ -160,7 +160,7 @@ def test_cancellation_frees_blocks_and_sends_final_event(engine: Engine, prompts
     assert llm.blocks.num_used == 0
 
 
-def test_full_queue_refuses_at_once(engine: Engine, prompts: list[list[int]]) -> None:
+def test_full_queue_refuses_at_once(engine: LoadedEngine, prompts: list[list[int]]) -> None:
     llm = LLMEngine(engine, RuntimeConfig(max_queue_size=3))
     for p in prompts[:3]:
         llm.add_request(p, SamplingParams(max_tokens=4))
@@ -171,7 +171,7 @@ def test_full_queue_refuses_at_once(engine: Engine, prompts: list[list[int]]) ->
     llm.add_request(prompts[3], SamplingParams(max_tokens=4))
 
 
-def test_bad_requests_and_budgets_are_refused_clearly(engine: Engine, prompts: list[list[int]]) -> None:
+def test_bad_requests_and_budgets_are_refused_clearly(engine: LoadedEngine, prompts: list[list[int]]) -> None:
     llm = LLMEngine(engine)
     with pytest.raises(ValueError, match="max_seq_len 640"):
         llm.add_request(prompts[0], SamplingParams(max_tokens=1000))
@@ -186,7 +186,7 @@ def test_bad_requests_and_budgets_are_refused_clearly(engine: Engine, prompts: l
 
 
 def test_requests_added_from_another_thread_while_stepping(
-    engine: Engine, prompts: list[list[int]], solo_outputs: dict[int, list[int]]
+    engine: LoadedEngine, prompts: list[list[int]], solo_outputs: dict[int, list[int]]
 ) -> None:
     """A server's shape: one thread steps the engine, others add requests and wait on their events."""
     llm = LLMEngine(engine, RuntimeConfig(max_num_tokens=160))

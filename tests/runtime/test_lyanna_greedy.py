@@ -12,8 +12,8 @@ import pytest
 from build.engine import build_engine
 from runtime import llm_engine
 from runtime.config import RuntimeConfig
-from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig
+from runtime.loaded_engine import LoadedEngine
 from runtime.sampling import SamplingParams
 from tests.device import TEST_DEVICE
 from training.corpus import heldout_prompts
@@ -24,26 +24,26 @@ FIXED = RuntimeConfig(speculation="fixed")
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+def engine(tmp_path_factory: pytest.TempPathFactory) -> LoadedEngine:
     out = tmp_path_factory.mktemp("engines") / "demo-lyanna"
     build = BuildConfig(max_batch_size=8, max_input_len=512, max_seq_len=1024)
     engine_dir = build_engine(MODELS / "demo-target", out, build, lyanna=MODELS / "demo-lyanna")
-    return Engine.load(engine_dir, device=TEST_DEVICE)
+    return LoadedEngine.load(engine_dir, device=TEST_DEVICE)
 
 
 @pytest.fixture(scope="module")
-def prompts(engine: Engine) -> list[list[int]]:
+def prompts(engine: LoadedEngine) -> list[list[int]]:
     return [engine.encode(t) for t in heldout_prompts(32)]
 
 
 @pytest.fixture(scope="module")
-def reference(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+def reference(engine: LoadedEngine, prompts: list[list[int]]) -> list[list[int]]:
     return [r.output_ids for r in llm_engine.generate(engine, prompts, [PARAMS] * len(prompts), "ar")]
 
 
 @pytest.mark.parametrize(("resample", "fuse"), [(False, False), (True, True), (True, False)])
 def test_batched_greedy_equals_target(
-    engine: Engine, prompts: list[list[int]], reference: list[list[int]], resample: bool, fuse: bool
+    engine: LoadedEngine, prompts: list[list[int]], reference: list[list[int]], resample: bool, fuse: bool
 ) -> None:
     results = llm_engine.generate(
         engine, prompts, [PARAMS] * len(prompts), "lyanna", FIXED, resample=resample, fuse=fuse, budget=12

@@ -13,8 +13,8 @@ import torch
 from build.engine import build_engine
 from runtime import llm_engine
 from runtime.config import RuntimeConfig
-from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig
+from runtime.loaded_engine import LoadedEngine
 from runtime.results import tokens_per_step
 from runtime.sampling import SamplingParams
 from runtime.spec.ngram import NgramParams, NgramProposer, lookup
@@ -47,12 +47,12 @@ def test_unknown_setting_is_refused() -> None:
 
 
 @pytest.fixture(scope="module")
-def target_only(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+def target_only(tmp_path_factory: pytest.TempPathFactory) -> LoadedEngine:
     out = tmp_path_factory.mktemp("engines") / "demo"
-    return Engine.load(build_engine(DEMO_TARGET, out, BuildConfig(max_batch_size=8)), device=TEST_DEVICE)
+    return LoadedEngine.load(build_engine(DEMO_TARGET, out, BuildConfig(max_batch_size=8)), device=TEST_DEVICE)
 
 
-def test_greedy_ngram_equals_autoregressive_on_a_target_only_engine(target_only: Engine) -> None:
+def test_greedy_ngram_equals_autoregressive_on_a_target_only_engine(target_only: LoadedEngine) -> None:
     prompts = [target_only.encode(text) for text in heldout_prompts(8)]
     params = [SamplingParams(max_tokens=32)] * len(prompts)
     ngram = llm_engine.generate(target_only, prompts, params, "ngram")

@@ -13,10 +13,10 @@ import pytest
 from tokenizers import Tokenizer
 
 from build.engine import build_engine
-from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig
 from runtime.generate import main
 from runtime.llm_engine import LLMEngine
+from runtime.loaded_engine import LoadedEngine
 from runtime.output import OutputDelta, RequestOutput, RequestStats
 from runtime.request import RequestEvent
 from runtime.results import GenerationResult
@@ -146,7 +146,7 @@ def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_cancel_with_stop_ends_the_request_in_the_engine_as_stop(engine_dir: Path) -> None:
     """The contract with `LLMEngine`: on `stop_hit` the caller cancels with "stop"; the engine's
     final event then ends the output, and the engine's own result says "stop" too."""
-    engine = Engine.load(engine_dir)
+    engine = LoadedEngine.load(engine_dir)
     llm = LLMEngine(engine)
     output = RequestOutput(engine.tokenizer, ["list of the"])
 

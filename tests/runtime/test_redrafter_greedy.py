@@ -11,8 +11,8 @@ import pytest
 from build.engine import build_engine
 from runtime import llm_engine
 from runtime.config import RuntimeConfig
-from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig
+from runtime.loaded_engine import LoadedEngine
 from runtime.sampling import SamplingParams
 from tests.device import TEST_DEVICE
 from training.corpus import heldout_prompts
@@ -23,26 +23,26 @@ FIXED = RuntimeConfig(speculation="fixed")  # every step drafts the full (W, L)
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+def engine(tmp_path_factory: pytest.TempPathFactory) -> LoadedEngine:
     out = tmp_path_factory.mktemp("engines") / "demo-redrafter"
     build = BuildConfig(max_batch_size=8, max_input_len=512, max_seq_len=1024)
     engine_dir = build_engine(MODELS / "demo-target", out, build, drafter=MODELS / "demo-redrafter")
-    return Engine.load(engine_dir, device=TEST_DEVICE)
+    return LoadedEngine.load(engine_dir, device=TEST_DEVICE)
 
 
 @pytest.fixture(scope="module")
-def prompts(engine: Engine) -> list[list[int]]:
+def prompts(engine: LoadedEngine) -> list[list[int]]:
     return [engine.encode(t) for t in heldout_prompts(32)]
 
 
 @pytest.fixture(scope="module")
-def reference(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+def reference(engine: LoadedEngine, prompts: list[list[int]]) -> list[list[int]]:
     return [r.output_ids for r in llm_engine.generate(engine, prompts, [PARAMS] * len(prompts), "ar")]
 
 
 @pytest.mark.parametrize(("width", "length"), [(1, 3), (4, 4), (8, 5), (16, 2)])
 def test_batched_greedy_equals_target(
-    engine: Engine, prompts: list[list[int]], reference: list[list[int]], width: int, length: int
+    engine: LoadedEngine, prompts: list[list[int]], reference: list[list[int]], width: int, length: int
 ) -> None:
     results = llm_engine.generate(
         engine, prompts, [PARAMS] * len(prompts), "redrafter", FIXED, beam_width=width, beam_length=length
@@ -53,7 +53,7 @@ def test_batched_greedy_equals_target(
     assert sum(steps) / len(steps) > 0.3, "the trained drafter should get drafts accepted"
 
 
-def test_mixed_lengths_in_one_batch(engine: Engine, prompts: list[list[int]], reference: list[list[int]]) -> None:
+def test_mixed_lengths_in_one_batch(engine: LoadedEngine, prompts: list[list[int]], reference: list[list[int]]) -> None:
     """Rows finish at different steps (and may accept past max_tokens); the others go on."""
     lengths = [3, 32, 9, 1, 17, 32, 5, 26]
     params = [SamplingParams(max_tokens=n) for n in lengths]
@@ -62,7 +62,9 @@ def test_mixed_lengths_in_one_batch(engine: Engine, prompts: list[list[int]], re
         assert r.output_ids == reference[i][: lengths[i]]
 
 
-def test_one_by_one_greedy_equals_target(engine: Engine, prompts: list[list[int]], reference: list[list[int]]) -> None:
+def test_one_by_one_greedy_equals_target(
+    engine: LoadedEngine, prompts: list[list[int]], reference: list[list[int]]
+) -> None:
     for i, prompt in enumerate(prompts):
         result = llm_engine.generate(engine, [prompt], [PARAMS], "redrafter", FIXED, beam_width=4, beam_length=4)[0]
         assert result.output_ids == reference[i]

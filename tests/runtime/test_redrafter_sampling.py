@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from runtime import llm_engine
-from runtime.engine import Engine
+from runtime.loaded_engine import LoadedEngine
 from runtime.sampling import SamplingParams, sample, target_probs
 from runtime.tree import DraftTree, children_lists
 from runtime.verify import Acceptance
@@ -27,11 +27,11 @@ from tests.stats import passes_chi_square
 SPEC = {"beam_width": 3, "beam_length": 2}
 
 
-def toy_engine() -> Engine:
+def toy_engine() -> LoadedEngine:
     return toy_sampling.toy_engine("redrafter", SPEC)
 
 
-def emitted_first_three(engine: Engine, params: SamplingParams) -> torch.Tensor:
+def emitted_first_three(engine: LoadedEngine, params: SamplingParams) -> torch.Tensor:
     return toy_sampling.emitted_first_three(engine, params, "redrafter")
 
 

@@ -13,8 +13,8 @@ import pytest
 from build.engine import build_engine
 from runtime import llm_engine
 from runtime.config import RuntimeConfig
-from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig
+from runtime.loaded_engine import LoadedEngine
 from runtime.sampling import SamplingParams
 from tests.device import TEST_DEVICE
 from training.corpus import heldout_prompts
@@ -26,26 +26,26 @@ BUILD = BuildConfig(max_batch_size=8, max_input_len=512, max_seq_len=1024)
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Engine]:
+def engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LoadedEngine]:
     out = tmp_path_factory.mktemp("engines")
     target = MODELS / "demo-target"
     return {
-        "rnn": Engine.load(
+        "rnn": LoadedEngine.load(
             build_engine(target, out / "rnn", BUILD, drafter=MODELS / "demo-redrafter"), device=TEST_DEVICE
         ),
-        "draft-lm": Engine.load(
+        "draft-lm": LoadedEngine.load(
             build_engine(target, out / "lm", BUILD, draft_model=MODELS / "demo-draft-lm"), device=TEST_DEVICE
         ),
     }
 
 
 @pytest.fixture(scope="module")
-def prompts(engines: dict[str, Engine]) -> list[list[int]]:
+def prompts(engines: dict[str, LoadedEngine]) -> list[list[int]]:
     return [engines["rnn"].encode(t) for t in heldout_prompts(24)]
 
 
 @pytest.fixture(scope="module")
-def reference(engines: dict[str, Engine], prompts: list[list[int]]) -> list[list[int]]:
+def reference(engines: dict[str, LoadedEngine], prompts: list[list[int]]) -> list[list[int]]:
     return [r.output_ids for r in llm_engine.generate(engines["rnn"], prompts, [PARAMS] * len(prompts), "ar")]
 
 
@@ -62,7 +62,7 @@ def reference(engines: dict[str, Engine], prompts: list[list[int]]) -> list[list
     ],
 )
 def test_batched_greedy_equals_target(
-    engines: dict[str, Engine],
+    engines: dict[str, LoadedEngine],
     prompts: list[list[int]],
     reference: list[list[int]],
     drafter: str,

@@ -21,9 +21,9 @@ import transformers
 from build.engine import BuildError, build_engine
 from build.tp_shard import shard_tensors, split_dim
 from model_defs.llama import LlamaConfig, expected_shapes
-from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig, rank_file
 from runtime.llm_engine import generate
+from runtime.loaded_engine import LoadedEngine
 from runtime.sampling import SamplingParams
 from tests.host_tools import MPIRUN, needs_mpirun
 from triton_repo.processes import LAUNCH_ID_ENV, launched_processes
@@ -53,7 +53,7 @@ def tp2_outputs(engine_dir: Path, method: str) -> list[dict]:
     return [json.loads(line) for line in proc.stdout.splitlines()]
 
 
-def tp1_output_ids(engine: Engine, method: str) -> list[list[int]]:
+def tp1_output_ids(engine: LoadedEngine, method: str) -> list[list[int]]:
     prompts = [engine.encode(p) for p in PROMPTS]
     results = generate(engine, prompts, [SamplingParams(max_tokens=MAX_TOKENS)] * len(prompts), method)
     return [r.output_ids for r in results]
@@ -119,19 +119,19 @@ def test_tp_size_must_divide_heads_and_intermediate(tiny_checkpoint: Path, tmp_p
 def test_every_rank_file_loads_and_a_missing_one_is_named(tiny_checkpoint: Path, tmp_path: Path) -> None:
     out = build_engine(tiny_checkpoint, tmp_path / "eng", BuildConfig(max_seq_len=64, max_input_len=32, tp_size=2))
     for rank in range(2):
-        model = Engine.load(out, rank=rank).model
+        model = LoadedEngine.load(out, rank=rank).model
         assert model.tp_size == 2 and model.model.layers[0].self_attn.num_kv_heads == 1
         assert model.new_kv_cache(4, 16).k[0].shape == (80, 1, model.config.head_dim)  # 4 blocks + 1 scratch
     (out / rank_file(1)).unlink()
     with pytest.raises(FileNotFoundError, match=r"rank1.safetensors: missing the weights of rank 1 .* --tp-size 2"):
-        Engine.load(out, rank=1)
+        LoadedEngine.load(out, rank=1)
 
 
 # ---- TP=2 under mpirun == TP=1 in-process ------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def demo_engines(tmp_path_factory: pytest.TempPathFactory) -> tuple[Engine, Path]:
+def demo_engines(tmp_path_factory: pytest.TempPathFactory) -> tuple[LoadedEngine, Path]:
     """The demo target + its trained ReDrafter (so drafts get accepted and the accepted
     paths' KV moves are exercised on every rank), built for TP=1 (loaded) and TP=2."""
     out = tmp_path_factory.mktemp("tp-engines")
@@ -144,11 +144,11 @@ def demo_engines(tmp_path_factory: pytest.TempPathFactory) -> tuple[Engine, Path
         )
         for n in (1, 2)
     )
-    return Engine.load(tp1), tp2
+    return LoadedEngine.load(tp1), tp2
 
 
 @pytest.fixture(scope="module")
-def draft_lm_engines(tmp_path_factory: pytest.TempPathFactory) -> tuple[Engine, Path]:
+def draft_lm_engines(tmp_path_factory: pytest.TempPathFactory) -> tuple[LoadedEngine, Path]:
     """The demo target + its draft LM (which runs on rank 0 only, with its own cache)."""
     out = tmp_path_factory.mktemp("tp-draft-engines")
     tp1, tp2 = (
@@ -160,7 +160,7 @@ def draft_lm_engines(tmp_path_factory: pytest.TempPathFactory) -> tuple[Engine, 
         )
         for n in (1, 2)
     )
-    return Engine.load(tp1), tp2
+    return LoadedEngine.load(tp1), tp2
 
 
 @needs_mpirun
@@ -199,7 +199,9 @@ def biased_checkpoint(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFa
 
 @needs_mpirun
 def test_tp2_with_biases_equals_tp1(biased_checkpoint: Path, tmp_path: Path) -> None:
-    tp1 = Engine.load(build_engine(biased_checkpoint, tmp_path / "tp1", BuildConfig(max_seq_len=96, max_input_len=32)))
+    tp1 = LoadedEngine.load(
+        build_engine(biased_checkpoint, tmp_path / "tp1", BuildConfig(max_seq_len=96, max_input_len=32))
+    )
     tp2 = build_engine(biased_checkpoint, tmp_path / "tp2", BuildConfig(max_seq_len=96, max_input_len=32, tp_size=2))
     assert [o["output_ids"] for o in tp2_outputs(tp2, "ar")] == tp1_output_ids(tp1, "ar")
 
@@ -223,7 +225,7 @@ def test_tp1_engine_under_mpirun_n2_is_refused(tiny_checkpoint: Path, tmp_path: 
 
 
 @needs_mpirun
-def test_a_killed_rank_ends_the_mpirun_job_without_leftovers(demo_engines: tuple[Engine, Path]) -> None:
+def test_a_killed_rank_ends_the_mpirun_job_without_leftovers(demo_engines: tuple[LoadedEngine, Path]) -> None:
     """`mpirun -n 2 python -m runtime.generate`: SIGKILL of one rank while the job runs makes
     mpirun abort the other and exit non-zero within seconds: no hang, no process left."""
     assert MPIRUN is not None

@@ -17,8 +17,8 @@ import pytest
 
 from build.engine import build_engine
 from runtime.config import RuntimeConfig
-from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig
+from runtime.loaded_engine import LoadedEngine
 from runtime.tensor_parallel import TensorParallelError
 from runtime.tp_worker import start_leader
 from tests.host_tools import MPIRUN, needs_mpirun
@@ -29,14 +29,14 @@ METHODS = ("ar", "redrafter")
 LEADER = """
 import json, sys
 from runtime import tp_worker
-from runtime.engine import Engine
+from runtime.loaded_engine import LoadedEngine
 from runtime.llm_engine import LLMEngine
 from runtime.config import RuntimeConfig
 from runtime.sampling import SamplingParams
 
 engine_dir, master, timeout, prompts, max_tokens, methods = sys.argv[1:]
 tp_worker.LEADER_TIMEOUT = tp_worker.timedelta(seconds=float(timeout))
-engine = Engine.load(engine_dir)
+engine = LoadedEngine.load(engine_dir)
 config, broadcast = tp_worker.start_leader(engine, RuntimeConfig(), master)
 llm = LLMEngine(engine, config, broadcast)
 ids = [engine.encode(p) for p in json.loads(prompts)]
@@ -73,7 +73,7 @@ def followers(engine_dir: Path, master: str, processes: int) -> subprocess.Popen
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> tuple[Engine, Path]:
+def engines(tmp_path_factory: pytest.TempPathFactory) -> tuple[LoadedEngine, Path]:
     """The demo target + its trained ReDrafter, for TP=1 (loaded) and TP=2 (a directory)."""
     out = tmp_path_factory.mktemp("tp-leader-engines")
     tp1, tp2 = (
@@ -82,11 +82,11 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> tuple[Engine, Path]:
         )
         for n in (1, 2)
     )
-    return Engine.load(tp1), tp2
+    return LoadedEngine.load(tp1), tp2
 
 
 @needs_mpirun
-def test_leader_outside_mpi_with_tp_worker_equals_tp1(engines: tuple[Engine, Path]) -> None:
+def test_leader_outside_mpi_with_tp_worker_equals_tp1(engines: tuple[LoadedEngine, Path]) -> None:
     engine, tp2 = engines
     master = f"127.0.0.1:{free_port()}"
     lead, follow = leader(tp2, master), followers(tp2, master, 1)
@@ -125,4 +125,4 @@ def test_leader_without_followers_times_out_naming_the_command(tiny_checkpoint: 
 def test_leader_needs_a_master_address(tiny_checkpoint: Path, tmp_path: Path) -> None:
     out = build_engine(tiny_checkpoint, tmp_path / "eng", BuildConfig(max_seq_len=64, max_input_len=32, tp_size=2))
     with pytest.raises(TensorParallelError, match=r"no `tp_master` address .* `python -m triton_repo.server`"):
-        start_leader(Engine.load(out), RuntimeConfig(), "")
+        start_leader(LoadedEngine.load(out), RuntimeConfig(), "")

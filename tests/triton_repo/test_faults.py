@@ -18,10 +18,10 @@ import pytest
 pytest.importorskip("tritonclient.grpc", reason="needs the Triton client: pip install tritonclient[grpc,http]")
 
 from runtime.config import RuntimeConfig
-from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig
 from runtime.faults import ENV
 from runtime.llm_engine import MAX_STEP_FAILURES, LLMEngine
+from runtime.loaded_engine import LoadedEngine
 from runtime.sampling import SamplingParams
 from tests.demo_engines import demo_redrafter_engine
 from tests.host_tools import skip_without_tritonserver
@@ -50,7 +50,7 @@ def server(engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 @pytest.fixture(scope="module")
 def solo(engine_dir: Path) -> list[str]:
-    engine = Engine.load(engine_dir)
+    engine = LoadedEngine.load(engine_dir)
     llm = LLMEngine(engine, RuntimeConfig(speculation="fixed"))
     results = llm.generate([engine.encode(p) for p in PROMPTS], [SamplingParams(max_tokens=MAX_TOKENS)] * 3)
     return [engine.decode(r.output_ids) for r in results]

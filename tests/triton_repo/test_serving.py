@@ -24,9 +24,9 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from runtime.config import RuntimeConfig
-from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig
 from runtime.llm_engine import LLMEngine
+from runtime.loaded_engine import LoadedEngine
 from runtime.sampling import SamplingParams
 from tests.demo_engines import demo_redrafter_engine
 from tests.host_tools import skip_without_tritonserver
@@ -46,8 +46,8 @@ def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def engine(engine_dir: Path) -> Engine:
-    return Engine.load(engine_dir)
+def engine(engine_dir: Path) -> LoadedEngine:
+    return LoadedEngine.load(engine_dir)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,9 @@ def server(engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         yield running
 
 
-def solo_text(engine: Engine, prompt: str, params: SamplingParams, method: str | None = None, **overrides: Any) -> str:
+def solo_text(
+    engine: LoadedEngine, prompt: str, params: SamplingParams, method: str | None = None, **overrides: Any
+) -> str:
     """What the in-process runtime emits for this request alone."""
     llm = LLMEngine(engine, RuntimeConfig(max_batch_size=1, speculation="fixed"))  # lossless: any mode
     return engine.decode(llm.generate([engine.encode(prompt)], [params], method, **overrides)[0].output_ids)
@@ -76,7 +78,7 @@ def metrics(server: TritonServer) -> dict[str, float]:
     return read_metrics(server.metrics_url, timeout_s=30)
 
 
-def test_every_protocol_returns_the_runtime_greedy_text(server: TritonServer, engine: Engine) -> None:
+def test_every_protocol_returns_the_runtime_greedy_text(server: TritonServer, engine: LoadedEngine) -> None:
     params = SamplingParams(max_tokens=MAX_TOKENS)
     expected = [solo_text(engine, p, params) for p in PROMPTS]
     streamed = stream_grpc(server.grpc_url, [{"prompt": p, "max_tokens": MAX_TOKENS} for p in PROMPTS])
@@ -108,7 +110,7 @@ def test_every_protocol_returns_the_runtime_greedy_text(server: TritonServer, en
         assert [e.get("finish_reason") for e in events].count("length") == 1
 
 
-def test_concurrent_streams_equal_their_solo_runs(server: TritonServer, engine: Engine) -> None:
+def test_concurrent_streams_equal_their_solo_runs(server: TritonServer, engine: LoadedEngine) -> None:
     requests = [
         {"prompt": PROMPTS[i % 3], "max_tokens": 16 + 2 * i, "method": method, **extra}
         for i, (method, extra) in enumerate(
@@ -162,6 +164,8 @@ BAD_HTTP = [
     ({"text_input": "x", "end_id": 2**31}, "end_id must be a token id >= 0"),  # wraps negative in INT32
     ({"text_input": "x", "end_id": 9000}, "stop token ids [9000] must be in [0, 8192)"),
     ({"text_input": "x", "redrafter_beam_width": -2}, "beam_width and beam_length must be >= 1"),
+    # a setting the method does not take is refused, not ignored
+    ({"text_input": "x", "method": "sd", "redrafter_beam_width": 2}, "method 'sd' takes ['beam_length']"),
     ({"text_input": "x" * 2_000_000}, "more than the"),  # refused by byte length, before tokenizing
 ]
 
@@ -188,7 +192,7 @@ def raw(name: str, array: np.ndarray, dtype: str) -> grpcclient.InferInput:
     return tensor
 
 
-def test_tiny_temperature_is_served_as_greedy(server: TritonServer, engine: Engine) -> None:
+def test_tiny_temperature_is_served_as_greedy(server: TritonServer, engine: LoadedEngine) -> None:
     """Temperature 1e-38 overflowed `logits / T` and wedged the engine; now it is greedy (< 1e-5)."""
     expected = solo_text(engine, PROMPTS[1], SamplingParams(max_tokens=MAX_TOKENS))
     status, body = http_post(
@@ -275,7 +279,7 @@ def test_metrics_show_the_traffic(server: TritonServer) -> None:
     assert m['specpipe_kv_blocks{state="used"}'] == 0 and m['specpipe_kv_blocks{state="free"}'] > 0
 
 
-def test_stop_words_cut_the_text_and_end_the_request(server: TritonServer, engine: Engine) -> None:
+def test_stop_words_cut_the_text_and_end_the_request(server: TritonServer, engine: LoadedEngine) -> None:
     full = solo_text(engine, PROMPTS[0], SamplingParams(max_tokens=MAX_TOKENS))
     word = "list"
     assert word in full, "the stop word must occur in the greedy text for this test to mean anything"

@@ -21,9 +21,9 @@ import tritonclient.grpc as grpcclient
 
 from build.engine import build_engine
 from runtime.config import RuntimeConfig
-from runtime.engine import Engine
 from runtime.engine_dir import BuildConfig
 from runtime.llm_engine import LLMEngine
+from runtime.loaded_engine import LoadedEngine
 from runtime.sampling import SamplingParams
 from tests.host_tools import needs_mpirun, skip_without_tritonserver
 from tests.triton_repo.streams import MODEL, PROMPTS, stream_grpc
@@ -59,7 +59,7 @@ def server(engines: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory)
 
 @pytest.mark.parametrize("method", ["ar", "redrafter"])
 def test_tp2_through_triton_equals_tp1(server: TritonServer, engines: tuple[Path, Path], method: str) -> None:
-    tp1 = Engine.load(engines[0])
+    tp1 = LoadedEngine.load(engines[0])
     llm = LLMEngine(tp1, RuntimeConfig(speculation="fixed"))
     params = [SamplingParams(max_tokens=MAX_TOKENS)] * len(PROMPTS)
     expected = [tp1.decode(r.output_ids) for r in llm.generate([tp1.encode(p) for p in PROMPTS], params, method)]

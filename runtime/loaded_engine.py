@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -12,16 +15,16 @@ from tokenizers import Tokenizer
 from model_defs import lyanna, redrafter
 from model_defs.checkpoint import validate_tensors
 from model_defs.llama import LlamaConfig, LlamaForCausalLM, expected_shapes
-from runtime.engine_dir import DRAFTER_PREFIX, EngineConfig, rank_file
+from runtime.engine_dir import DRAFTER_PREFIX, DrafterSpec, EngineConfig, rank_file
 
 
 @dataclass
-class Engine:
+class LoadedEngine:
     config: EngineConfig
     model: LlamaForCausalLM
     tokenizer: Tokenizer
-    drafter: redrafter.ReDrafter | None = None
-    """The ReDrafter RNN drafter (engines built with --drafter)."""
+    redrafter: redrafter.ReDrafter | None = None
+    """The ReDrafter RNN drafter (engines built with --drafter; drafter kind "redrafter")."""
     draft_model: LlamaForCausalLM | None = None
     """A draft LM (engines built with --draft-model); it keeps its own KV cache."""
     lyanna_drafter: lyanna.LyannaDrafter | None = None
@@ -30,7 +33,7 @@ class Engine:
     """Lyanna's token-info bias collapsed to its hot tokens (computed at load)."""
 
     @classmethod
-    def load(cls, engine_dir: str | Path, device: str = "cpu", rank: int = 0) -> Engine:
+    def load(cls, engine_dir: str | Path, device: str = "cpu", rank: int = 0) -> LoadedEngine:
         """Load tensor-parallel rank `rank`'s shard of the target (the whole target when the
         engine was built with --tp-size 1) and the drafter (RNN or draft LM), which every
         rank file carries whole."""
@@ -55,30 +58,12 @@ class Engine:
         validate_tensors(tensors, dict.fromkeys(tensors, weights_path), expected_shapes(model_cfg, tp_size))
         model = LlamaForCausalLM.from_tensors(model_cfg, tensors, config.build.torch_dtype, tp_size).to(device)
         tokenizer = Tokenizer.from_file(str(engine_dir / config.tokenizer))
-        drafter, draft_model, lyanna_drafter, table = None, None, None, None
-        if config.drafter is not None and config.drafter.kind == "lyanna":
-            lyanna_cfg = lyanna.LyannaConfig.from_json(config.drafter.config)
-            validate_tensors(
-                drafter_tensors, dict.fromkeys(drafter_tensors, weights_path), lyanna.expected_shapes(lyanna_cfg)
-            )
-            dtype = config.build.drafter_torch_dtype
-            lyanna_drafter = lyanna.LyannaDrafter.from_tensors(lyanna_cfg, drafter_tensors, dtype).to(device)
-            if lyanna_drafter.token_info is not None and lyanna_cfg.num_hot_tokens:
-                table = lyanna_drafter.hot_table(model.model.embed_tokens, dtype)
-        elif config.drafter is not None and config.drafter.kind == "draft-lm":
-            draft_cfg = LlamaConfig.from_hf(config.drafter.config)
-            validate_tensors(drafter_tensors, dict.fromkeys(drafter_tensors, weights_path), expected_shapes(draft_cfg))
-            draft_model = LlamaForCausalLM.from_tensors(draft_cfg, drafter_tensors, config.build.drafter_torch_dtype)
-            draft_model = draft_model.to(device)
-        elif config.drafter is not None:
-            drafter_cfg = redrafter.ReDrafterConfig.from_json(config.drafter.config)
-            validate_tensors(
-                drafter_tensors, dict.fromkeys(drafter_tensors, weights_path), redrafter.expected_shapes(drafter_cfg)
-            )
-            drafter = redrafter.ReDrafter.from_tensors(
-                drafter_cfg, drafter_tensors, config.build.drafter_torch_dtype
-            ).to(device)
-        return cls(config, model, tokenizer, drafter, draft_model, lyanna_drafter, table)
+        drafter: dict[str, Any] = {}
+        if config.drafter is not None:
+            validate = partial(_validate, drafter_tensors, weights_path)
+            load = DRAFTER_LOADERS[config.drafter.kind]
+            drafter = load(config.drafter, drafter_tensors, config.build.drafter_torch_dtype, model, validate)
+        return cls(config, model, tokenizer, **drafter)
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -94,3 +79,47 @@ class Engine:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+Validate = Callable[[dict[str, torch.Size]], None]
+"""Checks the drafter's tensors against their expected shapes (naming the file)."""
+
+
+def _validate(tensors: dict[str, torch.Tensor], path: Path, shapes: dict[str, torch.Size]) -> None:
+    validate_tensors(tensors, dict.fromkeys(tensors, path), shapes)
+
+
+def _load_redrafter(
+    spec: DrafterSpec, tensors: dict[str, torch.Tensor], dtype: torch.dtype, target: LlamaForCausalLM, check: Validate
+) -> dict[str, Any]:
+    cfg = redrafter.ReDrafterConfig.from_json(spec.config)
+    check(redrafter.expected_shapes(cfg))
+    return {"redrafter": redrafter.ReDrafter.from_tensors(cfg, tensors, dtype).to(target.lm_head.weight.device)}
+
+
+def _load_draft_lm(
+    spec: DrafterSpec, tensors: dict[str, torch.Tensor], dtype: torch.dtype, target: LlamaForCausalLM, check: Validate
+) -> dict[str, Any]:
+    cfg = LlamaConfig.from_hf(spec.config)
+    check(expected_shapes(cfg))
+    return {"draft_model": LlamaForCausalLM.from_tensors(cfg, tensors, dtype).to(target.lm_head.weight.device)}
+
+
+def _load_lyanna(
+    spec: DrafterSpec, tensors: dict[str, torch.Tensor], dtype: torch.dtype, target: LlamaForCausalLM, check: Validate
+) -> dict[str, Any]:
+    cfg = lyanna.LyannaConfig.from_json(spec.config)
+    check(lyanna.expected_shapes(cfg))
+    drafter = lyanna.LyannaDrafter.from_tensors(cfg, tensors, dtype).to(target.lm_head.weight.device)
+    if drafter.token_info is None or not cfg.num_hot_tokens:
+        return {"lyanna_drafter": drafter}
+    return {"lyanna_drafter": drafter, "token_table": drafter.hot_table(target.model.embed_tokens, dtype)}
+
+
+DRAFTER_LOADERS: dict[str, Callable[..., dict[str, Any]]] = {
+    "redrafter": _load_redrafter,
+    "draft-lm": _load_draft_lm,
+    "lyanna": _load_lyanna,
+}
+"""Drafter kind -> its loader: (spec, tensors, dtype, target, check) -> LoadedEngine fields,
+on the target's device."""
