@@ -87,17 +87,16 @@ class EngineCore:
             self._calibrate()
 
     def _calibrate(self) -> None:
-        """Seed the load-aware forward-cost fit with a few timed forwards (like vLLM's
-        profiling run). They write into free blocks only."""
-        for n in (1, 16, 64, 256):
-            n = min(n, self.config.max_num_tokens, self.blocks.num_blocks * self.blocks.block_size)
-            segments = [Segment(0, 0, torch.arange(n))]
-            step = step_input(torch.zeros(n, dtype=torch.long), torch.arange(n), segments, torch.arange(n),
-                              self.engine.device, self.blocks.block_size)  # fmt: skip
-            for _ in range(2):
-                start = time.perf_counter()
-                self.runner.execute(step)
-                self.policy.forward_cost.add(n, time.perf_counter() - start)
+        """Seed the load-aware forward-cost fit (like vLLM's profiling run); the timed
+        forwards write into free blocks only."""
+        most = min(self.config.max_num_tokens, self.blocks.num_blocks * self.blocks.block_size)
+
+        def forward(n: int) -> None:
+            segments, rows = [Segment(0, 0, torch.arange(n))], torch.arange(n)
+            step = step_input(torch.zeros_like(rows), rows, segments, rows, self.engine.device, self.blocks.block_size)
+            self.runner.execute(step)
+
+        self.policy.calibrate(forward, [min(n, most) for n in (1, 16, 64, 256)])
 
     # ---- one step -------------------------------------------------------------------
 

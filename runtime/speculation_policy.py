@@ -29,7 +29,9 @@ Whatever the budget, acceptance is lossless; the policy only moves speed.
 
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -126,6 +128,14 @@ class SpeculationPolicy:
         drafted = sum(s - 1 for s in sizes)
         seconds = self.forward_cost(tokens) + (self.draft_cost(drafted) if drafted else 0.0)
         return gain / max(seconds, 1e-9)
+
+    def calibrate(self, forward: Callable[[int], None], sizes: list[int]) -> None:
+        """Seed the forward-cost fit: `forward(n)` runs a target forward of n tokens, timed twice per size."""
+        for n in sizes:
+            for _ in range(2):
+                start = time.perf_counter()
+                forward(n)
+                self.forward_cost.add(n, time.perf_counter() - start)
 
     def observe(self, stats: StepStats) -> None:
         self.forward_cost.add(stats.num_tokens, stats.forward_seconds)

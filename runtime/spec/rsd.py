@@ -140,13 +140,13 @@ class _Growing:
 
     tokens: list[int]
     parents: list[int]
-    laws: list[torch.Tensor]  # [V] log-law each node was drawn from (root: zeros)
+    log_probs: list[torch.Tensor]  # [V] log of the draft law each node was drawn from (root: zeros)
     frontier: list[int]  # nodes of the deepest level
     scores: list[float]  # rsd-s / beams: log-prob of each frontier node's path
     gumbels: list[float]  # rsd-s: perturbed (truncated-Gumbel) value of each frontier node
 
 
-def draft_log_laws(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def draft_log_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """[M, V] log of the law siblings are drawn from, row m under `params[m]`: the request's
     own warp of the drafter's logits (greedy requests: the plain softmax, only ranked)."""
     warped = [prm if not prm.greedy else SamplingParams(temperature=1.0) for prm in params]
@@ -165,23 +165,23 @@ def draft_rsd_trees(
     logits = drafter.first()  # [B, V]
     owners = [(i, 0) for i in range(len(roots))]  # (request row, node) of every logits row
     for depth in range(spec.length):
-        rows_laws = draft_log_laws(logits, [params[i] for i, _ in owners])
-        laws = {owner: law for owner, law in zip(owners, rows_laws, strict=True)}
+        rows_log_probs = draft_log_probs(logits, [params[i] for i, _ in owners])
+        log_probs = {owner: lp for owner, lp in zip(owners, rows_log_probs, strict=True)}
         new: list[tuple[int, int, int, int]] = []  # (row, parent, node, token)
         for i, tree in enumerate(trees):
             sample = not params[i].greedy and spec.stochastic
             gen = generators[i] if sample else None
             picks = (
-                _beam_level(tree, laws, i, spec.beam_width, gen)
+                _beam_level(tree, log_probs, i, spec.beam_width, gen)
                 if spec.beamed
-                else _branch_level(tree, laws, i, spec.branching[depth], gen)
+                else _branch_level(tree, log_probs, i, spec.branching[depth], gen)
             )
             tree.frontier = []
             for parent, token in picks:
                 node = len(tree.tokens)
                 tree.tokens.append(token)
                 tree.parents.append(parent)
-                tree.laws.append(laws[i, parent])
+                tree.log_probs.append(log_probs[i, parent])
                 tree.frontier.append(node)
                 new.append((i, parent, node, token))
         if depth + 1 == spec.length or not new:
@@ -191,31 +191,33 @@ def draft_rsd_trees(
         owners = [(i, node) for i, node in zip(rows, nodes, strict=True)]
     out = []
     for tree, prm in zip(trees, params, strict=True):
-        laws_t = torch.stack([torch.zeros_like(tree.laws[1]), *tree.laws[1:]]) if len(tree.tokens) > 1 else None
-        out.append(DraftTree(tree.tokens, tree.parents, laws_t, sampled=spec.stochastic and not prm.greedy))
+        table = None  # [N, V], row 0 (the root, not drawn) zeros
+        if len(tree.tokens) > 1:
+            table = torch.stack([torch.zeros_like(tree.log_probs[1]), *tree.log_probs[1:]])
+        out.append(DraftTree(tree.tokens, tree.parents, table, sampled=spec.stochastic and not prm.greedy))
     return out
 
 
 def _branch_level(
-    tree: _Growing, laws: dict[tuple[int, int], torch.Tensor], row: int, b: int, gen: torch.Generator | None
+    tree: _Growing, log_probs: dict[tuple[int, int], torch.Tensor], row: int, b: int, gen: torch.Generator | None
 ) -> list[tuple[int, int]]:
     """RSD-C: `b` children per frontier node by Gumbel-top-k (RSD Algorithm 4), in draw order."""
     picks = []
     for node in tree.frontier:
-        for token in gumbel_top_k(laws[row, node], b, gen).tolist():
+        for token in gumbel_top_k(log_probs[row, node], b, gen).tolist():
             picks.append((node, token))
     return picks
 
 
 def _beam_level(
-    tree: _Growing, laws: dict[tuple[int, int], torch.Tensor], row: int, width: int, gen: torch.Generator | None
+    tree: _Growing, log_probs: dict[tuple[int, int], torch.Tensor], row: int, width: int, gen: torch.Generator | None
 ) -> list[tuple[int, int]]:
     """RSD-S: one level of Stochastic Beam Search (Kool et al. 2019 Algorithm 2; RSD
     Algorithm 8/9). Each frontier node i has path log-prob phi_i and perturbed value G_i;
     its children get phi_i + log p_i(x), perturbed by Gumbels truncated to max G_i; the W
     largest over all children survive, best first (so each parent's children are in draw
     order). `gen=None`: plain beam search (top-W by path log-prob)."""
-    phi = torch.stack([tree.scores[k] + laws[row, node].double() for k, node in enumerate(tree.frontier)])  # [F, V]
+    phi = torch.stack([tree.scores[k] + log_probs[row, n].double() for k, n in enumerate(tree.frontier)])  # [F, V]
     if gen is None:
         keys = phi
     else:

@@ -12,7 +12,7 @@ draw without replacement.
   and hit the parent's value; Stochastic Beam Search's best beam is a sample of the
   sequence law.
 
-Everything runs on the test device (generators included); laws are compared on the CPU.
+Everything runs on the test device (generators included); log_probs are compared on the CPU.
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ def generator(seed: int) -> torch.Generator:
     return torch.Generator(TEST_DEVICE).manual_seed(seed)
 
 
-def on_device(*laws: torch.Tensor) -> list[torch.Tensor]:
-    return [law.to(TEST_DEVICE) for law in laws]
+def on_device(*log_probs: torch.Tensor) -> list[torch.Tensor]:
+    return [law.to(TEST_DEVICE) for law in log_probs]
 
 
 def random_law(gen: torch.Generator, v: int, zeros: int = 0) -> torch.Tensor:
@@ -180,13 +180,13 @@ def test_stochastic_beam_search_best_beam_is_a_sample_of_the_sequence_law() -> N
     gen = generator(3)
     for _ in range(6000):
         tree = _Growing([0], [-1], [torch.zeros(0)], [0], [0.0], [0.0])
-        laws = {(0, 0): first_log}
-        picks = _beam_level(tree, laws, 0, 2, gen)
+        log_probs = {(0, 0): first_log}
+        picks = _beam_level(tree, log_probs, 0, 2, gen)
         tree.tokens += [t for _, t in picks]
         tree.frontier = [1, 2][: len(picks)]
         for node, (_, t) in zip(tree.frontier, picks, strict=True):
-            laws[0, node] = after_log[t]
-        second = _beam_level(tree, laws, 0, 2, gen)
+            log_probs[0, node] = after_log[t]
+        second = _beam_level(tree, log_probs, 0, 2, gen)
         parent, token = second[0]
         counts[tree.tokens[parent], token] += 1
     assert passes_chi_square(counts, first[:, None] * after)
