@@ -55,7 +55,7 @@ def run_setting(
         (
             {
                 "redrafter": functools.partial(timed, engine, [prompt], [p], "redrafter", **shape),
-                "ar": functools.partial(timed, engine, [prompt], [p], "ar", **shape),
+                "ar": functools.partial(timed, engine, [prompt], [p], "ar"),
             }
             for prompt, p in zip(prompts, params, strict=True)
         ),

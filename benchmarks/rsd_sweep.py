@@ -84,8 +84,13 @@ class Config:
         return f"W={self.beam_width} L={self.beam_length}"
 
     def overrides(self) -> dict[str, Any]:
+        """The settings this method takes (a method refuses another's)."""
+        if self.method == "ar":
+            return {}
         if self.method == "rsd-c":
             return {"branching": self.branching}
+        if self.method == "sd":
+            return {"beam_length": self.beam_length}
         return {"beam_width": self.beam_width or None, "beam_length": self.beam_length}
 
 

@@ -19,10 +19,10 @@ from runtime.spec.registry import METHODS
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
 BUILD = BuildConfig(max_batch_size=2, max_input_len=512, max_seq_len=1024)
-EXPECTED = {  # drafter kind -> methods its engine runs
-    "redrafter": {"ar", "redrafter", "rsd-c", "rsd-s", "sd"},
-    "draft-lm": {"ar", "redrafter", "rsd-c", "rsd-s", "sd"},
-    "lyanna": {"ar", "lyanna"},
+EXPECTED = {  # drafter kind -> methods its engine runs (ngram needs no drafter: every engine)
+    "redrafter": {"ar", "redrafter", "rsd-c", "rsd-s", "sd", "ngram"},
+    "draft-lm": {"ar", "redrafter", "rsd-c", "rsd-s", "sd", "ngram"},
+    "lyanna": {"ar", "lyanna", "ngram"},
 }
 
 
