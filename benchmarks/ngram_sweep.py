@@ -77,7 +77,8 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
         "# Prompt-lookup (n-gram) decoding vs auto-regressive",
         "",
         f"Engine `{meta['engine']}`, {meta['prompts']} held-out prompts x {meta['max_tokens']} tokens "
-        f"(EOS ignored), {meta['rounds']} alternating rounds per row. Command: `{meta['command']}`",
+        f"(EOS ignored), in groups of `batch` requests, ngram and AR alternating group by group on the same "
+        f"engine (speedup: median of the per-group ratios). Command: `{meta['command']}`",
         "",
         "| batch | T | k | tau (tokens/step) | drafted/step | AR ms/token | ngram ms/token | speedup vs AR |",
         "|---|---|---|---|---|---|---|---|",
@@ -115,7 +116,6 @@ def main(argv: list[str] | None = None) -> None:
         "engine": args.engine,
         "prompts": args.prompts,
         "max_tokens": args.max_tokens,
-        "rounds": f"{args.prompts} / batch",
         "command": "python -m benchmarks.ngram_sweep " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": machine(),
     }
