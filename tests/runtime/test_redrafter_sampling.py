@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime import llm_engine
+from runtime import engine_core
 from runtime.loaded_engine import LoadedEngine
 from runtime.sampling import SamplingParams, sample, target_probs
 from runtime.tree import DraftTree, children_lists
@@ -88,6 +88,6 @@ def apple_rule_batch(
 def test_apple_per_beam_rule_fails_the_same_test(monkeypatch: pytest.MonkeyPatch) -> None:
     params = SamplingParams(temperature=1.0)
     engine = toy_engine()
-    monkeypatch.setattr(llm_engine, "accept_batch", apple_rule_batch)
+    monkeypatch.setattr(engine_core, "accept_batch", apple_rule_batch)
     counts = emitted_first_three(engine, params)
     assert not passes_chi_square(counts, toy_sampling.exact_first_three(engine.model, params))
