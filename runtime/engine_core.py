@@ -96,7 +96,8 @@ class EngineCore:
             step = step_input(torch.zeros_like(rows), rows, segments, rows, self.engine.device, self.blocks.block_size)
             self.runner.execute(step)
 
-        self.policy.calibrate(forward, [min(n, most) for n in (1, 16, 64, 256)])
+        drafting = [x for p in dict.fromkeys(self.proposers.values()) for x in p.draft_cost_samples()]
+        self.policy.calibrate(forward, [min(n, most) for n in (1, 16, 64, 256)], drafting)
 
     # ---- one step -------------------------------------------------------------------
 

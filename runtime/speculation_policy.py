@@ -21,8 +21,9 @@ step to maximise expected tokens per second:
 - tau(size) and nodes(size) are running means per size. A nested tree also measures
   every smaller size exactly for greedy acceptance: the accepted path stays accepted at
   budget c as long as each of its nodes is in the tree of that budget
-  (`DraftTree.node_budget` <= c). Sizes never tried start optimistic (every node
-  accepted), so they get tried.
+  (`DraftTree.node_budget` <= c). Sizes never tried start optimistic (as many tokens
+  as the request's smallest tree has nodes: one whole ReDrafter beam accepted), so they
+  get tried.
 
 Whatever the budget, acceptance is lossless; the policy only moves speed.
 """
@@ -31,10 +32,13 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
+
+DraftSamples = Iterable[tuple[int, float]]
+"""(drafted nodes, seconds) measurements of drafting (`Proposer.draft_cost_samples`)."""
 
 WINDOW = 64
 """Recent steps the cost fits use: enough to average noise, few enough to follow drift."""
@@ -123,19 +127,22 @@ class SpeculationPolicy:
     def rate(self, budget: int, options: list[list[int]], others: int) -> float:
         """Expected tokens per second of the decoding requests at this budget."""
         sizes = [fitting(o, budget) for o in options]
-        gain = sum(self.tau.get(s, float(s)) if s > 1 else 1.0 for s in sizes)
+        gain = sum(self.tau.get(s, optimistic(o)) if s > 1 else 1.0 for s, o in zip(sizes, options, strict=True))
         tokens = others + sum(self.tree_nodes.get(s, float(s)) if s > 1 else 1.0 for s in sizes)
         drafted = sum(s - 1 for s in sizes)
         seconds = self.forward_cost(tokens) + (self.draft_cost(drafted) if drafted else 0.0)
         return gain / max(seconds, 1e-9)
 
-    def calibrate(self, forward: Callable[[int], None], sizes: list[int]) -> None:
-        """Seed the forward-cost fit: `forward(n)` runs a target forward of n tokens, timed twice per size."""
+    def calibrate(self, forward: Callable[[int], None], sizes: list[int], draft_samples: DraftSamples) -> None:
+        """Seed the cost fits: `forward(n)` runs a target forward of n tokens (timed twice per
+        size); `draft_samples` are (drafted nodes, seconds) measured by the proposers."""
         for n in sizes:
             for _ in range(2):
                 start = time.perf_counter()
                 forward(n)
                 self.forward_cost.add(n, time.perf_counter() - start)
+        for drafted, seconds in draft_samples:
+            self.draft_cost.add(drafted, seconds)
 
     def observe(self, stats: StepStats) -> None:
         self.forward_cost.add(stats.num_tokens, stats.forward_seconds)
@@ -149,6 +156,12 @@ class SpeculationPolicy:
     @staticmethod
     def _mean(table: dict[int, float], key: int, value: float) -> None:
         table[key] = value if key not in table else (1 - EMA) * table[key] + EMA * value
+
+
+def optimistic(sizes: list[int]) -> float:
+    """Tokens per step assumed for a size never measured: the request's smallest drafted
+    tree accepted whole (one beam of a nested tree; a whole tree)."""
+    return float(min(s for s in sizes if s > 1))
 
 
 def fitting(sizes: list[int], budget: int) -> int:

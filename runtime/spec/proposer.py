@@ -68,6 +68,12 @@ class Proposer(ABC):
         """One tree per request, rooted at its pending token (`request.tokens[-1]`), of at
         most `budgets[i]` nodes (a budget of 1: the root alone)."""
 
+    def draft_cost_samples(self) -> list[tuple[int, float]]:
+        """(drafted nodes, seconds) of a few timed drafting calls at engine start, to seed
+        load-aware speculation's draft-cost fit (vLLM's profiling run). Default: none (the
+        fit then learns from live steps)."""
+        return []
+
     def on_accept(  # noqa: B027 (an optional hook)
         self, request: Request, tree: DraftTree, accepted: Acceptance, moves: KVMoves | None
     ) -> None:

@@ -13,6 +13,7 @@ whose drafter is a draft LM, "redrafter" means deterministic beams drafted level
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -119,6 +120,23 @@ class ReDrafterProposer(Proposer):
 
     def sizes(self, params: ReDrafterParams) -> list[int]:
         return [1, *(max_tree_nodes(w, params.beam_length) for w in beam_widths(params.beam_width))]
+
+    def draft_cost_samples(self) -> list[tuple[int, float]]:
+        """Beam searches of one beam for 1, 8 and 32 requests, twice each, from zero states."""
+        drafter, model = self.engine.redrafter, self.engine.model
+        assert drafter is not None
+        spec = self.engine.config.drafter
+        length = spec.settings.get("beam_length", ReDrafterParams.beam_length) if spec else ReDrafterParams.beam_length
+        samples = []
+        for rows in (1, 8, 32):
+            hidden = torch.zeros(
+                rows, model.config.hidden_size, dtype=model.lm_head.weight.dtype, device=self.engine.device
+            )
+            for _ in range(2):
+                start = time.perf_counter()
+                draft_trees(drafter, model.model.embed_tokens, hidden, [0] * rows, 1, length, False)
+                samples.append((rows * length, time.perf_counter() - start))
+        return samples
 
     def propose(self, requests: list[Request], budgets: list[int]) -> list[DraftTree]:
         drafter = self.engine.redrafter
