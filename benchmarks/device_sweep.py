@@ -5,7 +5,7 @@ batch sizes and temperatures, on one device (a GPU by default when there is one)
     python -m benchmarks.device_sweep --engine engines/demo-redrafter --dtype bfloat16
     python -m benchmarks.device_sweep --enforce-eager                   # no CUDA graphs
 
-For each engine, the methods are those of `runtime.spec.registry.METHODS` the engine accepts
+For each engine, the methods are those of `runtime.proposers.registry.METHODS` the engine accepts
 (a method whose request the engine refuses, e.g. lyanna on a ReDrafter engine, is listed
 as skipped with the engine's reason). One `LLMEngine` per engine serves every cell (its KV
 cache and, on a GPU, its CUDA graphs are made once), after a warm-up request per method.
@@ -41,8 +41,8 @@ from runtime.config import RuntimeConfig
 from runtime.engine_dir import DTYPES
 from runtime.llm_engine import LLMEngine
 from runtime.loaded_engine import LoadedEngine
+from runtime.proposers.registry import METHODS
 from runtime.results import tokens_per_step
-from runtime.spec.registry import METHODS
 from training.corpus import heldout_prompts
 
 ENGINES = ("engines/demo-redrafter", "engines/demo-draft-lm", "engines/demo-lyanna")

@@ -34,7 +34,7 @@ from torch import nn
 
 from model_defs.redrafter import ReDrafter, ResBlock, warp_logits
 from runtime.loaded_engine import LoadedEngine
-from runtime.spec.beam_search import beam_search
+from runtime.proposers.beam_search import beam_search
 from runtime.tensor_parallel import exit_process, join_process_group
 
 

@@ -29,7 +29,7 @@ from benchmarks.report import machine, write_report
 from benchmarks.timing import ONE_AT_A_TIME, alternate, sampling_params, timed
 from runtime.llm_engine import LLMEngine
 from runtime.loaded_engine import LoadedEngine
-from runtime.spec.redrafter import ReDrafterParams
+from runtime.proposers.redrafter import ReDrafterParams
 from training.corpus import heldout_prompts
 
 

@@ -42,8 +42,8 @@ from benchmarks.report import machine, write_report
 from benchmarks.timing import ONE_AT_A_TIME, Timings, bracketed_round, grouped, sampling_params, warm_up
 from runtime.llm_engine import LLMEngine
 from runtime.loaded_engine import LoadedEngine
+from runtime.proposers.rsd import TreeSpec
 from runtime.results import tokens_per_step
-from runtime.spec.rsd import TreeSpec
 
 ENGINES = ("engines/demo-redrafter", "engines/demo-draft-lm")
 DRAFTER_NAMES = {"redrafter": "rnn", "draft-lm": "draft-lm"}

@@ -25,7 +25,7 @@ from benchmarks.loadtest import RequestSettings, run_load, summarize
 from benchmarks.prompts import load_prompts
 from benchmarks.report import machine, save_figure, subplots, write_report
 from runtime.config import RuntimeConfig
-from runtime.spec.registry import METHODS
+from runtime.proposers.registry import METHODS
 from triton_repo.repository import ServingConfig
 from triton_repo.server import TritonServer
 

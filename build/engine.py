@@ -32,10 +32,10 @@ from model_defs.llama import ARCHITECTURE, LlamaConfig
 from model_defs.lyanna import LyannaDrafter
 from model_defs.redrafter import ReDrafter
 from runtime.engine_dir import DRAFTER_PREFIX, DTYPES, TOKENIZER_FILE, BuildConfig, DrafterSpec, EngineConfig, rank_file
-from runtime.spec.lyanna import LyannaParams
-from runtime.spec.redrafter import ReDrafterParams
-from runtime.spec.registry import METHODS
-from runtime.spec.rsd import DEFAULT_BRANCHING, parse_branching
+from runtime.proposers.lyanna import LyannaParams
+from runtime.proposers.redrafter import ReDrafterParams
+from runtime.proposers.registry import METHODS
+from runtime.proposers.rsd import DEFAULT_BRANCHING, parse_branching
 
 
 class BuildError(ValueError):

@@ -1,11 +1,11 @@
 """One step of the in-flight batching engine. The loop knows no method: a request's
-proposer (`runtime/spec/`) drafts its trees; everything else is shared.
+proposer (`runtime/proposers/`) drafts its trees; everything else is shared.
 
     schedule -> propose -> assemble -> forward -> verify -> commit -> emit
 
 - schedule: load-aware node budgets (`speculation_policy.py`), prefill chunks and decoding
   steps under the token budget (`scheduler.py`);
-- propose: one `DraftTree` per decoding request (`spec/*.py`; the root alone = auto-regressive);
+- propose: one `DraftTree` per decoding request (`proposers/*.py`; the root alone = auto-regressive);
 - assemble + forward: prefill chunks and trees of every request in ONE target forward over
   the paged cache (`step_batch.py`, `model_runner.py`);
 - verify: greedy or recursive rejection sampling on the target's own logits (`verify.py`),
@@ -35,11 +35,11 @@ from runtime.faults import FaultInjector, describe, each_alone
 from runtime.kv_budget import kv_cache_blocks
 from runtime.loaded_engine import LoadedEngine
 from runtime.model_runner import ModelRunner, StepSender
+from runtime.proposers.proposer import KVMoves, Proposer
+from runtime.proposers.registry import methods_for, proposer_class
 from runtime.request import Request
 from runtime.sampling import next_token
 from runtime.scheduler import ScheduledWork, Scheduler
-from runtime.spec.proposer import KVMoves, Proposer
-from runtime.spec.registry import methods_for, proposer_class
 from runtime.speculation_policy import SpeculationPolicy, StepStats, fitting
 from runtime.step_batch import Batch, assemble, step_input
 from runtime.tree import DraftTree

@@ -86,7 +86,7 @@ class DrafterSpec:
     LM, `LyannaConfig` keys for Lyanna)."""
     settings: dict[str, Any] = field(default_factory=dict)
     """Default method settings, overridable per request: method, beam_width, beam_length,
-    branching; Lyanna: the `runtime.spec.lyanna.LyannaParams` fields."""
+    branching; Lyanna: the `runtime.proposers.lyanna.LyannaParams` fields."""
 
     def __post_init__(self) -> None:
         if self.kind not in DRAFTER_KINDS:

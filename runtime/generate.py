@@ -30,12 +30,12 @@ from runtime.engine_dir import EngineConfig
 from runtime.llm_engine import EngineDeadError, LLMEngine
 from runtime.loaded_engine import LoadedEngine
 from runtime.output import RequestOutput
+from runtime.proposers.registry import METHODS
+from runtime.proposers.rsd import parse_branching
 from runtime.request import RequestEvent
 from runtime.results import tokens_per_step
 from runtime.runtime_args import add_runtime_args, runtime_config
 from runtime.sampling import SamplingParams
-from runtime.spec.registry import METHODS
-from runtime.spec.rsd import parse_branching
 from runtime.tensor_parallel import exit_process, init_tensor_parallel, rank_device, serve_worker, start_workers
 
 

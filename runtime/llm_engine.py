@@ -20,11 +20,11 @@ from runtime.config import RuntimeConfig, check_request
 from runtime.engine_core import EngineCore
 from runtime.loaded_engine import LoadedEngine
 from runtime.model_runner import StepSender
+from runtime.proposers.proposer import settings_for
+from runtime.proposers.registry import DEFAULT_METHOD, proposer_class
 from runtime.request import Callback, Request
 from runtime.results import GenerationResult, stop_ids
 from runtime.sampling import SamplingParams
-from runtime.spec.proposer import settings_for
-from runtime.spec.registry import DEFAULT_METHOD, proposer_class
 
 log = logging.getLogger(__name__)
 

@@ -57,7 +57,7 @@ class Request:
     prompt: list[int]
     params: SamplingParams
     method: str
-    """Its decoding method (`runtime.spec.registry.METHODS`)."""
+    """Its decoding method (`runtime.proposers.registry.METHODS`)."""
     draft_params: Any
     """The method's typed parameters (its proposer's `params`); None for ar."""
     generator: torch.Generator

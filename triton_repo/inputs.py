@@ -26,8 +26,8 @@ from tokenizers import Tokenizer
 
 from runtime.config import check_request
 from runtime.engine_dir import EngineConfig
+from runtime.proposers.registry import METHODS
 from runtime.sampling import SamplingParams
-from runtime.spec.registry import METHODS
 
 DEFAULT_MAX_TOKENS = 64
 """When a request gives no max_tokens (the TensorRT-LLM ensemble requires it; we default)."""

@@ -15,7 +15,7 @@ from benchmarks.device_sweep import cast, main
 from build.engine import build_engine
 from runtime.engine_dir import BuildConfig
 from runtime.loaded_engine import LoadedEngine
-from runtime.spec.registry import METHODS
+from runtime.proposers.registry import METHODS
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
 BUILD = BuildConfig(max_batch_size=2, max_input_len=512, max_seq_len=1024)

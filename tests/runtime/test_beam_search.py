@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from model_defs.redrafter import ReDrafter, ReDrafterConfig
-from runtime.spec.beam_search import beam_search
+from runtime.proposers.beam_search import beam_search
 from tests.device import ON_CPU, TEST_DEVICE
 
 D = 8

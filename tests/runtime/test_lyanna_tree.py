@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.spec.lyanna import LyannaParams, resample_subtree, token_info_tree
+from runtime.proposers.lyanna import LyannaParams, resample_subtree, token_info_tree
 from runtime.tree import DraftTree, children_lists, merge, prune
 from tests.device import TEST_DEVICE
 

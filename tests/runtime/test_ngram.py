@@ -15,9 +15,9 @@ from runtime import llm_engine
 from runtime.config import RuntimeConfig
 from runtime.engine_dir import BuildConfig
 from runtime.loaded_engine import LoadedEngine
+from runtime.proposers.ngram import NgramParams, NgramProposer, lookup
 from runtime.results import tokens_per_step
 from runtime.sampling import SamplingParams
-from runtime.spec.ngram import NgramParams, NgramProposer, lookup
 from runtime.tree import DraftTree
 from tests import toy_sampling
 from tests.device import TEST_DEVICE

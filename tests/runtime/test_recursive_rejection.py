@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from runtime.gumbel import gumbel_noise, gumbel_top_k, truncated_gumbel
+from runtime.proposers.rsd import _beam_level, _Growing
 from runtime.sampling import SamplingParams
-from runtime.spec.rsd import _beam_level, _Growing
 from runtime.tree import DraftTree
 from runtime.verify import accept_sampled_batch, rejection_step
 from tests.device import TEST_DEVICE

@@ -1,4 +1,4 @@
-"""Drafters fed one tree level at a time (`runtime.spec.rsd.LevelDrafter`), for the RSD methods.
+"""Drafters fed one tree level at a time (`runtime.proposers.rsd.LevelDrafter`), for the RSD methods.
 
 - `RNNLevels`: the ReDrafter RNN drafter. A node's state is the recurrence over its path
   (s_node = step(s_parent, E(token))); every node reads the target hidden state of its

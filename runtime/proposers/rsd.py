@@ -1,7 +1,7 @@
 """Recursive Speculative Decoding drafts (Jeon et al. 2024, arXiv 2402.14160): draft trees
 whose siblings are drawn *without replacement*, built level by level over any drafter
 that gives a next-token distribution per node (`LevelDrafter`: the ReDrafter RNN or a
-draft LM, `runtime/spec/level_drafters.py`).
+draft LM, `runtime/proposers/level_drafters.py`).
 
     method     tree                                            siblings drawn by
     rsd-c      constant branching b = (b_0, ..., b_{L-1})       Gumbel-top-k (RSD Alg. 3/4)
@@ -40,10 +40,10 @@ from model_defs.paged_kv_cache import PagedKVCache
 from runtime.block_manager import BlockManager
 from runtime.gumbel import gumbel_noise, gumbel_top_k, top_k_valid, truncated_gumbel
 from runtime.loaded_engine import LoadedEngine
+from runtime.proposers.level_drafters import DraftLMLevels, RNNLevels
+from runtime.proposers.proposer import KVMoves, Proposer, target_hidden
 from runtime.request import Request
 from runtime.sampling import SamplingParams, target_probs_rows
-from runtime.spec.level_drafters import DraftLMLevels, RNNLevels
-from runtime.spec.proposer import KVMoves, Proposer, target_hidden
 from runtime.tree import DraftTree
 from runtime.verify import Acceptance
 

@@ -8,7 +8,7 @@ packed tree per request that the target verifies in the step's forward.
 Verification, acceptance and KV compaction are the same for every method
 (`runtime/engine_core.py`, `runtime/verify.py`); this module only proposes. On an engine
 whose drafter is a draft LM, "redrafter" means deterministic beams drafted level by level
-(`runtime/spec/rsd.py`).
+(`runtime/proposers/rsd.py`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from torch import nn
 
 from model_defs.redrafter import ReDrafter
 from plugins.beam_packing import pack
+from runtime.proposers.beam_search import beam_search
+from runtime.proposers.proposer import Proposer, largest_fitting, target_hidden
 from runtime.request import Request
-from runtime.spec.beam_search import beam_search
-from runtime.spec.proposer import Proposer, largest_fitting, target_hidden
 from runtime.tree import DraftTree
 
 

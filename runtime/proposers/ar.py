@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from runtime.proposers.proposer import Proposer
 from runtime.request import Request
-from runtime.spec.proposer import Proposer
 from runtime.tree import DraftTree
 
 

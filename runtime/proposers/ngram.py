@@ -19,8 +19,8 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from runtime.proposers.proposer import Proposer
 from runtime.request import Request
-from runtime.spec.proposer import Proposer
 from runtime.tree import DraftTree, chain
 
 

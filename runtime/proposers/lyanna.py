@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
+from runtime.proposers.proposer import KVMoves, Proposer, target_hidden
 from runtime.request import Request
-from runtime.spec.proposer import KVMoves, Proposer, target_hidden
 from runtime.tree import DraftTree, merge, prune
 from runtime.verify import Acceptance
 

@@ -8,12 +8,12 @@ Drafter kinds (`runtime.engine_dir.DRAFTER_KINDS`): "redrafter" (the RNN), "draf
 from __future__ import annotations
 
 from runtime.engine_dir import DRAFTER_KINDS
-from runtime.spec.ar import ARProposer
-from runtime.spec.lyanna import LyannaProposer
-from runtime.spec.ngram import NgramProposer
-from runtime.spec.proposer import Proposer
-from runtime.spec.redrafter import ReDrafterProposer
-from runtime.spec.rsd import LevelTreeProposer
+from runtime.proposers.ar import ARProposer
+from runtime.proposers.lyanna import LyannaProposer
+from runtime.proposers.ngram import NgramProposer
+from runtime.proposers.proposer import Proposer
+from runtime.proposers.redrafter import ReDrafterProposer
+from runtime.proposers.rsd import LevelTreeProposer
 
 ANY_ENGINE: tuple[str | None, ...] = (None, *DRAFTER_KINDS)
 RSD_DRAFTERS = ("redrafter", "draft-lm")

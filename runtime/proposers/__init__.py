@@ -1,0 +1,2 @@
+"""Drafting methods, one proposer each, behind one interface (`proposer.Proposer`);
+`registry` maps method names to them."""

@@ -1,1 +1,0 @@
-"""Drafting methods behind one interface (`proposer.Proposer`); `registry` maps method names to them."""
