@@ -138,9 +138,7 @@ class EngineCore:
                     finished.append(self._finish(request, "error", acc))
                     continue
                 else:
-                    self._commit(
-                        request, item.budget, trees[request], acc, hidden[span.start + acc.path[-1]], batch, stats
-                    )
+                    self._commit(item, trees[request], acc, hidden[span.start + acc.path[-1]], batch, stats)
             except Exception as e:  # this request only
                 log.exception("request %s failed", request.request_id)
                 finished.append(self._finish(request, "error", describe(e)))
@@ -207,8 +205,7 @@ class EngineCore:
 
     def _commit(
         self,
-        request: Request,
-        budget: int,
+        item: ScheduledWork,
         tree: DraftTree,
         acc: Acceptance,
         hidden: torch.Tensor,
@@ -217,6 +214,7 @@ class EngineCore:
     ) -> None:
         """Keep the accepted path: its KV compacted to consecutive positions, the rest of the
         tree's blocks freed, the proposer told, the tokens emitted."""
+        request = item.request
         context, slots = request.num_computed, batch.slots[request.request_id]
         moved = [(context + p, context + i) for i, p in enumerate(acc.path) if p != i]
         moves = None
@@ -233,9 +231,9 @@ class EngineCore:
         result.num_drafted += len(tree.tokens) - 1
         result.accepted_per_step.append(acc.num_accepted)
         if len(tree.tokens) > 1:
-            sizes = self.proposers[request.method].sizes(request.draft_params)
+            smaller = [s for s in item.sizes if 1 < s < item.budget]
             path_budgets = [tree.node_budget[n] for n in acc.path[1:]] if tree.node_budget else []
-            stats.record(budget, len(tree.tokens), acc.num_accepted, [s for s in sizes if 1 < s < budget], path_budgets)
+            stats.record(item.budget, len(tree.tokens), acc.num_accepted, smaller, path_budgets)
         self._notify(request, request.emit(acc.tokens))
 
     def _notify(self, request: Request, tokens: list[int], error: str | None = None) -> None:

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from runtime.block_manager import BlockManager
 from runtime.request import Request
+from runtime.speculation_policy import largest_fitting
 
 
 class QueueFullError(RuntimeError):
@@ -38,6 +39,8 @@ class ScheduledWork:
     """Prefill: prompt tokens of this step's chunk (0 for a decoding step)."""
     budget: int = 0
     """Decoding: most tree nodes this step may verify, root included (1 = auto-regressive)."""
+    sizes: list[int] = field(default_factory=list)
+    """Decoding: the tree sizes the request was offered this step (`budget` is the largest that fit)."""
 
     @property
     def prefill(self) -> bool:
@@ -112,8 +115,8 @@ class Scheduler:
             if request.in_prefill:
                 item = ScheduledWork(request, chunk=min(request.prefill_target - request.num_computed, budget))
             else:
-                fits = [s for s in sizes.get(request.request_id, [1]) if s <= budget]
-                item = ScheduledWork(request, budget=max(fits, default=1))
+                offered = sizes.get(request.request_id, [1])
+                item = ScheduledWork(request, budget=largest_fitting(offered, budget), sizes=offered)
             n = item.num_new
             if n == 0 or n > budget:
                 continue

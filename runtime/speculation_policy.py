@@ -164,8 +164,13 @@ def optimistic(sizes: list[int]) -> float:
     return float(min(s for s in sizes if s > 1))
 
 
+def largest_fitting(sizes: list[int], budget: int) -> int:
+    """The largest of `sizes` within `budget`, or 1 (the root alone)."""
+    return max((s for s in sizes if s <= budget), default=1)
+
+
 def fitting(sizes: list[int], budget: int) -> int:
-    """The size a request offering `sizes` drafts at `budget`: the largest within it; a
-    whole tree (one size) is drafted whatever the budget (the step's token budget may
-    still cut it to the root)."""
-    return max((s for s in sizes if s <= budget), default=sizes[0]) if len(sizes) > 1 else sizes[0]
+    """The size a request offering `sizes` drafts at `budget`: the largest within it (nested
+    sizes start at 1); a whole tree (one size) is drafted whatever the budget (the step's
+    token budget may still cut it to the root)."""
+    return largest_fitting(sizes, budget) if len(sizes) > 1 else sizes[0]

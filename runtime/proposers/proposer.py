@@ -93,11 +93,6 @@ def settings_for(
     return {k: v for k, v in defaults.items() if k in names} | given
 
 
-def largest_fitting(sizes: list[int], budget: int) -> int:
-    """The largest of `sizes` within `budget`, or 1 (the root alone)."""
-    return max((s for s in sizes if s <= budget), default=1)
-
-
 def target_hidden(requests: list[Request]) -> torch.Tensor:
     """[B, D] target hidden states at the requests' last committed tokens (what hidden-state
     drafters read)."""

@@ -24,8 +24,9 @@ from torch import nn
 from model_defs.redrafter import ReDrafter
 from plugins.beam_packing import pack
 from runtime.proposers.beam_search import beam_search
-from runtime.proposers.proposer import Proposer, largest_fitting, target_hidden
+from runtime.proposers.proposer import Proposer, target_hidden
 from runtime.request import Request
+from runtime.speculation_policy import largest_fitting
 from runtime.tree import DraftTree
 
 
