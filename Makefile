@@ -17,7 +17,7 @@ DEMO_PROMPTS := --prompt "def fibonacci(n):" \
 	--prompt "$$(printf 'class Stack:\n    def __init__(self):')" \
 	--prompt "$$(printf 'import os\n\n\ndef list_python_files(path):')"
 
-.PHONY: help setup mpi engine demo serve test test-slow lint format model drafter draft-lm lyanna bench-redrafter bench-batch bench-rsd bench-ngram bench-lyanna bench-drafter-tp loadtest soak bench-table2 export-trtllm clean
+.PHONY: help setup mpi engine demo serve test test-slow lint format model drafter draft-lm lyanna bench-redrafter bench-batch bench-rsd bench-ngram profile bench-lyanna bench-drafter-tp loadtest soak bench-table2 export-trtllm clean
 
 help:  ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 18
@@ -117,6 +117,9 @@ work_dirs/lyanna-no-fusion/model.safetensors: | $(STAMP)
 	$(BIN)/python -m training.train_lyanna --target $(MODEL) --out work_dirs/lyanna-no-fusion $(LYANNA_ABLATION) --no-first-token-fusion
 
 LYANNA_ABLATIONS := work_dirs/lyanna-full/model.safetensors work_dirs/lyanna-no-token-info/model.safetensors work_dirs/lyanna-no-fusion/model.safetensors
+profile: engine  ## where a step's time goes: ms per phase for AR and every method at batch 1/8/32 -> benchmarks/results/step_profile.{json,md}
+	$(BIN)/python -m benchmarks.step_profile
+
 bench-ngram: engine  ## prompt-lookup (n-gram) decoding vs AR on held-out prompts, batch 1 and 8, T=0 and 1 -> benchmarks/results/
 	$(BIN)/python -m benchmarks.ngram_sweep --engine $(SPEC_ENGINE)
 

@@ -10,7 +10,7 @@ alternating rounds on the same engine so machine noise hits them alike. Reported
   ratio to auto-regressive decoding: the median over rounds of the ratio measured within
   one round (robust to bursts of load on a shared machine);
 - tau: tokens emitted per decoding step per request (bonus included; 1 for AR);
-- the tree budgets (nodes, root included) load-aware speculation chose, as a histogram over steps.
+- the tree sizes (nodes, root included) load-aware speculation chose, as a histogram over request-steps.
 Writes `<out>.json` and `<out>.md`.
 """
 
@@ -58,7 +58,9 @@ def run_batch(
         name: functools.partial(timed, engine, prompts, params, CONFIGS[name][0]) for name, engine in engines.items()
     }
     timings = alternate([runs] * rounds, "ar")
-    widths = engines["redrafter-load-aware"].policy.budgets_chosen
+    widths = Counter[int]()
+    for (_, size), n in engines["redrafter-load-aware"].policy.chosen.items():
+        widths[size] += n
     taus = {name: [tokens_per_step(run.results) for run in t.runs] for name, t in timings.items()}
     return (
         {name: t.tokens_per_s for name, t in timings.items()},
@@ -79,7 +81,7 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
         "the ratio to auto-regressive decoding within a round; tau = tokens per decoding step per request.",
         "",
         "| batch | " + " | ".join(f"{n} tok/s" for n in names) + " | fixed / AR | load-aware / AR | "
-        "tau fixed | tau load-aware | load-aware tree budgets (steps) |",
+        "tau fixed | tau load-aware | load-aware tree sizes (request-steps) |",
         "|---|" + "---|" * (len(names) + 5),
     ]
     for r in rows:
@@ -123,7 +125,7 @@ def main() -> None:
         prompts = [loaded.encode(t) for t in texts[:size]]
         for name, llm in engines.items():  # warm-up (allocator growth, first-step measurements)
             warm_up(llm, prompts[0], CONFIGS[name][0], args.temperature)
-        engines["redrafter-load-aware"].policy.budgets_chosen.clear()
+        engines["redrafter-load-aware"].policy.chosen.clear()
         rate, ratio, taus, widths = run_batch(engines, prompts, args.max_tokens, args.rounds, args.temperature)
         rows.append(Row(size, rate, ratio, taus, dict(widths)))
         tqdm.write(str(asdict(rows[-1])))

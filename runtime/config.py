@@ -29,11 +29,16 @@ class RuntimeConfig:
     max_queue_size: int = 256
     """Most waiting requests; more are refused at once (QueueFullError)."""
     speculation: str = "load-aware"
-    """"load-aware": choose the drafting width per step from the batch and measured step
-    costs (down to none); "fixed": always draft the request's own width."""
+    """"load-aware": choose each request's tree size every step from running acceptance
+    estimates and measured step costs, to maximise tokens per second (down to none, with
+    bounded re-probing; `runtime/speculation_policy.py`); "fixed": always draft the
+    request's own largest tree."""
     cuda_graphs: bool = True
     """On a GPU, replay captured target forwards (`runtime/cuda_graphs.py`); False = eager
     (vLLM's --enforce-eager)."""
+    profile: bool = False
+    """Synchronise the device at every step phase so `EngineCore.clock` attributes GPU time
+    to the phase that launched it (`make profile`); costs a little speed on a GPU."""
     batch_invariant: bool = False
     """Target forwards whose per-token result does not depend on how many tokens share
     them (`LlamaForCausalLM.set_batch_invariant`), so bf16/fp16 speculative greedy output

@@ -40,8 +40,9 @@ from runtime.proposers.registry import methods_for, proposer_class
 from runtime.request import Request
 from runtime.sampling import next_token
 from runtime.scheduler import ScheduledWork, Scheduler
-from runtime.speculation_policy import SpeculationPolicy, StepStats, fitting
+from runtime.speculation_policy import Offer, Outcome, SpeculationPolicy, StepStats
 from runtime.step_batch import Batch, assemble, step_input
+from runtime.step_clock import StepClock
 from runtime.tree import DraftTree
 from runtime.verify import Acceptance, accept_batch
 
@@ -77,45 +78,58 @@ class EngineCore:
             if (cls := proposer_class(m, self.kind))
         }
         self.policy = SpeculationPolicy(adaptive=config.speculation == "load-aware")
+        self.clock = StepClock(torch.cuda.synchronize if config.profile and engine.device.type == "cuda" else None)
+        """Seconds per step phase (`make profile`)."""
         self._requests: dict[str, Request] = {}
         self._lock = threading.Lock()
         self.faults = FaultInjector.from_env()
         self.dead: str | None = None
         """Why the engine cannot step any more (None while it can)."""
         self._failed_steps = 0
-        if self.policy.adaptive and self.kind is not None:
-            self._calibrate()
+        self._calibrated = False
 
     def _calibrate(self) -> None:
-        """Seed the load-aware forward-cost fit (like vLLM's profiling run); the timed
-        forwards write into free blocks only."""
-        most = min(self.config.max_num_tokens, self.blocks.num_blocks * self.blocks.block_size)
+        """Seed load-aware speculation's cost fits (like vLLM's profiling run), before the
+        first step that could draft; the timed forwards write into free blocks only."""
+        self._calibrated = True
+        scratch = "\0calibration"
+        most = min(self.config.max_num_tokens, self.blocks.num_free * self.blocks.block_size)
+        if most < 1 or not self.blocks.ensure(scratch, most):
+            return  # no room now: the fits learn from live steps
+        slots = self.blocks.slots(scratch, 0, most)
 
         def forward(n: int) -> None:
-            segments, rows = [Segment(0, 0, torch.arange(n))], torch.arange(n)
+            segments, rows = [Segment(0, 0, slots[:n])], torch.arange(n)
             step = step_input(torch.zeros_like(rows), rows, segments, rows, self.engine.device, self.blocks.block_size)
             self.runner.execute(step)
 
-        drafting = [x for p in dict.fromkeys(self.proposers.values()) for x in p.draft_cost_samples()]
-        self.policy.calibrate(forward, [min(n, most) for n in (1, 16, 64, 256)], drafting)
+        try:
+            self.policy.calibrate(forward, most)
+            for method, proposer in self.proposers.items():
+                self.policy.add_draft_samples(method, proposer.draft_cost_samples())
+        finally:
+            self.blocks.free(scratch)
 
     # ---- one step -------------------------------------------------------------------
 
     def _step(self) -> list[Request]:
+        clock = self.clock
+        clock.start()
         finished = self._drop_cancelled()
         work = self._schedule()
         self.faults.check("step", (item.request.params for item in work))
         self.faults.check("hang", (item.request.params for item in work))
-        start = time.perf_counter()
-        trees, failures = self._propose([item for item in work if not item.prefill])
+        clock.lap("schedule")
+        trees, failures, drafting = self._propose([item for item in work if not item.prefill])
         finished += [self._finish(r, "error", message) for r, message in failures]
         work = [item for item in work if item.prefill or item.request in trees]
+        clock.lap("draft")
         if not work:
             return finished
-        drafted = time.perf_counter()
         try:
             self.faults.check("forward", (item.request.params for item in work))
             batch = assemble(work, trees, self.blocks, self.engine.device)
+            clock.lap("assemble")
             out = self.runner.execute(batch.step)
             logits, hidden = out.logits[0], out.hidden[0]
         except Exception as e:  # a failed forward fails its requests, not the engine ...
@@ -123,10 +137,11 @@ class EngineCore:
                 raise  # ... except under TP: the other ranks may be inside that forward, out of step
             log.exception("forward failed; failing its %d request(s)", len(work))
             return finished + [self._finish(item.request, "error", describe(e)) for item in work]
-        stats = StepStats(len(batch.step.tokens), drafted - start, time.perf_counter() - drafted)
+        stats = StepStats(len(batch.step.tokens), clock.lap("forward"), drafting)
         rows = {r: logits[span.logits_start : span.logits_start + len(trees[r].tokens)]
                 for r, span in zip((i.request for i in work), batch.spans, strict=True) if r in trees}  # fmt: skip
         acceptances = self._verify(trees, rows)
+        clock.lap("verify")
         for item, span in zip(work, batch.spans, strict=True):
             request = item.request
             try:
@@ -145,35 +160,54 @@ class EngineCore:
                 continue
             if request.finished:
                 finished.append(self._finish(request, request.result.finish_reason))
+        clock.lap("commit")
         self.policy.observe(stats)
         return finished
 
     def _schedule(self) -> list[ScheduledWork]:
         """Tree sizes the decoding requests may draft (load-aware), then the scheduler's work."""
         running = list(self.scheduler.running.values())
-        decoding = [r for r in running if not r.in_prefill]
-        options = {r.request_id: self.proposers[r.method].sizes(r.draft_params) for r in decoding}
-        budget = self.policy.budget(list(options.values()), len(running) - len(decoding))
-        return self.scheduler.schedule({i: [s for s in o if s <= fitting(o, budget)] for i, o in options.items()})
+        offers = []
+        for r in running:
+            if not r.in_prefill:
+                proposer = self.proposers[r.method]
+                sizes, levels = proposer.sizes(r.draft_params), proposer.levels(r.draft_params)
+                offers.append(Offer(r.request_id, (r.method, r.params.greedy), r.method, sizes, levels))
+        if not self._calibrated and self.policy.adaptive and any(len(o.sizes) > 1 for o in offers):
+            self._calibrate()
+        chosen = self.policy.choose(offers, len(running) - len(offers))
+        return self.scheduler.schedule({o.key: [s for s in o.sizes if s <= chosen[o.key]] for o in offers})
 
-    def _propose(self, work: list[ScheduledWork]) -> tuple[dict[Request, DraftTree], list[tuple[Request, str]]]:
-        """Trees of the decoding requests, one batched call per proposer, and the requests
-        whose drafting failed (with what went wrong)."""
-        groups: dict[Proposer, list[ScheduledWork]] = {}
+    def _propose(
+        self, work: list[ScheduledWork]
+    ) -> tuple[dict[Request, DraftTree], list[tuple[Request, str]], dict[str, tuple[int, int, float]]]:
+        """Trees of the decoding requests, one batched call per method, the requests whose
+        drafting failed (with what went wrong), and each method's drafting (most levels,
+        drafted nodes, seconds) for load-aware speculation."""
+        groups: dict[str, list[ScheduledWork]] = {}
         for item in work:
-            groups.setdefault(self.proposers[item.request.method], []).append(item)
+            groups.setdefault(item.request.method, []).append(item)
         trees: dict[Request, DraftTree] = {}
         failures: list[tuple[Request, str]] = []
-        for proposer, items in groups.items():
+        drafting: dict[str, tuple[int, int, float]] = {}
+        for method, items in groups.items():
+            proposer = self.proposers[method]
 
             def propose(items: list[ScheduledWork], proposer: Proposer = proposer) -> list[DraftTree]:
                 self.faults.check("draft", (item.request.params for item in items))
                 return proposer.propose([item.request for item in items], [item.budget for item in items])
 
+            if all(item.budget == 1 for item in items):  # nothing to draft: no drafter call at all
+                trees |= {item.request: DraftTree.root(item.request.tokens[-1]) for item in items}
+                continue
+            start = time.perf_counter()
             done, failed = each_alone(propose, items, "drafting")
+            seconds = time.perf_counter() - start
             trees |= {item.request: tree for item, tree in done}
             failures += [(item.request, message) for item, message in failed]
-        return trees, failures
+            levels = max(proposer.levels(i.request.draft_params)[i.sizes.index(i.budget)] for i in items)
+            drafting[method] = (levels, sum(len(t.tokens) - 1 for _, t in done), seconds)
+        return trees, failures, drafting
 
     def _verify(
         self, trees: dict[Request, DraftTree], logits: dict[Request, torch.Tensor]
@@ -230,15 +264,19 @@ class EngineCore:
         result.num_forwards += 1
         result.num_drafted += len(tree.tokens) - 1
         result.accepted_per_step.append(acc.num_accepted)
+        result.sizes_per_step.append(item.budget)
         if len(tree.tokens) > 1:
-            smaller = [s for s in item.sizes if 1 < s < item.budget]
-            path_budgets = [tree.node_budget[n] for n in acc.path[1:]] if tree.node_budget else []
-            stats.record(item.budget, len(tree.tokens), acc.num_accepted, smaller, path_budgets)
+            stats.outcomes.append(Outcome(
+                request.request_id, (request.method, request.params.greedy), item.budget,
+                self.proposers[request.method].sizes(request.draft_params), acc.num_accepted,
+                tree.node_budget, acc.path, len(tree.tokens),
+            ))  # fmt: skip
         self._notify(request, request.emit(acc.tokens))
 
     def _notify(self, request: Request, tokens: list[int], error: str | None = None) -> None:
         try:
-            request.notify(tokens, error)
+            with self.clock.nested("emit"):
+                request.notify(tokens, error)
         except Exception:  # a broken consumer must not take the engine (or other requests) down
             log.exception("callback of request %s failed; cancelling it", request.request_id)
             request.callback = None
@@ -247,6 +285,7 @@ class EngineCore:
     def _finish(self, request: Request, reason: str, error: str | None = None) -> Request:
         """Take the request out, free its blocks, send its final event."""
         self.scheduler.remove(request)
+        self.policy.forget(request.request_id)
         with self._lock:
             self._requests.pop(request.request_id, None)
         if request.result.finish_reason != reason:  # "length"/"stop" went out with the last tokens

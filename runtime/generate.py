@@ -21,7 +21,7 @@ import argparse
 import json
 import sys
 import time
-from collections import deque
+from collections import Counter, deque
 from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
@@ -172,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                         "tokens_per_step": o.result.tokens_per_step if o.result else None,
                         "num_drafted": o.stats.num_draft_tokens if o.stats else 0,
                         "num_accepted": o.stats.num_accepted_tokens if o.stats else 0,
+                        "tree_sizes": dict(sorted(Counter(o.result.sizes_per_step).items())) if o.result else {},
                     }
                 )
             )

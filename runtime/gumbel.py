@@ -25,9 +25,41 @@ import torch.nn.functional as F
 
 def gumbel_noise(shape: tuple[int, ...], generator: torch.Generator, device: torch.device | str) -> torch.Tensor:
     """Independent Gumbel(0, 1) samples `-log(-log U)`, U uniform on (0, 1)."""
-    u = torch.rand(shape, generator=generator, device=device, dtype=torch.float64)
-    tiny = torch.finfo(torch.float64).tiny
-    return -torch.log(-torch.log(u.clamp(min=tiny)))
+    return _gumbel(torch.rand(shape, generator=generator, device=device, dtype=torch.float64))
+
+
+def _gumbel(u: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) samples `-log(-log u)` from float64 uniforms `u` on [0, 1), computed
+    in place (`u` is overwritten and returned)."""
+    return u.clamp_(min=torch.finfo(torch.float64).tiny).log_().neg_().log_().neg_()
+
+
+def gumbel_noise_rows(
+    counts: list[int], generators: list[torch.Generator | None], width: int, device: torch.device | str
+) -> torch.Tensor | None:
+    """Gumbel noise `[sum(counts), width]` (float64) for consecutive blocks of rows: block i
+    (`counts[i]` rows) is `gumbel_noise((counts[i], width), generators[i], device)`, the
+    same uniforms from the same stream, zeros where `generators[i]` is None (a request
+    ranked, not sampled). None when every generator is None.
+
+    Each block's uniforms are drawn from its own generator (one RNG call per block: a
+    request's noise never depends on the other rows of the batch); the Gumbel transform
+    is one op over all rows."""
+    if all(g is None for g in generators):
+        return None
+    u = torch.empty((sum(counts), width), dtype=torch.float64, device=device)
+    start = 0
+    for count, gen in zip(counts, generators, strict=True):
+        if gen is not None and count:
+            u[start : start + count].uniform_(0.0, 1.0, generator=gen)  # = torch.rand((count, width))
+        start += count
+    noise = _gumbel(u)
+    start = 0
+    for count, gen in zip(counts, generators, strict=True):
+        if gen is None and count:
+            noise[start : start + count] = 0.0
+        start += count
+    return noise
 
 
 def top_k_valid(keys: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,6 +69,14 @@ def top_k_valid(keys: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
     values, index = torch.topk(keys, min(k, keys.shape[-1]))
     finite = values > float("-inf")
     return index[finite], values[finite]
+
+
+def top_k_valid_rows(keys: torch.Tensor, k: int) -> torch.Tensor:
+    """`top_k_valid` of every row of `keys` `[M, V]` at once: `[M, min(k, V)]` indices, best
+    first, -1 past a row's last finite entry (its valid indices are a prefix). Same
+    ranking rule as `top_k_valid` (one `torch.topk` along the row)."""
+    values, index = torch.topk(keys, min(k, keys.shape[-1]), dim=-1)
+    return index.masked_fill(~(values > float("-inf")), -1)
 
 
 def gumbel_top_k(log_probs: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.config import RuntimeConfig, check_request
@@ -49,6 +49,12 @@ class EngineStats:
     num_preemptions: int
     dead: str | None
     """Why the engine cannot step any more; None while it can."""
+    tree_sizes: dict[tuple[str, int], int] = field(default_factory=dict)
+    """(method, tree size) -> request-steps load-aware speculation drafted at that size (1: none)."""
+    estimated_tokens_per_step: dict[str, dict[int, float]] = field(default_factory=dict)
+    """kind of request (method/greedy) -> tree size -> tokens per step it expects (what it chooses by)."""
+    probes: int = 0
+    """Request-steps drafted larger than chosen, to re-measure acceptance."""
 
 
 class LLMEngine(EngineCore):
@@ -123,6 +129,9 @@ class LLMEngine(EngineCore):
             kv_blocks_free=self.blocks.num_free,
             num_preemptions=self.scheduler.num_preemptions,
             dead=self.dead,
+            tree_sizes=dict(self.policy.chosen),
+            estimated_tokens_per_step=self.policy.estimates(),
+            probes=self.policy.probes,
         )
 
     def close(self) -> None:

@@ -21,7 +21,9 @@ class GenerationResult:
     num_drafted: int = 0
     """Draft tokens proposed to the target (distinct tree nodes, root excluded)."""
     accepted_per_step: list[int] = field(default_factory=list)
-    """Draft tokens accepted at each speculative step (acceptance histograms)."""
+    """Draft tokens accepted at each decoding step (acceptance histograms)."""
+    sizes_per_step: list[int] = field(default_factory=list)
+    """Tree size (nodes, root included) load-aware speculation chose at each decoding step (1: none)."""
 
     @property
     def num_accepted(self) -> int:

@@ -1,49 +1,113 @@
-"""Load-aware speculation: how large a tree to draft this step (its node budget), from the
-current batch and measured step costs.
+"""Adaptive speculation: how large a tree each decoding request drafts this step, chosen to
+maximise the batch's expected tokens per second (goodput, as SmartSpec, Liu et al. 2024),
+with bounded exploration so it never settles on a stale estimate for good.
 
-Speculation trades target work for fewer steps: a tree of n nodes costs n tokens of the
-step's forward (plus drafting) and returns tau tokens (accepted + bonus). With few
-requests the forward is latency-bound and extra tokens are nearly free, so large trees
-win; with many, the forward is compute-bound, every node costs, and the best size
-shrinks — to none (auto-regressive) when drafting cannot pay for itself. vLLM and SGLang
-keep a fixed tree and lose their speedup at batch 24-56; here the budget is chosen per
-step to maximise expected tokens per second:
+    goodput(s) = sum_r tau_r(s_r) / (forward(tokens(s)) + sum_m draft_m(s))
 
-    rate(c) = sum_r tau_r(c) / (forward_time(tokens(c)) + draft_time(drafted(c)))
+- s_r: the size (tree nodes, root included) request r drafts, one of the sizes its
+  proposer offers (`Proposer.sizes`, ascending, nested: each tree holds the smaller ones;
+  1 = the root alone, an auto-regressive step). Every method offers 1, so every method can
+  be switched off per request and back on;
+- tau_r(s): expected tokens per step (accepted drafts + the bonus) of request r at size s:
+  its own running, decayed estimate (`REQUEST_EMA`), seeded from the estimate of its kind
+  (method x greedy/sampled, `GROUP_EMA`), and for a size never measured an optimistic s
+  (every node accepted), so unseen sizes get tried. One verified tree measures every
+  smaller nested size too: the accepted path stays accepted at size c as long as each of
+  its nodes is in the tree of size c (`DraftTree.node_budget` <= c), exactly for greedy
+  and in law for sampling;
+- forward(n): measured seconds of target forwards of n tokens (`TokenCost`, a table
+  interpolated between measured sizes: small-M GEMMs are far from linear), seeded by a
+  short calibration at engine start and refreshed by every step;
+- draft_m: per method, intercept + per level + per drafted node (`LinearCost` over the
+  method's recent drafting calls; levels are its sequential drafter calls).
 
-- a request offers the tree sizes its proposer can draft (`Proposer.sizes`); at budget c
-  it drafts the largest size <= c. Several sizes are nested trees (ReDrafter's beams,
-  best first), which the policy may shrink down to 1 (no drafting); a single size is a
-  whole tree (RSD, Lyanna, n-gram), always drafted and only counted here;
-- forward_time(n) = a + b n and draft_time(d) = c + e d (d drafted nodes) are
-  least-squares fits over recent measured steps (forward costs seeded by a short
-  calibration when the engine starts);
-- tau(size) and nodes(size) are running means per size. A nested tree also measures
-  every smaller size exactly for greedy acceptance: the accepted path stays accepted at
-  budget c as long as each of its nodes is in the tree of that budget
-  (`DraftTree.node_budget` <= c). Sizes never tried start optimistic (as many tokens
-  as the request's smallest tree has nodes: one whole ReDrafter beam accepted), so they
-  get tried.
+Choice (`choose`): a few Dinkelbach iterations (maximising a ratio: at the current rate
+lambda each request independently picks argmax_s tau_r(s) - lambda * marginal_cost_r(s)),
+plus every uniform choice (all requests at size <= c: the fixed settings, AR included);
+the best by the full cost model wins. ~10 evaluations of O(batch) each.
 
-Whatever the budget, acceptance is lossless; the policy only moves speed.
+Exploration (`PROBE_SHARE`): each step earns credit, 2% of its predicted time; when the
+credit covers a probe's expected loss (its time minus the time its tokens would take at
+the chosen rate), one request not at its largest size drafts its largest tree (the one
+measured longest ago: nested sizes are all measured by it), at most once per
+`PROBE_EVERY` steps per kind of request whose largest size is not measured anyway. So at batch 1 after a run of
+bad drafts it re-probes every few dozen steps, at batch 32 every few steps, and throughput
+lost to probing stays near 2% even when no probe pays.
+
+Whatever the sizes, acceptance is lossless; the policy only moves speed.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-DraftSamples = Iterable[tuple[int, float]]
-"""(drafted nodes, seconds) measurements of drafting (`Proposer.draft_cost_samples`)."""
-
 WINDOW = 64
-"""Recent steps the cost fits use: enough to average noise, few enough to follow drift."""
-EMA = 0.1
-"""Weight of a new observation in the acceptance/node means."""
+"""Recent drafting calls the draft-cost fits use: enough to average noise, few enough to follow drift."""
+GROUP_EMA = 0.05
+"""Least weight of a step's mean observation in an estimate shared by a kind of request (1/n before)."""
+REQUEST_EMA = 0.2
+"""Weight of a new observation in one request's own estimate (acceptance drifts along a text)."""
+REQUEST_PRIOR = 4
+"""Observations a request's own estimate needs to count half against its kind's (shrinkage:
+a few lucky or unlucky trees must not switch a request off for good)."""
+REQUEST_NOISE = 0.75
+"""Tokens per step by which a request's own estimate may differ from its kind's by chance
+(about the spread of a running mean of a few trees): only the excess counts."""
+REQUEST_HALF_LIFE = 8
+"""Steps after which an unrefreshed own estimate counts half as much (it drifts back to its kind's)."""
+FORWARD_EMA = 0.2
+"""Weight of a new timing of a forward size."""
+PROBE_SHARE = 0.02
+"""Share of step time that exploration may spend."""
+PROBE_EVERY = 32
+"""Fewest steps between probes of one kind of request (while its largest size is measured
+no more often than this)."""
+DINKELBACH_ROUNDS = 3
+Row = list[tuple[int, float, float, int]]
+"""One request's options: (size, tau, nodes, levels) per size."""
+CALIBRATION_SIZES = (1, 2, 3, 5, 8, 12, 17, 24, 33, 48, 64, 96, 128, 256)
+"""Forward sizes (tokens) timed at engine start."""
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What one decoding request may draft this step."""
+
+    key: str
+    """The request (its id)."""
+    kind: Hashable
+    """Requests whose acceptance is alike (method, greedy): they share estimates."""
+    method: str
+    """Whose drafting cost it pays."""
+    sizes: Sequence[int]
+    """Tree sizes it can draft, ascending, starting at 1 (the root alone)."""
+    levels: Sequence[int]
+    """Sequential drafter calls of each size (0 for size 1)."""
+
+
+@dataclass
+class Outcome:
+    """One verified tree."""
+
+    key: str
+    kind: Hashable
+    size: int
+    """The size it was drafted at."""
+    sizes: Sequence[int]
+    """The sizes the request offered."""
+    accepted: int
+    """Drafts kept."""
+    node_budget: list[int]
+    """`DraftTree.node_budget` of every node (empty: only the whole tree is known)."""
+    path: list[int]
+    """Accepted nodes, root first."""
+    nodes: int
+    """Tree nodes, root included."""
 
 
 @dataclass
@@ -51,126 +115,323 @@ class StepStats:
     """Measurements of one step, reported by the engine."""
 
     num_tokens: int
-    draft_seconds: float
     forward_seconds: float
-    drafted: int = 0
-    """Drafted nodes this step (roots excluded), over all requests."""
-    accepted: dict[int, list[int]] = field(default_factory=dict)
-    """size -> accepted drafts of each tree that could have been drafted at that size."""
-    nodes: dict[int, list[int]] = field(default_factory=dict)
-    """size -> tree sizes observed at exactly that size (duplicate beams merge)."""
+    drafting: dict[str, tuple[int, int, float]] = field(default_factory=dict)
+    """method -> (most levels, drafted nodes, seconds) of its drafting call."""
+    outcomes: list[Outcome] = field(default_factory=list)
 
-    def record(self, size: int, nodes: int, accepted: int, smaller: list[int], path_budgets: list[int]) -> None:
-        """One verified tree drafted at `size` with `nodes` nodes, `accepted` drafts kept;
-        for nested trees, `smaller` are the request's smaller sizes and `path_budgets` the
-        `node_budget` of each accepted draft (what each smaller size would have kept)."""
-        self.drafted += nodes - 1
-        self.nodes.setdefault(size, []).append(nodes)
-        self.accepted.setdefault(size, []).append(accepted)
-        if path_budgets:
-            for c in smaller:
-                self.accepted.setdefault(c, []).append(sum(b <= c for b in path_budgets))
+
+class TokenCost:
+    """Seconds of a target forward of n tokens: a table of measured sizes (decayed means),
+    linear in between, extrapolated from the two largest beyond."""
+
+    def __init__(self) -> None:
+        self.points: dict[int, float] = {}
+        self._sorted: list[int] = []
+
+    def add(self, n: int, seconds: float) -> None:
+        if n in self.points:
+            self.points[n] += FORWARD_EMA * (seconds - self.points[n])
+        else:
+            self.points[n] = seconds
+            self._sorted = sorted(self.points)
+
+    def __call__(self, n: float) -> float:
+        xs = self._sorted
+        if not xs:
+            return 0.0
+        if n in self.points:
+            return self.points[n]  # type: ignore[index]
+        i = int(np.searchsorted(xs, n))
+        if i == 0:
+            return self.points[xs[0]]
+        if i == len(xs):
+            if len(xs) == 1:
+                return self.points[xs[0]] * n / xs[0]
+            i -= 1
+        lo, hi = xs[i - 1], xs[i]
+        a, b = self.points[lo], self.points[hi]
+        return max(a + (b - a) * (n - lo) / (hi - lo), 0.0)
+
+    def slope(self, lo: float, hi: float) -> float:
+        """Marginal seconds per token between lo and hi tokens."""
+        return max((self(hi) - self(lo)) / (hi - lo), 0.0) if hi > lo else 0.0
 
 
 class LinearCost:
-    """seconds = intercept + slope * x, fitted on a window of (x, seconds) samples (refitted
-    once per new sample, not per query: the policy queries it several times a step)."""
+    """seconds = c0 + c . x (non-negative coefficients), least squares over a window of
+    (features, seconds) samples; refitted once per new sample, not per query."""
 
     def __init__(self) -> None:
-        self.samples: deque[tuple[float, float]] = deque(maxlen=WINDOW)
-        self._fit: tuple[float, float] | None = None
+        self.samples: deque[tuple[tuple[float, ...], float]] = deque(maxlen=WINDOW)
+        self._coef: np.ndarray | None = None
 
-    def add(self, x: float, seconds: float) -> None:
+    def add(self, x: tuple[float, ...], seconds: float) -> None:
         self.samples.append((x, seconds))
-        self._fit = None
+        self._coef = None
 
-    def __call__(self, x: float) -> float:
+    def __call__(self, *x: float) -> float:
         if not self.samples:
             return 0.0
-        if self._fit is None:
-            xs, ts = np.array(self.samples).T
-            if np.ptp(xs) == 0:  # no spread: assume proportional cost through the origin
-                self._fit = (0.0, float(ts.mean() / max(xs[0], 1.0)))
-            else:
-                slope, intercept = np.polyfit(xs, ts, 1)
-                self._fit = (max(float(intercept), 0.0), max(float(slope), 0.0))
-        intercept, slope = self._fit
-        return intercept + slope * x
+        if self._coef is None:
+            a = np.array([(1.0, *f) for f, _ in self.samples])
+            t = np.array([s for _, s in self.samples])
+            ridge = 1e-6 * np.eye(a.shape[1])  # features without spread: shrink their coefficient, not blow up
+            coef = np.linalg.solve(a.T @ a + ridge, a.T @ t)
+            if coef.min() < 0:  # a negative intercept/slope: refit without it (costs never shrink with work)
+                keep = coef > 0
+                coef = np.zeros_like(coef)
+                if keep.any():
+                    sub = a[:, keep]
+                    coef[keep] = np.linalg.solve(sub.T @ sub + ridge[: keep.sum(), : keep.sum()], sub.T @ t)
+                coef = np.maximum(coef, 0.0)
+            self._coef = coef
+        return float(self._coef[0] + np.dot(self._coef[1:], x))
+
+    def slopes(self) -> np.ndarray:
+        self(*([0.0] * (len(self.samples[0][0]) if self.samples else 0)))
+        return self._coef[1:] if self._coef is not None else np.zeros(0)
+
+
+@dataclass
+class Estimate:
+    tau: float
+    nodes: float
+    count: int = 1
+
+
+@dataclass
+class _Choice:
+    sizes: list[int]
+    tokens: float
+    seconds: float
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / max(self.seconds, 1e-12)
 
 
 @dataclass
 class SpeculationPolicy:
     adaptive: bool = True
-    """False: every request drafts its largest size."""
-    forward_cost: LinearCost = field(default_factory=LinearCost)
-    draft_cost: LinearCost = field(default_factory=LinearCost)
-    tau: dict[int, float] = field(default_factory=dict)
-    """size -> mean accepted drafts + 1."""
-    tree_nodes: dict[int, float] = field(default_factory=dict)
-    """size -> mean tree size (root included)."""
-    budgets_chosen: Counter[int] = field(default_factory=Counter)
-    """Steps run at each budget (for reports)."""
+    """False: every request drafts its largest size (`--speculation fixed`)."""
+    forward_cost: TokenCost = field(default_factory=TokenCost)
+    draft_cost: dict[str, LinearCost] = field(default_factory=dict)
+    """method -> seconds of a drafting call from (levels, drafted nodes)."""
+    kinds: dict[tuple[Hashable, int], Estimate] = field(default_factory=dict)
+    """(kind, size) -> estimate shared by requests of that kind."""
+    requests: dict[tuple[str, int], tuple[float, int, int]] = field(default_factory=dict)
+    """(request, size) -> its own tau estimate, observations, step of the last one."""
+    chosen: Counter[tuple[str, int]] = field(default_factory=Counter)
+    """(method, size) -> request-steps drafted at that size (for reports and metrics)."""
+    probes: int = 0
+    """Request-steps drafted larger than chosen, to explore."""
+    credit: float = 0.0
+    """Seconds of exploration earned and not spent."""
+    steps: int = 0
+    _measured: dict[Hashable, int] = field(default_factory=dict)
+    """request (and kind of request) -> step its largest size was last measured or probed."""
 
-    def budget(self, options: list[list[int]], others: int) -> int:
-        """This step's node budget for the decoding requests, whose tree sizes are
-        `options` (ascending each); `others` (prefilling) requests add ~1 token each."""
-        if not options:
-            return 1
-        top = max(o[-1] for o in options)
-        if self.adaptive:
-            nested = {s for o in options if len(o) > 1 for s in o}
-            if nested:
-                top = max(sorted(nested | {1}), key=lambda c: self.rate(c, options, others))
-        self.budgets_chosen[top] += 1
-        return top
+    # ---- estimates ----------------------------------------------------------------------
 
-    def rate(self, budget: int, options: list[list[int]], others: int) -> float:
-        """Expected tokens per second of the decoding requests at this budget."""
-        sizes = [fitting(o, budget) for o in options]
-        gain = sum(self.tau.get(s, optimistic(o)) if s > 1 else 1.0 for s, o in zip(sizes, options, strict=True))
-        tokens = others + sum(self.tree_nodes.get(s, float(s)) if s > 1 else 1.0 for s in sizes)
-        drafted = sum(s - 1 for s in sizes)
-        seconds = self.forward_cost(tokens) + (self.draft_cost(drafted) if drafted else 0.0)
-        return gain / max(seconds, 1e-9)
+    def tau(self, offer: Offer, size: int) -> float:
+        if size == 1:
+            return 1.0
+        shared = self.kinds.get((offer.kind, size))
+        if shared is None:
+            return float(size)
+        own = self.requests.get((offer.key, size))
+        if own is None:
+            return shared.tau
+        tau, n, last = own
+        weight = n / (n + REQUEST_PRIOR) * 0.5 ** ((self.steps - last) / REQUEST_HALF_LIFE)
+        deviation = tau - shared.tau  # only what exceeds the noise of a running mean counts
+        deviation = float(np.sign(deviation)) * max(abs(deviation) - REQUEST_NOISE, 0.0)
+        return shared.tau + weight * deviation
 
-    def calibrate(self, forward: Callable[[int], None], sizes: list[int], draft_samples: DraftSamples) -> None:
-        """Seed the cost fits: `forward(n)` runs a target forward of n tokens (timed twice per
-        size); `draft_samples` are (drafted nodes, seconds) measured by the proposers."""
-        for n in sizes:
+    def nodes(self, offer: Offer, size: int) -> float:
+        shared = self.kinds.get((offer.kind, size)) if size > 1 else None
+        return shared.nodes if shared is not None else float(size)
+
+    def estimates(self) -> dict[str, dict[int, float]]:
+        """kind -> size -> estimated tokens per step (what the policy believes; for reports)."""
+        out: dict[str, dict[int, float]] = {}
+        for (kind, size), e in sorted(self.kinds.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
+            out.setdefault(_kind_name(kind), {})[size] = round(e.tau, 3)
+        return out
+
+    # ---- choice -------------------------------------------------------------------------
+
+    def choose(self, offers: list[Offer], others: int = 0) -> dict[str, int]:
+        """Each decoding request's size this step; `others` (prefilling) requests add ~1
+        token each to the forward."""
+        self.steps += 1
+        fixed = {o.key: 1 for o in offers if len(o.sizes) == 1}  # auto-regressive requests: nothing to choose
+        offers = [o for o in offers if len(o.sizes) > 1]
+        if not offers:
+            return fixed
+        others += len(fixed)  # their one token each is in the forward
+        if not self.adaptive:
+            sizes = [o.sizes[-1] for o in offers]
+        else:
+            table = [[(s, self.tau(o, s), self.nodes(o, s), lv) for s, lv in zip(o.sizes, o.levels, strict=True)]
+                     for o in offers]  # fmt: skip
+            best = self._best(offers, table, others)
+            best = self._explore(offers, table, others, best)
+            sizes = best.sizes
+        for o, s in zip(offers, sizes, strict=True):
+            self.chosen[(o.method, s)] += 1
+        return fixed | {o.key: s for o, s in zip(offers, sizes, strict=True)}
+
+    def _best(self, offers: list[Offer], table: list[Row], others: int) -> _Choice:
+        uniform = sorted({s for o in offers for s in o.sizes})
+        best = max(
+            (self._evaluate(offers, table, [_largest(row, c) for row in table], others) for c in uniform),
+            key=lambda c: c.rate,
+        )
+        lo = others + len(offers)
+        hi = others + sum(row[-1][2] for row in table)
+        fslope = self.forward_cost.slope(lo, hi)
+        groups = Counter(o.method for o in offers)
+        marginal = {m: self._draft_slopes(m, groups[m]) for m in groups}
+        rate = best.rate
+        for _ in range(DINKELBACH_ROUNDS):
+            picks = [_pick(row, rate, fslope, *marginal[o.method]) for o, row in zip(offers, table, strict=True)]
+            cand = self._evaluate(offers, table, picks, others)
+            if cand.rate > best.rate:
+                best = cand
+            if cand.rate <= rate:
+                break
+            rate = cand.rate
+        return best
+
+    def _explore(self, offers: list[Offer], table: list[Row], others: int, best: _Choice) -> _Choice:
+        """Spend the exploration credit on one request's largest tree when it covers the
+        expected loss."""
+        stale = self.steps - PROBE_EVERY
+        candidates = [
+            i
+            for i, (o, s) in enumerate(zip(offers, best.sizes, strict=True))
+            if s < o.sizes[-1] and self._measured.get(o.kind, -1) <= stale
+        ]
+        if not candidates:
+            self.credit = min(self.credit + PROBE_SHARE * best.seconds, best.seconds)
+            return best
+        i = min(candidates, key=lambda i: self._measured.get(offers[i].key, -1))
+        sizes = list(best.sizes)
+        sizes[i] = offers[i].sizes[-1]
+        probe = self._evaluate(offers, table, sizes, others)
+        loss = probe.seconds - probe.tokens / max(best.rate, 1e-12)
+        self.credit = min(self.credit + PROBE_SHARE * best.seconds, max(best.seconds, loss))
+        if loss > self.credit:
+            return best
+        self._measured[offers[i].kind] = self.steps
+        self.credit -= max(loss, 0.0)
+        self.probes += 1
+        return probe
+
+    def _evaluate(self, offers: list[Offer], table: list[Row], sizes: list[int], others: int) -> _Choice:
+        tokens, nodes = 0.0, float(others)
+        drafting: dict[str, list[float]] = {}
+        for o, row, s in zip(offers, table, sizes, strict=True):
+            entry = next(e for e in row if e[0] == s)
+            tokens += entry[1]
+            nodes += entry[2]
+            if s > 1:
+                acc = drafting.setdefault(o.method, [0.0, 0.0])
+                acc[0] = max(acc[0], entry[3])
+                acc[1] += s - 1
+        seconds = self.forward_cost(nodes)
+        for method, (levels, drafted) in drafting.items():
+            cost = self.draft_cost.get(method)
+            seconds += cost(levels, drafted) if cost is not None else 0.0
+        return _Choice(sizes, tokens, seconds)
+
+    def _draft_slopes(self, method: str, requests: int) -> tuple[float, float]:
+        """(seconds per level per request sharing it, seconds per drafted node) of `method`."""
+        cost = self.draft_cost.get(method)
+        if cost is None or not cost.samples:
+            return 0.0, 0.0
+        per_level, per_node = cost.slopes()
+        return float(per_level) / requests, float(per_node)
+
+    # ---- measurements -------------------------------------------------------------------
+
+    def calibrate(self, forward: Callable[[int], None], most: int) -> None:
+        """Seed the forward-cost table: `forward(n)` runs a target forward of n tokens (timed
+        twice per size, the faster kept: the first may pay one-off set-up)."""
+        for n in sorted({min(n, most) for n in CALIBRATION_SIZES}):
+            times = []
             for _ in range(2):
                 start = time.perf_counter()
                 forward(n)
-                self.forward_cost.add(n, time.perf_counter() - start)
-        for drafted, seconds in draft_samples:
-            self.draft_cost.add(drafted, seconds)
+                times.append(time.perf_counter() - start)
+            self.forward_cost.add(n, min(times))
+
+    def add_draft_samples(self, method: str, samples: Iterable[tuple[int, int, float]]) -> None:
+        """(levels, drafted nodes, seconds) of drafting calls timed at engine start."""
+        for levels, drafted, seconds in samples:
+            self.draft_cost.setdefault(method, LinearCost()).add((levels, drafted), seconds)
 
     def observe(self, stats: StepStats) -> None:
         self.forward_cost.add(stats.num_tokens, stats.forward_seconds)
-        if stats.drafted:
-            self.draft_cost.add(stats.drafted, stats.draft_seconds)
-        for c, values in stats.accepted.items():
-            self._mean(self.tau, c, 1.0 + sum(values) / len(values))
-        for c, values in stats.nodes.items():
-            self._mean(self.tree_nodes, c, sum(values) / len(values))
+        for method, (levels, drafted, seconds) in stats.drafting.items():
+            if drafted:
+                self.draft_cost.setdefault(method, LinearCost()).add((levels, drafted), seconds)
+        step: dict[tuple[Hashable, int], list[tuple[float, float]]] = {}
+        for o in stats.outcomes:
+            if o.size == o.sizes[-1]:
+                self._measured[o.key] = self._measured[o.kind] = self.steps
+            measured = [(o.size, o.accepted, o.nodes)]
+            if o.node_budget:
+                kept = [o.node_budget[n] for n in o.path[1:]]
+                measured += [
+                    (c, sum(b <= c for b in kept), sum(b <= c for b in o.node_budget))
+                    for c in o.sizes
+                    if 1 < c < o.size
+                ]
+            for size, accepted, nodes in measured:
+                tau = 1.0 + accepted
+                step.setdefault((o.kind, size), []).append((tau, nodes))
+                own, n, _ = self.requests.get((o.key, size), (tau, 0, 0))
+                self.requests[(o.key, size)] = (own + REQUEST_EMA * (tau - own), n + 1, self.steps)
+        for key, values in step.items():  # one update per step: a step of many requests is one noisy sample less
+            tau, nodes = np.mean(values, axis=0)
+            e = self.kinds.get(key)
+            if e is None:
+                self.kinds[key] = e = Estimate(tau, nodes, 0)
+            e.count += 1
+            w = max(1.0 / e.count, GROUP_EMA)
+            e.tau += w * (tau - e.tau)
+            e.nodes += w * (nodes - e.nodes)
 
-    @staticmethod
-    def _mean(table: dict[int, float], key: int, value: float) -> None:
-        table[key] = value if key not in table else (1 - EMA) * table[key] + EMA * value
+    def forget(self, key: str) -> None:
+        """A request left: drop its own estimates."""
+        self._measured.pop(key, None)
+        for k in [k for k in self.requests if k[0] == key]:
+            del self.requests[k]
 
 
-def optimistic(sizes: list[int]) -> float:
-    """Tokens per step assumed for a size never measured: the request's smallest drafted
-    tree accepted whole (one beam of a nested tree; a whole tree)."""
-    return float(min(s for s in sizes if s > 1))
+def _pick(row: Row, rate: float, fslope: float, per_level: float, per_node: float) -> int:
+    """The size maximising tau - rate * marginal cost (one Dinkelbach step for one request)."""
+    best, value = 1, -np.inf
+    for size, tau, nodes, levels in row:
+        v = tau - rate * (fslope * (nodes - 1) + per_node * (size - 1) + per_level * levels)
+        if v > value:
+            best, value = size, v
+    return best
 
 
-def largest_fitting(sizes: list[int], budget: int) -> int:
+def _largest(row: Row, budget: int) -> int:
+    return max(e[0] for e in row if e[0] <= budget)
+
+
+def _kind_name(kind: Hashable) -> str:
+    if isinstance(kind, tuple):
+        return "/".join(str(k) for k in kind)
+    return str(kind)
+
+
+def largest_fitting(sizes: Sequence[int], budget: int) -> int:
     """The largest of `sizes` within `budget`, or 1 (the root alone)."""
     return max((s for s in sizes if s <= budget), default=1)
-
-
-def fitting(sizes: list[int], budget: int) -> int:
-    """The size a request offering `sizes` drafts at `budget`: the largest within it (nested
-    sizes start at 1); a whole tree (one size) is drafted whatever the budget (the step's
-    token budget may still cut it to the root)."""
-    return largest_fitting(sizes, budget) if len(sizes) > 1 else sizes[0]

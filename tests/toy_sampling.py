@@ -81,9 +81,10 @@ def exact_first_three(target: LlamaForCausalLM, params: SamplingParams) -> torch
 
 
 def emitted_first_three(
-    engine: LoadedEngine, params: SamplingParams, method: str, trials: int = TRIALS
+    engine: LoadedEngine, params: SamplingParams, method: str, trials: int = TRIALS, accepted_share: int = 4
 ) -> torch.Tensor:
-    """Counts of the first three tokens of `trials` seeded requests, all in flight at once."""
+    """Counts of the first three tokens of `trials` seeded requests, all in flight at once
+    (at least trials / `accepted_share` drafts must be accepted, or the test means little)."""
     per_request = [
         SamplingParams(max_tokens=3, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=i)
         for i in range(trials)
@@ -93,5 +94,6 @@ def emitted_first_three(
     counts = torch.zeros(V, V, V)
     for r in results:
         counts[tuple(r.output_ids)] += 1
-    assert sum(r.num_accepted for r in results) > trials // 4, "drafts must get accepted for the test to mean anything"
+    accepted = sum(r.num_accepted for r in results)
+    assert accepted > trials // accepted_share, "drafts must get accepted for the test to mean anything"
     return counts

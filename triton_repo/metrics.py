@@ -64,6 +64,17 @@ class ServingMetrics:
             "1 while the engine steps normally; 0 once it is dead or a step stalled (the launcher stops the server)",
         )
         self.engine_up.set(1)
+        self._sizes = new_family(
+            "specpipe_speculation_steps",
+            family.GAUGE,
+            "Request-steps drafted at each tree size (nodes, root included; 1: no drafting) by load-aware speculation",
+        )
+        self._estimates = new_family(
+            "specpipe_speculation_expected_tokens_per_step",
+            family.GAUGE,
+            "Tokens per step load-aware speculation expects at each tree size, by kind of request (method/greedy)",
+        )
+        self._labelled: dict[tuple[Any, ...], Any] = {}
         blocks = new_family("specpipe_kv_blocks", family.GAUGE, "KV-cache blocks by state")
         self.kv_used = blocks.Metric(labels={"state": "used"})
         self.kv_free = blocks.Metric(labels={"state": "free"})
@@ -87,6 +98,17 @@ class ServingMetrics:
         self.running.set(stats.running)
         self.kv_used.set(stats.kv_blocks_used)
         self.kv_free.set(stats.kv_blocks_free)
+        for (method, size), steps in stats.tree_sizes.items():
+            self._gauge(self._sizes, method=method, size=str(size)).set(steps)
+        for kind, sizes in stats.estimated_tokens_per_step.items():
+            for size, tau in sizes.items():
+                self._gauge(self._estimates, kind=kind, size=str(size)).set(tau)
+
+    def _gauge(self, family: Any, **labels: str) -> Any:
+        key = (id(family), *sorted(labels.items()))
+        if key not in self._labelled:
+            self._labelled[key] = family.Metric(labels=labels)
+        return self._labelled[key]
 
 
 def parse_metrics(text: str) -> dict[str, float]:

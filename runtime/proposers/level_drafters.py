@@ -43,10 +43,9 @@ class RNNLevels:
 
     @torch.inference_mode()
     def extend(self, rows: list[int], parents: list[int], nodes: list[int], tokens: list[int]) -> torch.Tensor:
-        device = self.hidden.device
-        r, p = torch.tensor(rows, device=device), torch.tensor(parents, device=device)
-        s = self.drafter.step(self.states[r, p], self.embed(torch.tensor(tokens, device=device)))
-        self.states[r, torch.tensor(nodes, device=device)] = s
+        r, p, n, t = torch.tensor([rows, parents, nodes, tokens], device=self.hidden.device)  # one copy
+        s = self.drafter.step(self.states[r, p], self.embed(t))
+        self.states[r, n] = s
         return self.drafter.logits(self.hidden[r], s)
 
 
@@ -57,7 +56,11 @@ class DraftLMLevels:
         self.model, self.cache, self.blocks, self.requests = model, cache, blocks, requests
         self.device = model.lm_head.weight.device
         self.depths: list[list[int]] = [[0] for _ in requests]
-        self.ancestors: list[list[torch.Tensor]] = [[torch.ones(1, dtype=torch.bool)] for _ in requests]
+        self.ancestors: list[list[int]] = [[1] for _ in requests]
+        """Per request and node, its ancestors and itself as a bit set (bit j: node j)."""
+        self.slots: list[torch.Tensor] = []
+        """Per request, the slots of every position its block table covers (the tree's
+        included: the scheduler allocated them before drafting), looked up once."""
 
     @torch.inference_mode()
     def _run(self, tokens: list[int], positions: list[int], segments: list[Segment], rows: list[int]) -> torch.Tensor:
@@ -75,13 +78,18 @@ class DraftLMLevels:
         return out.logits[0]
 
     def first(self) -> torch.Tensor:
+        """Every request's catch-up and root in one forward."""
         tokens: list[int] = []
         positions: list[int] = []
         segments, rows = [], []
+        block_size = self.blocks.block_size
+        self.slots = []
         for r in self.requests:
             context = r.num_computed  # the root (pending token) sits at position `context`
             start = min(r.draft_state or 0, context)
-            segments.append(Segment(len(tokens), start, self.blocks.slots(r.request_id, 0, context + 1)))
+            slots = self.blocks.slots(r.request_id, 0, len(self.blocks.table(r.request_id)) * block_size)
+            self.slots.append(slots)
+            segments.append(Segment(len(tokens), start, slots[: context + 1]))
             tokens += r.tokens[start : context + 1]
             positions += range(start, context + 1)
             rows.append(len(tokens) - 1)
@@ -89,7 +97,8 @@ class DraftLMLevels:
         return self._run(tokens, positions, segments, rows)
 
     def extend(self, rows: list[int], parents: list[int], nodes: list[int], tokens: list[int]) -> torch.Tensor:
-        """One level per request: its nodes are consecutive in packed (breadth-first) order."""
+        """One level per request, every request's in one forward: a request's nodes are
+        consecutive in packed (breadth-first) order."""
         by_row: dict[int, list[int]] = {}
         for k, row in enumerate(rows):
             by_row.setdefault(row, []).append(k)
@@ -98,23 +107,22 @@ class DraftLMLevels:
         segments, order = [], []
         for row, ks in by_row.items():
             r, depths, anc = self.requests[row], self.depths[row], self.ancestors[row]
-            first = nodes[ks[0]]
-            if [nodes[k] for k in ks] != list(range(first, first + len(ks))) or first != len(depths):
+            first, width = nodes[ks[0]], nodes[ks[0]] + len(ks)
+            if [nodes[k] for k in ks] != list(range(first, width)) or first != len(depths):
                 raise ValueError("a level's nodes must follow the earlier ones consecutively")
             for k in ks:
                 depths.append(depths[parents[k]] + 1)
-                row_mask = torch.zeros(first + len(ks), dtype=torch.bool)
-                row_mask[: len(anc[parents[k]])] = anc[parents[k]]
-                row_mask[nodes[k]] = True
-                anc.append(row_mask)
-            mask = torch.stack([anc[nodes[k]] for k in ks])  # [m, first + m] over the whole tree so far
+                anc.append(anc[parents[k]] | 1 << nodes[k])
+            # [m, width] over the whole tree so far: bit j of a node's set is column j
+            mask = torch.tensor([[c == "1" for c in f"{anc[n]:0{width}b}"[::-1]] for n in range(first, width)])
             context = r.num_computed
-            slots = self.blocks.slots(r.request_id, 0, context + first + len(ks))
-            segments.append(Segment(len(flat_tokens), context + first, slots, mask))
+            segments.append(Segment(len(flat_tokens), context + first, self.slots[row][: context + width], mask))
             flat_tokens += [tokens[k] for k in ks]
-            positions += [context + depths[nodes[k]] for k in ks]
+            positions += [context + depths[n] for n in range(first, width)]
             order += ks
         logits = self._run(flat_tokens, positions, segments, list(range(len(flat_tokens))))
+        if order == list(range(len(order))):  # requests in row order (as `draft_rsd_trees` feeds them)
+            return logits
         out = torch.empty_like(logits)
         out[torch.tensor(order, device=logits.device)] = logits
         return out

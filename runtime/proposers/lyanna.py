@@ -138,7 +138,10 @@ class LyannaProposer(Proposer):
         return LyannaParams(**settings)
 
     def sizes(self, params: LyannaParams) -> list[int]:
-        return [params.max_nodes]
+        return [1, params.max_nodes]
+
+    def levels(self, params: LyannaParams) -> list[int]:
+        return [0, params.depth]
 
     def propose(self, requests: list[Request], budgets: list[int]) -> list[DraftTree]:
         trees: dict[Request, DraftTree] = {}

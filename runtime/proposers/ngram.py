@@ -60,12 +60,17 @@ class NgramProposer(Proposer):
         return NgramParams(**settings)
 
     def sizes(self, params: NgramParams) -> list[int]:
-        return [1 + params.num_draft_tokens]
+        return list(range(1, 2 + params.num_draft_tokens))  # chains of 0 .. k drafts
+
+    def levels(self, params: NgramParams) -> list[int]:
+        return [0] * (1 + params.num_draft_tokens)  # a lookup, no drafter
 
     def propose(self, requests: list[Request], budgets: list[int]) -> list[DraftTree]:
         trees = []
         for request, budget in zip(requests, budgets, strict=True):
             tokens = request.tokens
-            drafts = lookup(tokens, request.draft_params)[: budget - 1]
-            trees.append(chain(tokens[-1], drafts))
+            drafts = lookup(tokens, request.draft_params)[: budget - 1] if budget > 1 else []
+            tree = chain(tokens[-1], drafts)
+            tree.node_budget = [d + 1 for d in range(len(drafts) + 1)]  # the chain of size d + 1 holds depth d
+            trees.append(tree)
         return trees

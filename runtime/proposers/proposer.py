@@ -58,18 +58,23 @@ class Proposer(ABC):
 
     @abstractmethod
     def sizes(self, params: Any) -> list[int]:
-        """Tree sizes (root included) this request can draft, ascending. Several sizes mean
-        nested trees (each contains the smaller ones), so load-aware speculation may pick
-        any of them, 1 (no drafting) included; one size means the whole tree or, when a
-        step has no room for it, the root alone."""
+        """Tree sizes (root included) this request can draft, ascending, starting at 1 (the
+        root alone: no drafting). They are nested (each tree contains the smaller ones), so
+        load-aware speculation may pick any of them per request and step; a tree whose
+        nodes carry `DraftTree.node_budget` also measures every smaller size."""
+
+    def levels(self, params: Any) -> list[int]:
+        """Sequential drafter calls to draft each of `sizes(params)` (a drafting-cost feature
+        of load-aware speculation). Default: none for the root, one for any tree."""
+        return [0 if s == 1 else 1 for s in self.sizes(params)]
 
     @abstractmethod
     def propose(self, requests: list[Request], budgets: list[int]) -> list[DraftTree]:
-        """One tree per request, rooted at its pending token (`request.tokens[-1]`), of at
-        most `budgets[i]` nodes (a budget of 1: the root alone)."""
+        """One tree per request, rooted at its pending token (`request.tokens[-1]`): the
+        tree of the largest of its sizes within `budgets[i]` (a budget of 1: the root alone)."""
 
-    def draft_cost_samples(self) -> list[tuple[int, float]]:
-        """(drafted nodes, seconds) of a few timed drafting calls at engine start, to seed
+    def draft_cost_samples(self) -> list[tuple[int, int, float]]:
+        """(levels, drafted nodes, seconds) of a few timed drafting calls at engine start, to seed
         load-aware speculation's draft-cost fit (vLLM's profiling run). Default: none (the
         fit then learns from live steps)."""
         return []

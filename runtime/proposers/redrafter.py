@@ -122,7 +122,10 @@ class ReDrafterProposer(Proposer):
     def sizes(self, params: ReDrafterParams) -> list[int]:
         return [1, *(max_tree_nodes(w, params.beam_length) for w in beam_widths(params.beam_width))]
 
-    def draft_cost_samples(self) -> list[tuple[int, float]]:
+    def levels(self, params: ReDrafterParams) -> list[int]:
+        return [0 if s == 1 else params.beam_length for s in self.sizes(params)]
+
+    def draft_cost_samples(self) -> list[tuple[int, int, float]]:
         """Beam searches of one beam for 1, 8 and 32 requests, twice each, from zero states."""
         drafter, model = self.engine.redrafter, self.engine.model
         assert drafter is not None
@@ -136,7 +139,7 @@ class ReDrafterProposer(Proposer):
             for _ in range(2):
                 start = time.perf_counter()
                 draft_trees(drafter, model.model.embed_tokens, hidden, [0] * rows, 1, length, False)
-                samples.append((rows * length, time.perf_counter() - start))
+                samples.append((length, rows * length, time.perf_counter() - start))
         return samples
 
     def propose(self, requests: list[Request], budgets: list[int]) -> list[DraftTree]:

@@ -38,12 +38,12 @@ import torch
 
 from model_defs.paged_kv_cache import PagedKVCache
 from runtime.block_manager import BlockManager
-from runtime.gumbel import gumbel_noise, gumbel_top_k, top_k_valid, truncated_gumbel
+from runtime.gumbel import gumbel_noise_rows, top_k_valid_rows, truncated_gumbel
 from runtime.loaded_engine import LoadedEngine
 from runtime.proposers.level_drafters import DraftLMLevels, RNNLevels
 from runtime.proposers.proposer import KVMoves, Proposer, target_hidden
 from runtime.request import Request
-from runtime.sampling import SamplingParams, target_probs_rows
+from runtime.sampling import SamplingParams, target_probs, target_probs_rows
 from runtime.tree import DraftTree
 from runtime.verify import Acceptance
 
@@ -99,13 +99,24 @@ class TreeSpec:
     @property
     def max_nodes(self) -> int:
         """Most nodes of the tree, root included."""
-        if self.beamed:
-            return 1 + self.beam_width * self.length
-        total, level = 1, 1
-        for b in self.branching:
-            level *= b
-            total += level
-        return total
+        return self.level_sizes[-1]
+
+    @property
+    def level_sizes(self) -> list[int]:
+        """Most nodes of the tree cut after 0, 1, ..., `length` levels (nested trees: the
+        first k levels of a tree are the tree drafted with k levels)."""
+        sizes, level = [1], 1
+        for depth in range(self.length):
+            level = self.beam_width if self.beamed else level * self.branching[depth]
+            sizes.append(sizes[-1] + level)
+        return sizes
+
+    def truncated(self, levels: int) -> TreeSpec:
+        """The same tree drafted `levels` levels deep."""
+        if levels == self.length:
+            return self
+        branching = self.branching[:levels] if not self.beamed else ()
+        return TreeSpec(self.method, branching, self.beam_width, levels)
 
 
 def parse_branching(text: str) -> tuple[int, ...]:
@@ -136,7 +147,9 @@ class LevelDrafter(Protocol):
 
 @dataclass
 class _Growing:
-    """One request's tree under construction."""
+    """One request's tree under construction, in the per-request form `_branch_level` and
+    `_beam_level` take (`draft_rsd_trees` holds the whole batch's trees in lists and
+    level tensors instead)."""
 
     tokens: list[int]
     parents: list[int]
@@ -146,11 +159,23 @@ class _Growing:
     gumbels: list[float]  # rsd-s: perturbed (truncated-Gumbel) value of each frontier node
 
 
+_RANKED = SamplingParams(temperature=1.0)
+"""The law a greedy request's drafts are ranked by: the drafter's plain softmax."""
+
+
 def draft_log_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """[M, V] log of the law siblings are drawn from, row m under `params[m]`: the request's
-    own warp of the drafter's logits (greedy requests: the plain softmax, only ranked)."""
-    warped = [prm if not prm.greedy else SamplingParams(temperature=1.0) for prm in params]
+    own warp of the drafter's logits (greedy requests: the plain softmax, only ranked).
+    One warp of all rows when they share a setting (the usual batch), else one per
+    distinct setting (`target_probs_rows`)."""
+    warped = [_RANKED if prm.greedy else prm for prm in params]
+    if warped and all(_warp(prm) == _warp(warped[0]) for prm in warped):
+        return target_probs(logits, warped[0]).log()
     return target_probs_rows(logits, warped).log()
+
+
+def _warp(prm: SamplingParams) -> tuple[float, int, float]:
+    return prm.temperature, prm.top_k, prm.top_p
 
 
 def draft_rsd_trees(
@@ -160,75 +185,242 @@ def draft_rsd_trees(
     generators: list[torch.Generator],
     spec: TreeSpec,
 ) -> list[DraftTree]:
-    """One tree per request, `spec.length` levels, one drafter call per level."""
-    trees = [_Growing([r], [-1], [torch.zeros(0)], [0], [0.0], [0.0]) for r in roots]
+    """One tree per request, `spec.length` levels. A level is one drafter call for the
+    frontier nodes of every request, then a handful of tensor ops over all of them at
+    once: one warp (`draft_log_probs`), one Gumbel-top-k (`_branch_step`) or beam step
+    (`_beam_step`), and one device-to-host transfer (the drawn parents and tokens). Only
+    the Gumbel noise is drawn request by request, each request's from its own generator
+    (`gumbel_noise_rows`), so a request's tree does not depend on its batch."""
+    gens = [gen if spec.stochastic and not prm.greedy else None for prm, gen in zip(params, generators, strict=True)]
+    tokens = [[root] for root in roots]
+    parents = [[-1] for _ in roots]
+    depths = [[0] for _ in roots]
+    laws = [[-1] for _ in roots]  # row of the stacked levels' log-probs each node was drawn from
+    frontier = [[0] for _ in roots]  # per request, the nodes the logits rows are for, in order
+    levels: list[torch.Tensor] = []  # [M, V] log-probs of each level, rows request by request
+    stored = 0  # rows in `levels`
     logits = drafter.first()  # [B, V]
-    owners = [(i, 0) for i in range(len(roots))]  # (request row, node) of every logits row
+    scores = torch.zeros(len(roots), dtype=torch.float64, device=logits.device)  # beams: path log-prob per row
+    gumbels = torch.zeros_like(scores)  # rsd-s: perturbed value per row
     for depth in range(spec.length):
-        rows_log_probs = draft_log_probs(logits, [params[i] for i, _ in owners])
-        log_probs = {owner: lp for owner, lp in zip(owners, rows_log_probs, strict=True)}
-        new: list[tuple[int, int, int, int]] = []  # (row, parent, node, token)
-        for i, tree in enumerate(trees):
-            sample = not params[i].greedy and spec.stochastic
-            gen = generators[i] if sample else None
-            picks = (
-                _beam_level(tree, log_probs, i, spec.beam_width, gen)
-                if spec.beamed
-                else _branch_level(tree, log_probs, i, spec.branching[depth], gen)
-            )
-            tree.frontier = []
-            for parent, token in picks:
-                node = len(tree.tokens)
-                tree.tokens.append(token)
-                tree.parents.append(parent)
-                tree.log_probs.append(log_probs[i, parent])
-                tree.frontier.append(node)
-                new.append((i, parent, node, token))
-        if depth + 1 == spec.length or not new:
+        counts = [len(f) for f in frontier]
+        log_probs = draft_log_probs(logits, [params[i] for i, c in enumerate(counts) for _ in range(c)])
+        noise = gumbel_noise_rows(counts, gens, log_probs.shape[-1], log_probs.device)
+        if spec.beamed:
+            picks, scores, gumbels = _beam_step(log_probs, counts, scores, gumbels, spec.beam_width, noise, gens)
+        else:
+            picks = _branch_step(log_probs, counts, spec.branching[depth], noise)
+        rows: list[int] = []  # the level's new nodes, request by request: request row, parent, node, token
+        new_parents: list[int] = []
+        nodes: list[int] = []
+        new_tokens: list[int] = []
+        start = stored  # the request's first row in the stacked levels
+        for i, request_picks in enumerate(picks):
+            front, frontier[i] = frontier[i], []
+            for k, token in request_picks:
+                node, parent = len(tokens[i]), front[k]
+                tokens[i].append(token)
+                parents[i].append(parent)
+                depths[i].append(depth + 1)
+                laws[i].append(start + k)
+                frontier[i].append(node)
+                rows.append(i)
+                new_parents.append(parent)
+                nodes.append(node)
+                new_tokens.append(token)
+            start += len(front)
+        levels.append(log_probs)
+        stored = start
+        if depth + 1 == spec.length or not nodes:
             break
-        rows, parents, nodes, tokens = (list(col) for col in zip(*new, strict=True))
-        logits = drafter.extend(rows, parents, nodes, tokens)
-        owners = [(i, node) for i, node in zip(rows, nodes, strict=True)]
-    out = []
-    for tree, prm in zip(trees, params, strict=True):
-        table = None  # [N, V], row 0 (the root, not drawn) zeros
-        if len(tree.tokens) > 1:
-            table = torch.stack([torch.zeros_like(tree.log_probs[1]), *tree.log_probs[1:]])
-        out.append(DraftTree(tree.tokens, tree.parents, table, sampled=spec.stochastic and not prm.greedy))
+        logits = drafter.extend(rows, new_parents, nodes, new_tokens)
+    return _packed_trees(tokens, parents, depths, laws, levels, [spec.stochastic and not p.greedy for p in params])
+
+
+def _packed_trees(
+    tokens: list[list[int]],
+    parents: list[list[int]],
+    depths: list[list[int]],
+    laws: list[list[int]],
+    levels: list[torch.Tensor],
+    sampled: list[bool],
+) -> list[DraftTree]:
+    """The `DraftTree`s, each node's `draft_log_probs` row gathered from the levels' rows
+    (`laws`: row of the stacked levels; the root's row is zeros) in one index for the batch."""
+    sizes = [len(t) for t in tokens]
+    tables: list[torch.Tensor | None] = [None] * len(tokens)
+    drafted = [i for i, size in enumerate(sizes) if size > 1]
+    if drafted:
+        stacked = torch.cat([levels[0].new_zeros(1, levels[0].shape[-1]), *levels])  # row 0: zeros
+        index = torch.tensor([row + 1 for i in drafted for row in laws[i]], device=stacked.device)
+        for i, table in zip(drafted, stacked.index_select(0, index).split([sizes[i] for i in drafted]), strict=True):
+            tables[i] = table
+    return [
+        DraftTree(t, p, table, depths=d, mask=_ancestor_mask(p), sampled=s)
+        for t, p, d, table, s in zip(tokens, parents, depths, tables, sampled, strict=True)
+    ]
+
+
+def _ancestor_mask(parents: list[int]) -> torch.Tensor:
+    """[N, N] bool ancestor-or-self mask of a packed tree (what `DraftTree` would derive
+    node by node with tensor ops), built on the host in one go."""
+    rows: list[list[bool]] = []
+    for node, parent in enumerate(parents):
+        row = rows[parent].copy() if parent >= 0 else [False] * len(parents)
+        row[node] = True
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.bool)
+
+
+def _branch_step(
+    log_probs: torch.Tensor, counts: list[int], b: int, noise: torch.Tensor | None
+) -> list[list[tuple[int, int]]]:
+    """RSD-C / SD, one level of every request at once: `b` children per frontier row by
+    Gumbel-top-k (RSD Algorithm 4) over `log_probs` `[M, V]` (rows request by request,
+    `counts[i]` of request i) perturbed by `noise` (None, or zero rows: the `b` most
+    likely, the greedy limit). Per request, its picks (row within its frontier, token),
+    parent by parent and within a parent in draw order."""
+    keys = log_probs.double()
+    if noise is not None:
+        keys = keys + noise
+    index = top_k_valid_rows(keys, b).tolist()  # the level's one device-to-host transfer
+    out, start = [], 0
+    for count in counts:
+        out.append([(k, token) for k in range(count) for token in index[start + k] if token >= 0])
+        start += count
     return out
+
+
+def _beam_step(
+    log_probs: torch.Tensor,
+    counts: list[int],
+    scores: torch.Tensor,
+    gumbels: torch.Tensor,
+    width: int,
+    noise: torch.Tensor | None,
+    gens: list[torch.Generator | None],
+) -> tuple[list[list[tuple[int, int]]], torch.Tensor, torch.Tensor]:
+    """RSD-S: one level of Stochastic Beam Search (Kool et al. 2019 Algorithm 2; RSD
+    Algorithm 8/9) for every request at once. Frontier row m (rows request by request,
+    `counts[i]` of request i) has path log-prob phi_m (`scores`) and perturbed value G_m
+    (`gumbels`); its children get phi_m + log p_m(x), perturbed by Gumbels (`noise`)
+    truncated to max G_m; per request, the `width` largest over all its children
+    survive, best first (so each parent's children are in draw order). Requests without
+    a generator (`gens[i]` None, `noise` zero there): plain beam search (top-W by path
+    log-prob). Returns per request its picks (row within its frontier, token), and the
+    path log-prob and perturbed value of every pick `[sum of picks]`, in that order.
+
+    Sampled and ranked requests are two batches (`_beam_group`) when both are present."""
+    sampled = [gen is not None for gen in gens]
+    if noise is None or all(sampled):
+        return _beam_group(log_probs, counts, scores, gumbels, width, noise)
+    out_picks: list[list[tuple[int, int]]] = [[] for _ in counts]
+    parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # each group's new scores and perturbed values
+    where = [(0, 0)] * len(counts)  # per request: (offset of its picks in the groups' concatenation, how many)
+    seen = 0
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    for group_sampled in (False, True):
+        members = [i for i, s in enumerate(sampled) if s == group_sampled]
+        if not members:
+            continue
+        rows = torch.tensor([starts[i] + k for i in members for k in range(counts[i])], device=log_probs.device)
+        picks, new_scores, new_gumbels = _beam_group(
+            log_probs[rows],
+            [counts[i] for i in members],
+            scores[rows],
+            gumbels[rows],
+            width,
+            noise[rows] if group_sampled else None,
+        )
+        for i, request_picks in zip(members, picks, strict=True):
+            out_picks[i] = request_picks
+            where[i] = (seen, len(request_picks))
+            seen += len(request_picks)
+        parts.append((new_scores, new_gumbels))
+    order = [offset + n for offset, count in where for n in range(count)]  # back to request order
+    index = torch.tensor(order, dtype=torch.long, device=log_probs.device)
+    new_scores = torch.cat([s for s, _ in parts])[index]
+    new_gumbels = torch.cat([g for _, g in parts])[index]
+    return out_picks, new_scores, new_gumbels
+
+
+def _beam_group(
+    log_probs: torch.Tensor,
+    counts: list[int],
+    scores: torch.Tensor,
+    gumbels: torch.Tensor,
+    width: int,
+    noise: torch.Tensor | None,
+) -> tuple[list[list[tuple[int, int]]], torch.Tensor, torch.Tensor]:
+    """`_beam_step` for requests all sampled (`noise`) or all ranked (None): one top-k of
+    `[B, F * C]` over C candidate children per frontier row, requests with fewer rows
+    padded with -inf. Ranked: every token is a candidate (C = V; the ranking, ties
+    included, is that of one top-k over the request's `[F * V]` path log-probs).
+    Sampled: the truncation is increasing along a row, so only a row's `width` largest
+    perturbed children can survive; they are the candidates, and only they are truncated
+    (`truncated_gumbel` on them: their maximum is the row's)."""
+    phi = scores[:, None] + log_probs.double()  # [M, V]
+    b, v, f = len(counts), phi.shape[-1], max(counts)
+    tokens: torch.Tensor | None = None  # [M, C] token of each candidate (None: C = V, the token itself)
+    if noise is None:
+        keys = cand_phi = phi
+    else:
+        perturbed, tokens = torch.topk(phi + noise, min(width, v), dim=-1)  # [M, C], the row's max first
+        keys = truncated_gumbel(perturbed, gumbels)
+        cand_phi = phi.gather(1, tokens)
+    c = keys.shape[-1]
+    if any(count != f for count in counts):  # pad each request to f rows of -inf
+        dest = torch.tensor([i * f + k for i, count in enumerate(counts) for k in range(count)], device=phi.device)
+        keys = keys.new_full((b * f, c), float("-inf")).index_copy_(0, dest, keys)
+        cand_phi = cand_phi.new_zeros((b * f, c)).index_copy_(0, dest, cand_phi)
+        if tokens is not None:
+            tokens = tokens.new_zeros((b * f, c)).index_copy_(0, dest, tokens)
+    index = top_k_valid_rows(keys.reshape(b, f * c), width)  # [B, W] position in the request's F x C
+    safe = index.clamp(min=0)
+    if tokens is None:
+        flat = index.tolist()  # the level's one device-to-host transfer
+        picks = [[(j // c, j % c) for j in row if j >= 0] for row in flat]
+    else:
+        token = tokens.reshape(b, f * c).gather(1, safe)
+        flat, token_rows = torch.stack([index, token]).tolist()  # the level's one device-to-host transfer
+        picks = [
+            [(j // c, t) for j, t in zip(row, ts, strict=True) if j >= 0]
+            for row, ts in zip(flat, token_rows, strict=True)
+        ]
+    new_scores = cand_phi.reshape(b, f * c).gather(1, safe).flatten()
+    new_gumbels = keys.reshape(b, f * c).gather(1, safe).flatten()
+    kept = [i * len(row) + n for i, row in enumerate(flat) for n, j in enumerate(row) if j >= 0]
+    if len(kept) < new_scores.shape[0]:  # a law with fewer than W tokens of non-zero probability
+        rows = torch.tensor(kept, device=phi.device)
+        new_scores, new_gumbels = new_scores[rows], new_gumbels[rows]
+    return picks, new_scores, new_gumbels
 
 
 def _branch_level(
     tree: _Growing, log_probs: dict[tuple[int, int], torch.Tensor], row: int, b: int, gen: torch.Generator | None
 ) -> list[tuple[int, int]]:
-    """RSD-C: `b` children per frontier node by Gumbel-top-k (RSD Algorithm 4), in draw order."""
-    picks = []
-    for node in tree.frontier:
-        for token in gumbel_top_k(log_probs[row, node], b, gen).tolist():
-            picks.append((node, token))
-    return picks
+    """RSD-C: `b` children per frontier node by Gumbel-top-k (RSD Algorithm 4), in draw
+    order: `_branch_step` for one request's tree held per request."""
+    rows = torch.stack([log_probs[row, node] for node in tree.frontier])
+    counts = [len(tree.frontier)]
+    noise = gumbel_noise_rows(counts, [gen], rows.shape[-1], rows.device)
+    return [(tree.frontier[k], token) for k, token in _branch_step(rows, counts, b, noise)[0]]
 
 
 def _beam_level(
     tree: _Growing, log_probs: dict[tuple[int, int], torch.Tensor], row: int, width: int, gen: torch.Generator | None
 ) -> list[tuple[int, int]]:
-    """RSD-S: one level of Stochastic Beam Search (Kool et al. 2019 Algorithm 2; RSD
-    Algorithm 8/9). Each frontier node i has path log-prob phi_i and perturbed value G_i;
-    its children get phi_i + log p_i(x), perturbed by Gumbels truncated to max G_i; the W
-    largest over all children survive, best first (so each parent's children are in draw
-    order). `gen=None`: plain beam search (top-W by path log-prob)."""
-    phi = torch.stack([tree.scores[k] + log_probs[row, n].double() for k, n in enumerate(tree.frontier)])  # [F, V]
-    if gen is None:
-        keys = phi
-    else:
-        perturbed = phi + gumbel_noise(tuple(phi.shape), gen, phi.device)
-        keys = truncated_gumbel(perturbed, torch.tensor(tree.gumbels, dtype=torch.float64, device=phi.device))
-    index, _ = top_k_valid(keys.flatten(), width)
-    v = phi.shape[-1]
-    parents_k, tokens = (index // v).tolist(), (index % v).tolist()
-    tree.scores = [float(phi[k, t]) for k, t in zip(parents_k, tokens, strict=True)]
-    tree.gumbels = [float(keys[k, t]) for k, t in zip(parents_k, tokens, strict=True)]
-    return [(tree.frontier[k], t) for k, t in zip(parents_k, tokens, strict=True)]
+    """RSD-S: one level of Stochastic Beam Search (`_beam_step`) for one request's tree
+    held per request; updates its scores and perturbed values. `gen=None`: plain beam
+    search (top-W by path log-prob)."""
+    rows = torch.stack([log_probs[row, node] for node in tree.frontier])
+    counts = [len(tree.frontier)]
+    noise = gumbel_noise_rows(counts, [gen], rows.shape[-1], rows.device)
+    scores = torch.tensor(tree.scores, dtype=torch.float64, device=rows.device)
+    gumbels = torch.tensor(tree.gumbels, dtype=torch.float64, device=rows.device)
+    picks, new_scores, new_gumbels = _beam_step(rows, counts, scores, gumbels, width, noise, [gen])
+    tree.scores, tree.gumbels = new_scores.tolist(), new_gumbels.tolist()
+    return [(tree.frontier[k], token) for k, token in picks[0]]
 
 
 SETTINGS = {"rsd-c": ("branching",), "sd": ("beam_length",), "rsd-s": ("beam_width", "beam_length")}
@@ -256,28 +448,36 @@ class LevelTreeProposer(Proposer):
         return TreeSpec.for_method(method, s["beam_width"], s["beam_length"], tuple(s["branching"]))
 
     def sizes(self, params: TreeSpec) -> list[int]:
-        return [params.max_nodes]
+        return params.level_sizes
+
+    def levels(self, params: TreeSpec) -> list[int]:
+        return list(range(params.length + 1))
 
     def propose(self, requests: list[Request], budgets: list[int]) -> list[DraftTree]:
         trees: dict[Request, DraftTree] = {}
         groups: dict[TreeSpec, list[Request]] = {}
         for request, budget in zip(requests, budgets, strict=True):
-            if budget < request.draft_params.max_nodes:
+            spec: TreeSpec = request.draft_params
+            depth = max(k for k, size in enumerate(spec.level_sizes) if size <= budget)
+            if depth == 0:
                 trees[request] = DraftTree.root(request.tokens[-1])
             else:
-                groups.setdefault(request.draft_params, []).append(request)
+                groups.setdefault(spec.truncated(depth), []).append(request)
         for spec, group in groups.items():
             roots = [r.tokens[-1] for r in group]
-            levels: RNNLevels | DraftLMLevels
+            drafter: RNNLevels | DraftLMLevels
             if self.draft_cache is not None:
                 assert self.engine.draft_model is not None
-                levels = DraftLMLevels(self.engine.draft_model, self.draft_cache, self.blocks, group)
+                drafter = DraftLMLevels(self.engine.draft_model, self.draft_cache, self.blocks, group)
             else:
                 assert self.engine.redrafter is not None
                 embed = self.engine.model.model.embed_tokens
-                levels = RNNLevels(self.engine.redrafter, embed, target_hidden(group), roots, spec.max_nodes)
+                drafter = RNNLevels(self.engine.redrafter, embed, target_hidden(group), roots, spec.max_nodes)
             params, gens = [r.params for r in group], [r.generator for r in group]
-            trees |= dict(zip(group, draft_rsd_trees(levels, roots, params, gens, spec), strict=True))
+            drafted = draft_rsd_trees(drafter, roots, params, gens, spec)
+            for tree in drafted:  # nested by depth: a node is in every tree at least as deep
+                tree.node_budget = [spec.level_sizes[d] for d in tree.depths]
+            trees |= dict(zip(group, drafted, strict=True))
         return [trees[r] for r in requests]
 
     def on_accept(self, request: Request, tree: DraftTree, accepted: Acceptance, moves: KVMoves | None) -> None:
@@ -286,6 +486,7 @@ class LevelTreeProposer(Proposer):
         if moves is not None:  # local, so at once (before any block is reused)
             self.draft_cache.copy(moves.src, moves.dst)
         if len(tree.tokens) > 1:
-            # the draft LM fed every node above the last level; a last-level leaf it did not
-            fed = tree.depths[accepted.path[-1]] < request.draft_params.length
+            # the draft LM fed every node above the tree's last level (the tree may have been
+            # drafted fewer levels deep than the request's spec); a last-level leaf it did not
+            fed = tree.depths[accepted.path[-1]] < max(tree.depths)
             request.draft_state = request.num_computed - (0 if fed else 1)

@@ -1,0 +1,154 @@
+"""Where an engine step's time goes, per method and batch size: milliseconds per step of
+each phase (`runtime/step_clock.py`: schedule, draft, assemble, forward, verify, commit,
+emit), tokens per step and tokens per second, on held-out prompts, with the defaults a
+user gets (load-aware speculation).
+
+    python -m benchmarks.step_profile            # `make profile`
+    python -m benchmarks.step_profile --batches 1 --methods ar redrafter --max-tokens 32
+
+Each (method, batch) decodes `batch` held-out prompts for `--max-tokens` tokens (EOS
+ignored) after a warm-up, twice; the faster run is reported (the phases of that run). On a
+GPU the device is synchronised at every phase (`RuntimeConfig.profile`), so kernels are
+charged to the phase that launched them. Writes `<out>.json` and `<out>.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from benchmarks.report import machine, write_report
+from benchmarks.timing import sampling_params, synchronize, warm_up
+from runtime.config import RuntimeConfig
+from runtime.llm_engine import LLMEngine
+from runtime.loaded_engine import LoadedEngine
+from runtime.results import tokens_per_step
+from runtime.step_clock import PHASES
+from training.corpus import heldout_prompts
+
+ENGINES = {
+    "ar": "engines/demo-redrafter",
+    "redrafter": "engines/demo-redrafter",
+    "ngram": "engines/demo-redrafter",
+    "sd": "engines/demo-draft-lm",
+    "rsd-c": "engines/demo-draft-lm",
+    "rsd-s": "engines/demo-draft-lm",
+    "lyanna": "engines/demo-lyanna",
+}
+"""Method -> the demo engine it runs on (`make engine` builds them)."""
+
+
+@dataclass
+class Row:
+    method: str
+    batch: int
+    temperature: float
+    steps: int
+    ms_per_step: float
+    phases_ms: dict[str, float]
+    """Milliseconds per step of each phase."""
+    tau: float
+    """Tokens per decoding step per request (bonus included)."""
+    tokens_per_s: float
+    sizes: dict[int, int]
+    """Tree size (root included) -> request-steps drafted at it (load-aware choices)."""
+
+
+def profile(llm: LLMEngine, method: str, prompts: list[list[int]], max_tokens: int, temperature: float) -> Row:
+    best: Row | None = None
+    for _ in range(2):
+        llm.clock.reset()
+        llm.policy.chosen.clear()
+        params = sampling_params(len(prompts), max_tokens, temperature)
+        synchronize(llm.engine.device)
+        start = time.perf_counter()
+        results = llm.generate(prompts, params, method)
+        synchronize(llm.engine.device)
+        seconds = time.perf_counter() - start
+        steps = llm.clock.steps
+        sizes: dict[int, int] = {}
+        for (_, size), n in sorted(llm.policy.chosen.items()):
+            sizes[size] = sizes.get(size, 0) + n
+        row = Row(
+            method=method,
+            batch=len(prompts),
+            temperature=temperature,
+            steps=steps,
+            ms_per_step=1e3 * seconds / max(steps, 1),
+            phases_ms={p: round(v, 3) for p, v in llm.clock.mean_ms().items()},
+            tau=tokens_per_step(results),
+            tokens_per_s=sum(len(r.output_ids) for r in results) / seconds,
+            sizes=sizes,
+        )
+        if best is None or row.tokens_per_s > best.tokens_per_s:
+            best = row
+    assert best is not None
+    return best
+
+
+def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
+    lines = [
+        "# Step profile: milliseconds per engine step, by phase",
+        "",
+        f"Held-out prompts, {meta['max_tokens']} tokens per request (EOS ignored), default (load-aware) "
+        f"speculation; the faster of two runs. Phases as in `runtime/step_clock.py` (prefill steps included). "
+        f"Command: `{meta['command']}`",
+        "",
+        "| method | batch | T | ms/step | " + " | ".join(PHASES) + " | tokens/step/request | tok/s | vs AR | sizes |",
+        "|---|---|---|---|" + "---|" * len(PHASES) + "---|---|---|---|",
+    ]
+    ar = {(r.batch, r.temperature): r.tokens_per_s for r in rows if r.method == "ar"}
+    for r in rows:
+        base = ar.get((r.batch, r.temperature))
+        ratio = f"{r.tokens_per_s / base:.2f}x" if base else "-"
+        sizes = ", ".join(f"{s}: {n}" for s, n in r.sizes.items())
+        phases = " | ".join(f"{r.phases_ms[p]:.2f}" for p in PHASES)
+        lines.append(
+            f"| {r.method} | {r.batch} | {r.temperature:g} | {r.ms_per_step:.2f} | {phases} | {r.tau:.2f} "
+            f"| {r.tokens_per_s:.0f} | {ratio} | {sizes} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--methods", nargs="+", default=list(ENGINES), choices=list(ENGINES), help="(default: all)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32], help="batch sizes (default: %(default)s)")
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0], help="(default: %(default)s)")
+    ap.add_argument("--max-tokens", type=int, default=48, help="tokens per request (default: %(default)s)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/step_profile"), help="(default: %(default)s)")
+    args = ap.parse_args(argv)
+    prompts_text = heldout_prompts(max(args.batches))
+    loaded: dict[str, LoadedEngine] = {}
+    rows = []
+    settings = [(m, b, t) for m in args.methods for b in args.batches for t in args.temperatures]
+    engines: dict[tuple[str, int], LLMEngine] = {}
+    for method, batch, temperature in tqdm(settings, desc="step profile"):
+        path = ENGINES[method]
+        if path not in loaded:
+            loaded[path] = LoadedEngine.load(path, device=args.device)
+        engine = loaded[path]
+        if (path, batch) not in engines:
+            engines[(path, batch)] = LLMEngine(engine, RuntimeConfig(max_batch_size=batch, profile=True))
+        llm = engines[(path, batch)]
+        prompts = [engine.encode(t) for t in prompts_text[:batch]]
+        warm_up(llm, prompts[0], method, temperature)
+        rows.append(profile(llm, method, prompts, args.max_tokens, temperature))
+        tqdm.write(f"{method} batch {batch} T={temperature:g}: {rows[-1].ms_per_step:.2f} ms/step {rows[-1].phases_ms}")
+    meta = {
+        "max_tokens": args.max_tokens,
+        "command": "python -m benchmarks.step_profile " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": machine(),
+    }
+    write_report(args.out, meta, [asdict(r) for r in rows], markdown(rows, meta))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""Where an engine step's time goes: seconds per phase, summed over steps (`make profile`
+reads it; the load-aware policy reads the draft and forward phases of each step).
+
+    schedule  load-aware sizes + the scheduler's work
+    draft     the proposers (`Proposer.propose`)
+    assemble  packing the flat batch and its attention metadata (`step_batch.py`)
+    forward   the target forward (`ModelRunner.execute`)
+    verify    acceptance (`verify.accept_batch`)
+    commit    KV compaction, block bookkeeping, the proposers' `on_accept`
+    emit      the requests' callbacks (streaming, detokenizing in front ends)
+
+On a GPU the work is asynchronous: without `sync` a phase's kernels are paid by whichever
+later phase first waits for them, so profiles synchronise the device at every lap.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+PHASES = ("schedule", "draft", "assemble", "forward", "verify", "commit", "emit")
+
+
+class StepClock:
+    def __init__(self, sync: Callable[[], None] | None = None) -> None:
+        self.sync = sync
+        """Called before every reading (a device synchronise), or None."""
+        self.totals = dict.fromkeys(PHASES, 0.0)
+        """Seconds per phase since the last `reset`."""
+        self.steps = 0
+        self._last = 0.0
+        self._nested = 0.0
+        self.step = dict.fromkeys(PHASES, 0.0)
+        """Seconds per phase of the current (or last) step."""
+
+    def reset(self) -> None:
+        self.totals = dict.fromkeys(PHASES, 0.0)
+        self.steps = 0
+
+    def start(self) -> None:
+        """A step begins."""
+        self.steps += 1
+        self.step = dict.fromkeys(PHASES, 0.0)
+        self._nested = 0.0
+        self._last = self._now()
+
+    def lap(self, phase: str) -> float:
+        """The time since the last lap (less any `nested` time in it) goes to `phase`."""
+        now = self._now()
+        seconds = now - self._last - self._nested
+        self._last, self._nested = now, 0.0
+        self._add(phase, seconds)
+        return seconds
+
+    @contextmanager
+    def nested(self, phase: str) -> Iterator[None]:
+        """Time spent inside goes to `phase`, not to the enclosing lap."""
+        start = self._now()
+        try:
+            yield
+        finally:
+            seconds = self._now() - start
+            self._nested += seconds
+            self._add(phase, seconds)
+
+    def mean_ms(self) -> dict[str, float]:
+        """Milliseconds per step of each phase."""
+        return {p: 1e3 * s / max(self.steps, 1) for p, s in self.totals.items()}
+
+    def _add(self, phase: str, seconds: float) -> None:
+        self.totals[phase] += seconds
+        self.step[phase] += seconds
+
+    def _now(self) -> float:
+        if self.sync is not None:
+            self.sync()
+        return time.perf_counter()

@@ -1,0 +1,68 @@
+"""Load-aware speculation picks each request's tree size every step (a tree cut after fewer
+levels, fewer beams, a shorter chain, or no drafting at all). Whatever it picks, output
+stays exact: here the choice is replaced by a seeded coin per request and step (the most
+erratic policy there is: drafters fall behind and catch up, trees change shape step by
+step) and greedy output must equal auto-regression, sampled output the target's law."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from runtime import llm_engine
+from runtime.config import RuntimeConfig
+from runtime.sampling import SamplingParams
+from runtime.speculation_policy import Offer, SpeculationPolicy
+from tests import toy_sampling
+from tests.stats import chi_square, passes_chi_square
+
+SETTINGS = {"beam_width": 3, "beam_length": 3, "branching": (2, 2, 1)}
+
+
+@pytest.fixture
+def random_sizes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every step, every request gets a random one of the sizes it offers; returns the choices made."""
+    rng = random.Random(0)
+    made: list[int] = []
+
+    def choose(self: SpeculationPolicy, offers: list[Offer], others: int = 0) -> dict[str, int]:
+        chosen = {o.key: rng.choice(list(o.sizes)) for o in offers}
+        made.extend(chosen.values())
+        return chosen
+
+    monkeypatch.setattr(SpeculationPolicy, "choose", choose)
+    return made
+
+
+@pytest.mark.parametrize(
+    ("drafter", "method"),
+    [
+        ("draft-lm", "rsd-s"),
+        ("draft-lm", "rsd-c"),
+        ("draft-lm", "sd"),
+        ("redrafter", "redrafter"),
+        ("redrafter", "ngram"),
+        ("lyanna", "lyanna"),
+    ],
+)
+def test_greedy_output_does_not_depend_on_the_sizes(random_sizes: list[int], drafter: str, method: str) -> None:
+    engine = toy_sampling.toy_engine(drafter, SETTINGS)
+    prompts = [[1 + i % 3, 3, 2, i % 4] for i in range(12)]
+    params = [SamplingParams(max_tokens=10, ignore_eos=True)] * len(prompts)
+    config = RuntimeConfig(max_num_tokens=512)
+    spec = llm_engine.generate(engine, prompts, params, method, config)
+    ar = llm_engine.generate(engine, prompts, params, "ar", config)
+    assert [r.output_ids for r in spec] == [r.output_ids for r in ar]
+    assert 1 in random_sizes and len(set(random_sizes)) >= 2, "no drafting and drafting must both have been chosen"
+
+
+@pytest.mark.slow  # ~1-4 min: 20,000 requests
+def test_sampled_output_follows_the_target_law_whatever_the_sizes(random_sizes: list[int]) -> None:
+    """RSD-S over the draft LM: truncated beams, AR steps that leave the draft cache behind."""
+    engine = toy_sampling.toy_engine("draft-lm", SETTINGS)
+    params = SamplingParams(temperature=0.9, top_p=0.9)
+    counts = toy_sampling.emitted_first_three(engine, params, "rsd-s", accepted_share=8)
+    law = toy_sampling.exact_first_three(engine.model, params)
+    assert passes_chi_square(counts, law), chi_square(counts, law)
+    assert {1, 4, 7}.issubset(random_sizes)

@@ -1,0 +1,168 @@
+"""`draft_rsd_trees` drafts a whole batch level by level with batched tensor ops (one
+warp, one Gumbel-top-k or beam step, one host transfer per level), drawing only each
+request's Gumbel noise from its own generator. Two checks on a drafter whose logits for a
+node depend on that node alone (so every difference comes from the tree-building code):
+
+- against a per-request reference (the level loop as it was before batching: one
+  `gumbel_top_k` per frontier node, one beam step per request), a batch of mixed requests
+  (greedy, sampled, top-k / top-p laws with fewer tokens than the branching factor or the
+  beam width, a sampled request inside a deterministic redrafter spec) gives identical
+  trees: tokens, parents, draft-law rows, flags. Greedy trees on any device; sampled
+  trees on the CPU, where one RNG call of F x V uniforms is the same stream as F calls of V
+  (a GPU generator splits the stream differently, which changes the draws but not their law);
+- batch invariance of the draws: sampled trees of a batch of 3 requests equal, token for
+  token, the trees drawn one request at a time with the same seeds (each request keeps
+  its own RNG stream whatever else is in its batch).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.gumbel import gumbel_noise, gumbel_top_k, top_k_valid, truncated_gumbel
+from runtime.proposers.rsd import TreeSpec, draft_log_probs, draft_rsd_trees
+from runtime.sampling import SamplingParams
+from runtime.tree import DraftTree
+from tests.device import ON_CPU, TEST_DEVICE
+
+V = 64
+
+
+class NodeLogits:
+    """A `LevelDrafter` whose logits at a node are a fixed function of the node's token,
+    its parent's token and its request's context token (`A[token] + B[parent token] +
+    C[context]`): rows are computed by lookups and adds alone, so they are bit-identical
+    whatever the batch."""
+
+    def __init__(self, contexts: list[int], roots: list[int], seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        a, b, c = (3 * torch.randn(V, V, generator=gen) for _ in range(3))
+        self.a, self.b, self.c = a.to(TEST_DEVICE), b.to(TEST_DEVICE), c.to(TEST_DEVICE)
+        self.contexts, self.tokens = contexts, [{0: root} for root in roots]
+        self.parent_tokens = [{0: ctx} for ctx in contexts]
+
+    def _logits(self, rows: list[int], nodes: list[int]) -> torch.Tensor:
+        token = torch.tensor([self.tokens[r][n] for r, n in zip(rows, nodes, strict=True)], device=TEST_DEVICE)
+        prev = torch.tensor([self.parent_tokens[r][n] for r, n in zip(rows, nodes, strict=True)], device=TEST_DEVICE)
+        ctx = torch.tensor([self.contexts[r] for r in rows], device=TEST_DEVICE)
+        return self.a[token] + self.b[prev] + self.c[ctx]
+
+    def first(self) -> torch.Tensor:
+        return self._logits(list(range(len(self.tokens))), [0] * len(self.tokens))
+
+    def extend(self, rows: list[int], parents: list[int], nodes: list[int], tokens: list[int]) -> torch.Tensor:
+        for r, p, n, t in zip(rows, parents, nodes, tokens, strict=True):
+            self.tokens[r][n] = t
+            self.parent_tokens[r][n] = self.tokens[r][p]
+        return self._logits(rows, nodes)
+
+
+def reference_trees(
+    drafter: NodeLogits, roots: list[int], params: list[SamplingParams], gens: list[torch.Generator], spec: TreeSpec
+) -> list[DraftTree]:
+    """The level loop before batching: per request, per frontier node `gumbel_top_k`
+    (rsd-c, sd) or one beam step per request (rsd-s, redrafter), host floats for the beams."""
+    grown = [([r], [-1], [torch.zeros(0)], [0], [0.0], [0.0]) for r in roots]  # tokens, parents, laws, frontier, ...
+    logits, owners = drafter.first(), [(i, 0) for i in range(len(roots))]
+    for depth in range(spec.length):
+        rows = draft_log_probs(logits, [params[i] for i, _ in owners])
+        law = {owner: row for owner, row in zip(owners, rows, strict=True)}
+        new = []
+        for i, (tokens, parents, laws, frontier, scores, gumbels) in enumerate(grown):
+            gen = gens[i] if spec.stochastic and not params[i].greedy else None
+            picks = []
+            if not spec.beamed:
+                for node in frontier:
+                    picks += [(node, t) for t in gumbel_top_k(law[i, node], spec.branching[depth], gen).tolist()]
+            else:
+                phi = torch.stack([scores[k] + law[i, n].double() for k, n in enumerate(frontier)])
+                keys = phi
+                if gen is not None:
+                    perturbed = phi + gumbel_noise(tuple(phi.shape), gen, phi.device)
+                    keys = truncated_gumbel(perturbed, torch.tensor(gumbels, dtype=torch.float64, device=phi.device))
+                index, _ = top_k_valid(keys.flatten(), spec.beam_width)
+                ks, ts = (index // V).tolist(), (index % V).tolist()
+                scores[:] = [float(phi[k, t]) for k, t in zip(ks, ts, strict=True)]
+                gumbels[:] = [float(keys[k, t]) for k, t in zip(ks, ts, strict=True)]
+                picks = [(frontier[k], t) for k, t in zip(ks, ts, strict=True)]
+            frontier.clear()
+            for parent, token in picks:
+                node = len(tokens)
+                tokens.append(token)
+                parents.append(parent)
+                laws.append(law[i, parent])
+                frontier.append(node)
+                new.append((i, parent, node, token))
+        if depth + 1 == spec.length or not new:
+            break
+        cols = [list(c) for c in zip(*new, strict=True)]
+        logits = drafter.extend(*cols)
+        owners = list(zip(cols[0], cols[2], strict=True))
+    out = []
+    for (tokens, parents, laws, *_), prm in zip(grown, params, strict=True):
+        table = torch.stack([torch.zeros_like(laws[1]), *laws[1:]]) if len(tokens) > 1 else None
+        out.append(DraftTree(tokens, parents, table, sampled=spec.stochastic and not prm.greedy))
+    return out
+
+
+SPECS = [
+    TreeSpec("rsd-c", branching=(3, 2, 1), length=3),
+    TreeSpec("sd", branching=(1, 1, 1, 1), length=4),
+    TreeSpec("rsd-s", beam_width=3, length=4),
+    TreeSpec("redrafter", beam_width=4, length=3),
+]
+MIXED = [
+    SamplingParams(),  # greedy
+    SamplingParams(temperature=1.0, seed=1),
+    SamplingParams(temperature=0.0, top_k=2),  # greedy: top-k does not narrow the ranking law
+    SamplingParams(temperature=0.7, top_p=0.3, seed=2),  # laws of a few tokens: fewer children / beams
+    SamplingParams(temperature=1.3, top_k=2, seed=3),  # 2 tokens: fewer than b_0 = 3 children
+    SamplingParams(temperature=1.0, seed=4),
+]
+
+
+def trees_for(spec: TreeSpec, indices: list[int], params: list[SamplingParams], batched: bool) -> list[DraftTree]:
+    roots, contexts = [(7 * i + 3) % V for i in indices], [(11 * i + 5) % V for i in indices]
+    gens = [params[i].generator(TEST_DEVICE) for i in indices]  # (greedy ones: unseeded, unused)
+    prms = [params[i] for i in indices]
+    if batched:
+        return draft_rsd_trees(NodeLogits(contexts, roots), roots, prms, gens, spec)
+    return reference_trees(NodeLogits(contexts, roots), roots, prms, gens, spec)
+
+
+def assert_same(got: DraftTree, want: DraftTree, what: str) -> None:
+    assert got.tokens == want.tokens, what
+    assert got.parents == want.parents, what
+    assert got.depths == want.depths, what
+    assert got.sampled == want.sampled, what
+    assert got.mask is not None and want.mask is not None and torch.equal(got.mask, want.mask), what
+    if want.draft_log_probs is None:
+        assert got.draft_log_probs is None, what
+    else:
+        assert got.draft_log_probs is not None, what
+        assert torch.equal(got.draft_log_probs.cpu(), want.draft_log_probs.cpu()), what
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.method)
+def test_batched_levels_equal_the_per_request_reference(spec: TreeSpec) -> None:
+    indices = list(range(len(MIXED)))
+    got = trees_for(spec, indices, MIXED, batched=True)
+    want = trees_for(spec, indices, MIXED, batched=False)
+    if spec.method != "sd":  # (a chain always has one token to draw)
+        assert any(len(t.tokens) < spec.max_nodes for t in want), "some law should be narrower than the tree"
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if MIXED[i].greedy or not spec.stochastic or ON_CPU:
+            assert_same(g, w, f"request {i} ({MIXED[i]})")
+
+
+@pytest.mark.parametrize("spec", SPECS[:3], ids=lambda s: s.method)
+def test_sampled_draws_do_not_depend_on_the_batch(spec: TreeSpec) -> None:
+    params = [SamplingParams(temperature=1.0, seed=10 + i) for i in range(3)]
+    params[2] = SamplingParams(temperature=0.8, top_p=0.9, seed=12)
+    together = trees_for(spec, [0, 1, 2], params, batched=True)
+    for i in range(3):
+        (alone,) = trees_for(spec, [i], params, batched=True)
+        assert alone.sampled
+        assert_same(together[i], alone, f"request {i}")
+    assert len({tuple(t.tokens) for t in together}) == 3
