@@ -197,16 +197,14 @@ class EngineCore:
                 self.faults.check("draft", (item.request.params for item in items))
                 return proposer.propose([item.request for item in items], [item.budget for item in items])
 
-            if all(item.budget == 1 for item in items):  # nothing to draft: no drafter call at all
-                trees |= {item.request: DraftTree.root(item.request.tokens[-1]) for item in items}
-                continue
             start = time.perf_counter()
-            done, failed = each_alone(propose, items, "drafting")
+            done, failed = each_alone(propose, items, "drafting")  # budget 1: the root, no drafter call
             seconds = time.perf_counter() - start
             trees |= {item.request: tree for item, tree in done}
             failures += [(item.request, message) for item, message in failed]
-            levels = max(proposer.levels(i.request.draft_params)[i.sizes.index(i.budget)] for i in items)
-            drafting[method] = (levels, sum(len(t.tokens) - 1 for _, t in done), seconds)
+            if drafted := sum(len(t.tokens) - 1 for _, t in done):
+                levels = max(proposer.levels(i.request.draft_params)[i.sizes.index(i.budget)] for i in items)
+                drafting[method] = (levels, drafted, seconds)
         return trees, failures, drafting
 
     def _verify(

@@ -475,8 +475,9 @@ class LevelTreeProposer(Proposer):
                 drafter = RNNLevels(self.engine.redrafter, embed, target_hidden(group), roots, spec.max_nodes)
             params, gens = [r.params for r in group], [r.generator for r in group]
             drafted = draft_rsd_trees(drafter, roots, params, gens, spec)
+            level_sizes = spec.level_sizes
             for tree in drafted:  # nested by depth: a node is in every tree at least as deep
-                tree.node_budget = [spec.level_sizes[d] for d in tree.depths]
+                tree.node_budget = [level_sizes[d] for d in tree.depths]
             trees |= dict(zip(group, drafted, strict=True))
         return [trees[r] for r in requests]
 

@@ -57,7 +57,7 @@ def test_build_and_load_matches_transformers(tiny_checkpoint: Path, tmp_path: Pa
         "max_seq_len": 64,
         "dtype": "float32",
         "tp_size": 1,
-        "drafter_dtype": "bfloat16",
+        "drafter_dtype": "float32",
     }
     assert cfg["drafter"] is None
     engine = LoadedEngine.load(out)

@@ -22,12 +22,16 @@ SETTINGS = {"beam_width": 3, "beam_length": 3, "branching": (2, 2, 1)}
 
 @pytest.fixture
 def random_sizes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Every step, every request gets a random one of the sizes it offers; returns the choices made."""
+    """Every step, every request gets a random one of the sizes it offers (a quarter of the
+    steps: none drafts); returns the choices made."""
     rng = random.Random(0)
     made: list[int] = []
 
     def choose(self: SpeculationPolicy, offers: list[Offer], others: int = 0) -> dict[str, int]:
-        chosen = {o.key: rng.choice(list(o.sizes)) for o in offers}
+        if rng.random() < 0.25:  # a whole step without drafting (every proposer still sees its requests)
+            chosen = {o.key: 1 for o in offers}
+        else:
+            chosen = {o.key: rng.choice(list(o.sizes)) for o in offers}
         made.extend(chosen.values())
         return chosen
 
