@@ -87,6 +87,8 @@ class EngineCore:
         """Why the engine cannot step any more (None while it can)."""
         self._failed_steps = 0
         self._calibrated = False
+        self._options: dict[tuple[str, object], tuple[list[int], list[int]]] = {}
+        """(method, draft params) -> (tree sizes, drafter levels) it offers."""
 
     def _calibrate(self) -> None:
         """Seed load-aware speculation's cost fits (like vLLM's profiling run), before the
@@ -170,9 +172,12 @@ class EngineCore:
         offers = []
         for r in running:
             if not r.in_prefill:
-                proposer = self.proposers[r.method]
-                sizes, levels = proposer.sizes(r.draft_params), proposer.levels(r.draft_params)
-                offers.append(Offer(r.request_id, (r.method, r.params.greedy), r.method, sizes, levels))
+                options = self._options.get((r.method, r.draft_params))
+                if options is None:  # params are frozen: ask each proposer once per setting
+                    proposer = self.proposers[r.method]
+                    options = proposer.sizes(r.draft_params), proposer.levels(r.draft_params)
+                    self._options[(r.method, r.draft_params)] = options
+                offers.append(Offer(r.request_id, (r.method, r.params.greedy), r.method, *options))
         if not self._calibrated and self.policy.adaptive and any(len(o.sizes) > 1 for o in offers):
             self._calibrate()
         chosen = self.policy.choose(offers, len(running) - len(offers))

@@ -68,7 +68,7 @@ PROBE_EVERY = 32
 """Fewest steps between probes of one kind of request (while its largest size is measured
 no more often than this)."""
 DINKELBACH_ROUNDS = 3
-Row = list[tuple[int, float, float, int]]
+Row = tuple[tuple[int, float, float, int], ...]
 """One request's options: (size, tau, nodes, levels) per size."""
 CALIBRATION_SIZES = (1, 2, 3, 5, 8, 12, 17, 24, 33, 48, 64, 96, 128, 256)
 """Forward sizes (tokens) timed at engine start."""
@@ -200,6 +200,18 @@ class Estimate:
     count: int = 1
 
 
+@dataclass(frozen=True)
+class _Group:
+    """`count` requests of one method with the same options and beliefs (`row`)."""
+
+    method: str
+    row: Row
+    count: int
+
+    def entry(self, size: int) -> tuple[int, float, float, int]:
+        return next(e for e in self.row if e[0] == size)
+
+
 @dataclass
 class _Choice:
     sizes: list[int]
@@ -244,10 +256,11 @@ class SpeculationPolicy:
         if own is None:
             return shared.tau
         tau, n, last = own
+        excess = abs(tau - shared.tau) - REQUEST_NOISE  # only what exceeds the noise of a running mean counts
+        if excess <= 0:
+            return shared.tau
         weight = n / (n + REQUEST_PRIOR) * 0.5 ** ((self.steps - last) / REQUEST_HALF_LIFE)
-        deviation = tau - shared.tau  # only what exceeds the noise of a running mean counts
-        deviation = float(np.sign(deviation)) * max(abs(deviation) - REQUEST_NOISE, 0.0)
-        return shared.tau + weight * deviation
+        return shared.tau + weight * (excess if tau > shared.tau else -excess)
 
     def nodes(self, offer: Offer, size: int) -> float:
         shared = self.kinds.get((offer.kind, size)) if size > 1 else None
@@ -272,32 +285,44 @@ class SpeculationPolicy:
             return fixed
         others += len(fixed)  # their one token each is in the forward
         if not self.adaptive:
-            sizes = [o.sizes[-1] for o in offers]
+            chosen = {o.key: o.sizes[-1] for o in offers}
         else:
-            table = [[(s, self.tau(o, s), self.nodes(o, s), lv) for s, lv in zip(o.sizes, o.levels, strict=True)]
-                     for o in offers]  # fmt: skip
-            best = self._best(offers, table, others)
-            best = self._explore(offers, table, others, best)
-            sizes = best.sizes
-        for o, s in zip(offers, sizes, strict=True):
-            self.chosen[(o.method, s)] += 1
-        return fixed | {o.key: s for o, s in zip(offers, sizes, strict=True)}
+            # requests with the same options and beliefs (most of a batch) are decided together
+            groups: dict[tuple[str, Row], list[Offer]] = {}
+            for o in offers:
+                row = tuple((s, self.tau(o, s), self.nodes(o, s), lv) for s, lv in zip(o.sizes, o.levels, strict=True))
+                groups.setdefault((o.method, row), []).append(o)
+            batch = [_Group(method, row, len(members)) for (method, row), members in groups.items()]
+            best = self._best(batch, others)
+            chosen = {
+                o.key: size for (_, members), size in zip(groups.items(), best.sizes, strict=True) for o in members
+            }
+            probe = self._explore(list(groups.values()), batch, others, best)
+            if probe is not None:
+                chosen[probe.key] = probe.sizes[-1]
+        for o in offers:
+            self.chosen[(o.method, chosen[o.key])] += 1
+        return fixed | chosen
 
-    def _best(self, offers: list[Offer], table: list[Row], others: int) -> _Choice:
-        uniform = sorted({s for o in offers for s in o.sizes})
+    def _best(self, batch: list[_Group], others: int) -> _Choice:
+        """The best of every uniform choice and a few Dinkelbach rounds."""
+        uniform = sorted({e[0] for g in batch for e in g.row})
         best = max(
-            (self._evaluate(offers, table, [_largest(row, c) for row in table], others) for c in uniform),
+            (self._evaluate(batch, [_largest(g.row, c) for g in batch], others) for c in uniform),
             key=lambda c: c.rate,
         )
-        lo = others + len(offers)
-        hi = others + sum(row[-1][2] for row in table)
+        requests = sum(g.count for g in batch)
+        lo = others + requests
+        hi = others + sum(g.count * g.row[-1][2] for g in batch)
         fslope = self.forward_cost.slope(lo, hi)
-        groups = Counter(o.method for o in offers)
-        marginal = {m: self._draft_slopes(m, groups[m]) for m in groups}
+        per_method: Counter[str] = Counter()
+        for g in batch:
+            per_method[g.method] += g.count
+        marginal = {m: self._draft_slopes(m, n) for m, n in per_method.items()}
         rate = best.rate
         for _ in range(DINKELBACH_ROUNDS):
-            picks = [_pick(row, rate, fslope, *marginal[o.method]) for o, row in zip(offers, table, strict=True)]
-            cand = self._evaluate(offers, table, picks, others)
+            picks = [_pick(g.row, rate, fslope, *marginal[g.method]) for g in batch]
+            cand = self._evaluate(batch, picks, others)
             if cand.rate > best.rate:
                 best = cand
             if cand.rate <= rate:
@@ -305,46 +330,50 @@ class SpeculationPolicy:
             rate = cand.rate
         return best
 
-    def _explore(self, offers: list[Offer], table: list[Row], others: int, best: _Choice) -> _Choice:
+    def _explore(self, members: list[list[Offer]], batch: list[_Group], others: int, best: _Choice) -> Offer | None:
         """Spend the exploration credit on one request's largest tree when it covers the
-        expected loss."""
+        expected loss; returns the request to probe (or None)."""
         stale = self.steps - PROBE_EVERY
         candidates = [
-            i
-            for i, (o, s) in enumerate(zip(offers, best.sizes, strict=True))
-            if s < o.sizes[-1] and self._measured.get(o.kind, -1) <= stale
+            (i, o)
+            for i, (group, size) in enumerate(zip(members, best.sizes, strict=True))
+            for o in group
+            if size < o.sizes[-1] and self._measured.get(o.kind, -1) <= stale
         ]
         if not candidates:
             self.credit = min(self.credit + PROBE_SHARE * best.seconds, best.seconds)
-            return best
-        i = min(candidates, key=lambda i: self._measured.get(offers[i].key, -1))
-        sizes = list(best.sizes)
-        sizes[i] = offers[i].sizes[-1]
-        probe = self._evaluate(offers, table, sizes, others)
+            return None
+        i, offer = min(candidates, key=lambda c: self._measured.get(c[1].key, -1))
+        g = batch[i]
+        probing = [*batch, _Group(g.method, g.row, 1)]
+        probing[i] = _Group(g.method, g.row, g.count - 1)
+        probe = self._evaluate(probing, [*best.sizes, offer.sizes[-1]], others)
         loss = probe.seconds - probe.tokens / max(best.rate, 1e-12)
         self.credit = min(self.credit + PROBE_SHARE * best.seconds, max(best.seconds, loss))
         if loss > self.credit:
-            return best
-        self._measured[offers[i].kind] = self.steps
+            return None
+        self._measured[offer.kind] = self.steps
         self.credit -= max(loss, 0.0)
         self.probes += 1
-        return probe
+        return offer
 
-    def _evaluate(self, offers: list[Offer], table: list[Row], sizes: list[int], others: int) -> _Choice:
+    def _evaluate(self, batch: list[_Group], sizes: list[int], others: int) -> _Choice:
         tokens, nodes = 0.0, float(others)
         drafting: dict[str, list[float]] = {}
-        for o, row, s in zip(offers, table, sizes, strict=True):
-            entry = next(e for e in row if e[0] == s)
-            tokens += entry[1]
-            nodes += entry[2]
+        for g, s in zip(batch, sizes, strict=True):
+            if not g.count:
+                continue
+            _, tau, n, levels = g.entry(s)
+            tokens += g.count * tau
+            nodes += g.count * n
             if s > 1:
-                acc = drafting.setdefault(o.method, [0.0, 0.0])
-                acc[0] = max(acc[0], entry[3])
-                acc[1] += s - 1
+                acc = drafting.setdefault(g.method, [0.0, 0.0])
+                acc[0] = max(acc[0], levels)
+                acc[1] += g.count * (s - 1)
         seconds = self.forward_cost(nodes)
-        for method, (levels, drafted) in drafting.items():
+        for method, (most, drafted) in drafting.items():
             cost = self.draft_cost.get(method)
-            seconds += cost(levels, drafted) if cost is not None else 0.0
+            seconds += cost(most, drafted) if cost is not None else 0.0
         return _Choice(sizes, tokens, seconds)
 
     def _draft_slopes(self, method: str, requests: int) -> tuple[float, float]:
