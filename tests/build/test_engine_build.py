@@ -3,6 +3,7 @@ fails with a message naming the file and tensor, and leaves no engine dir behind
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -170,7 +171,8 @@ def save_drafter(path: Path, vocab_size: int, hidden_size: int) -> Path:
 def test_engine_with_drafter(tiny_checkpoint: Path, tmp_path: Path) -> None:
     drafter = save_drafter(tmp_path / "drafter", vocab_size=320, hidden_size=32)
     settings = {"beam_width": 3, "beam_length": 2}
-    out = build_engine(tiny_checkpoint, tmp_path / "eng", SMALL, drafter=drafter, drafter_settings=settings)
+    build = dataclasses.replace(SMALL, drafter_dtype="bfloat16")  # stored in its own dtype, not the target's
+    out = build_engine(tiny_checkpoint, tmp_path / "eng", build, drafter=drafter, drafter_settings=settings)
     weights = load_file(str(out / "rank0.safetensors"))
     drafter_names = {k for k in weights if k.startswith("drafter.")}
     assert "drafter.rnn_w.weight" in drafter_names and "drafter.lm_head.1.weight" in drafter_names
