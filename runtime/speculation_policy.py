@@ -70,7 +70,7 @@ no more often than this)."""
 DINKELBACH_ROUNDS = 3
 Row = tuple[tuple[int, float, float, int], ...]
 """One request's options: (size, tau, nodes, levels) per size."""
-CALIBRATION_SIZES = (1, 2, 3, 5, 8, 12, 17, 24, 33, 48, 64, 96, 128, 256)
+CALIBRATION_SIZES = (1, 2, 3, 5, 8, 12, 17, 24, 33, 48, 64, 128)
 """Forward sizes (tokens) timed at engine start."""
 
 
@@ -388,10 +388,11 @@ class SpeculationPolicy:
 
     def calibrate(self, forward: Callable[[int], None], most: int) -> None:
         """Seed the forward-cost table: `forward(n)` runs a target forward of n tokens (timed
-        twice per size, the faster kept: the first may pay one-off set-up)."""
+        twice per small size, the faster kept: the first may pay one-off set-up; larger
+        sizes are extrapolated from the two largest until live steps measure them)."""
         for n in sorted({min(n, most) for n in CALIBRATION_SIZES}):
             times = []
-            for _ in range(2):
+            for _ in range(2 if n <= 64 else 1):
                 start = time.perf_counter()
                 forward(n)
                 times.append(time.perf_counter() - start)
