@@ -172,16 +172,21 @@ class EngineCore:
         offers = []
         for r in running:
             if not r.in_prefill:
-                options = self._options.get((r.method, r.draft_params))
-                if options is None:  # params are frozen: ask each proposer once per setting
-                    proposer = self.proposers[r.method]
-                    options = proposer.sizes(r.draft_params), proposer.levels(r.draft_params)
-                    self._options[(r.method, r.draft_params)] = options
-                offers.append(Offer(r.request_id, (r.method, r.params.greedy), r.method, *options))
+                offers.append(Offer(r.request_id, (r.method, r.params.greedy), r.method, *self._offered(r)))
         if not self._calibrated and self.policy.adaptive and any(len(o.sizes) > 1 for o in offers):
             self._calibrate()
         chosen = self.policy.choose(offers, len(running) - len(offers))
         return self.scheduler.schedule({o.key: [s for s in o.sizes if s <= chosen[o.key]] for o in offers})
+
+    def _offered(self, request: Request) -> tuple[list[int], list[int]]:
+        """(tree sizes, drafter levels) the request's proposer offers; params are frozen, so
+        each proposer is asked once per setting."""
+        key = (request.method, request.draft_params)
+        options = self._options.get(key)
+        if options is None:
+            proposer = self.proposers[request.method]
+            options = self._options[key] = proposer.sizes(request.draft_params), proposer.levels(request.draft_params)
+        return options
 
     def _propose(
         self, work: list[ScheduledWork]
@@ -208,7 +213,7 @@ class EngineCore:
             trees |= {item.request: tree for item, tree in done}
             failures += [(item.request, message) for item, message in failed]
             if drafted := sum(len(t.tokens) - 1 for _, t in done):
-                levels = max(proposer.levels(i.request.draft_params)[i.sizes.index(i.budget)] for i in items)
+                levels = max(self._offered(i.request)[1][i.sizes.index(i.budget)] for i in items)
                 drafting[method] = (levels, drafted, seconds)
         return trees, failures, drafting
 
@@ -271,7 +276,7 @@ class EngineCore:
         if len(tree.tokens) > 1:
             stats.outcomes.append(Outcome(
                 request.request_id, (request.method, request.params.greedy), item.budget,
-                self.proposers[request.method].sizes(request.draft_params), acc.num_accepted,
+                self._offered(request)[0], acc.num_accepted,
                 tree.node_budget, acc.path, len(tree.tokens),
             ))  # fmt: skip
         self._notify(request, request.emit(acc.tokens))

@@ -306,9 +306,10 @@ class SpeculationPolicy:
 
     def _best(self, batch: list[_Group], others: int) -> _Choice:
         """The best of every uniform choice and a few Dinkelbach rounds."""
-        uniform = sorted({e[0] for g in batch for e in g.row})
+        sizes = [[e[0] for e in g.row] for g in batch]
+        uniform = sorted({s for offered in sizes for s in offered})
         best = max(
-            (self._evaluate(batch, [_largest(g.row, c) for g in batch], others) for c in uniform),
+            (self._evaluate(batch, [largest_fitting(offered, c) for offered in sizes], others) for c in uniform),
             key=lambda c: c.rate,
         )
         requests = sum(g.count for g in batch)
@@ -450,10 +451,6 @@ def _pick(row: Row, rate: float, fslope: float, per_level: float, per_node: floa
         if v > value:
             best, value = size, v
     return best
-
-
-def _largest(row: Row, budget: int) -> int:
-    return max(e[0] for e in row if e[0] <= budget)
 
 
 def _kind_name(kind: Hashable) -> str:
