@@ -89,3 +89,5 @@ def check_request(config: EngineConfig, prompt: list[int], params: SamplingParam
         raise ValueError(f"prompt token ids must be in [0, {vocab})")
     if any(t >= vocab for t in params.stop_token_ids):
         raise ValueError(f"stop token ids {list(params.stop_token_ids)} must be in [0, {vocab}) (the vocabulary)")
+    if any(t >= vocab for word in params.bad_words for t in word):
+        raise ValueError(f"bad_words token ids must be in [0, {vocab}) (the vocabulary)")

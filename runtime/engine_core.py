@@ -9,7 +9,8 @@ proposer (`runtime/proposers/`) drafts its trees; everything else is shared.
 - assemble + forward: prefill chunks and trees of every request in ONE target forward over
   the paged cache (`step_batch.py`, `model_runner.py`);
 - verify: greedy or recursive rejection sampling on the target's own logits (`verify.py`),
-  so output is lossless whatever the batch, the budgets or preemptions;
+  penalized along each node's own path when the request asks (`logits_processing.py`), so
+  output is lossless whatever the batch, the budgets or preemptions;
 - commit: the accepted path's KV compacted to consecutive positions (`ModelRunner.move`),
   the rest of the tree's blocks freed, the proposer told (`Proposer.on_accept`);
 - emit: the tokens go to the request's callback.
@@ -34,6 +35,7 @@ from runtime.cuda_graphs import CudaGraphs
 from runtime.faults import FaultInjector, describe, each_alone
 from runtime.kv_budget import kv_cache_blocks
 from runtime.loaded_engine import LoadedEngine
+from runtime.logits_processing import process_logits, token_log_probs
 from runtime.model_runner import ModelRunner, StepSender
 from runtime.proposers.proposer import KVMoves, Proposer
 from runtime.proposers.registry import methods_for, proposer_class
@@ -140,7 +142,7 @@ class EngineCore:
             log.exception("forward failed; failing its %d request(s)", len(work))
             return finished + [self._finish(item.request, "error", describe(e)) for item in work]
         stats = StepStats(len(batch.step.tokens), clock.lap("forward"), drafting)
-        rows = {r: logits[span.logits_start : span.logits_start + len(trees[r].tokens)]
+        rows = {r: self._processed(r, logits[span.logits_start : span.logits_start + len(trees[r].tokens)], trees[r])
                 for r, span in zip((i.request for i in work), batch.spans, strict=True) if r in trees}  # fmt: skip
         acceptances = self._verify(trees, rows)
         clock.lap("verify")
@@ -155,7 +157,9 @@ class EngineCore:
                     finished.append(self._finish(request, "error", acc))
                     continue
                 else:
-                    self._commit(item, trees[request], acc, hidden[span.start + acc.path[-1]], batch, stats)
+                    self._commit(
+                        item, trees[request], acc, rows[request], hidden[span.start + acc.path[-1]], batch, stats
+                    )
             except Exception as e:  # this request only
                 log.exception("request %s failed", request.request_id)
                 finished.append(self._finish(request, "error", describe(e)))
@@ -233,6 +237,14 @@ class EngineCore:
         done, failed = each_alone(accept, list(logits), "verifying")
         return dict(done) | dict(failed)
 
+    @staticmethod
+    def _processed(request: Request, logits: torch.Tensor, tree: DraftTree | None) -> torch.Tensor:
+        """The target's logits at `tree`'s nodes (None: after the prompt) as the request's
+        penalties and masks change them along each node's path (`logits_processing.py`)."""
+        if not request.params.processes_logits:
+            return logits
+        return process_logits(logits, request.params, request.prompt, request.result.output_ids, request.stop_ids, tree)
+
     def _commit_prefill(
         self, request: Request, chunk: int, logits: torch.Tensor, row: int, hidden: torch.Tensor
     ) -> None:
@@ -243,19 +255,24 @@ class EngineCore:
         if not request.result.output_ids:  # a fresh prompt (not a recompute): its first token
             request.result.num_forwards = 1
             self.faults.check("sample", [request.params])
-            self._notify(request, request.emit([next_token(logits[row], request.params, request.generator)]))
+            row_logits = self._processed(request, logits[row : row + 1], None)
+            token = next_token(row_logits[0], request.params, request.generator)
+            log_probs = token_log_probs(row_logits, [token]) if request.params.logprobs else None
+            self._notify(request, request.emit([token], log_probs))
 
     def _commit(
         self,
         item: ScheduledWork,
         tree: DraftTree,
         acc: Acceptance,
+        logits: torch.Tensor,
         hidden: torch.Tensor,
         batch: Batch,
         stats: StepStats,
     ) -> None:
         """Keep the accepted path: its KV compacted to consecutive positions, the rest of the
-        tree's blocks freed, the proposer told, the tokens emitted."""
+        tree's blocks freed, the proposer told, the tokens emitted (with their log-probabilities
+        under the tree's verified `logits` when asked for)."""
         request = item.request
         context, slots = request.num_computed, batch.slots[request.request_id]
         moved = [(context + p, context + i) for i, p in enumerate(acc.path) if p != i]
@@ -279,7 +296,8 @@ class EngineCore:
                 self._offered(request)[0], acc.num_accepted,
                 tree.node_budget, acc.path, len(tree.tokens),
             ))  # fmt: skip
-        self._notify(request, request.emit(acc.tokens))
+        log_probs = token_log_probs(logits[acc.path], acc.tokens) if request.params.logprobs else None
+        self._notify(request, request.emit(acc.tokens, log_probs))
 
     def _notify(self, request: Request, tokens: list[int], error: str | None = None) -> None:
         try:

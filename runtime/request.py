@@ -42,6 +42,9 @@ class RequestEvent:
     """What went wrong, when finish_reason is "error"."""
     result: GenerationResult | None = None
     """On the final event: the request's whole result (ids, draft/accept counts per step)."""
+    log_probs: list[float] = field(default_factory=list)
+    """Log-probability of each of `tokens` when the request asked for them
+    (`SamplingParams.logprobs`), else empty."""
 
     @property
     def finished(self) -> bool:
@@ -99,15 +102,19 @@ class Request:
     def finished(self) -> bool:
         return bool(self.result.finish_reason)
 
-    def emit(self, tokens: list[int]) -> list[int]:
-        """Record tokens produced by the target (cut at stop / max_tokens); returns those
-        actually appended, which is what the caller is sent."""
+    def emit(self, tokens: list[int], log_probs: list[float] | None = None) -> list[int]:
+        """Record tokens produced by the target (cut at stop / max_tokens), with their
+        log-probabilities when the request asked for them; returns the tokens actually
+        appended, which is what the caller is sent."""
         before = len(self.result.output_ids)
-        self.result.extend(tokens, self.params, self.stop_ids)
+        self.result.extend(tokens, self.params, self.stop_ids, log_probs)
         return self.result.output_ids[before:]
 
     def notify(self, tokens: list[int], error: str | None = None) -> None:
         """Send one event; the final one once the request has a finish reason."""
         if self.callback is not None:
             reason = self.result.finish_reason or None
-            self.callback(RequestEvent(self.request_id, tokens, reason, error, self.result if reason else None))
+            n = len(self.result.output_ids)
+            log_probs = self.result.output_log_probs[n - len(tokens) : n] if self.params.logprobs and tokens else []
+            event = RequestEvent(self.request_id, tokens, reason, error, self.result if reason else None, log_probs)
+            self.callback(event)

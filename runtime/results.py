@@ -24,6 +24,14 @@ class GenerationResult:
     """Draft tokens accepted at each decoding step (acceptance histograms)."""
     sizes_per_step: list[int] = field(default_factory=list)
     """Tree size (nodes, root included) load-aware speculation chose at each decoding step (1: none)."""
+    output_log_probs: list[float] = field(default_factory=list)
+    """When `SamplingParams.logprobs`: log-probability of every output token under the
+    target's distribution after penalties and masks, before temperature/top-k/top-p
+    (`runtime.logits_processing.token_log_probs`), aligned with `output_ids`."""
+
+    @property
+    def cum_log_prob(self) -> float:
+        return float(sum(self.output_log_probs))
 
     @property
     def num_accepted(self) -> int:
@@ -35,13 +43,18 @@ class GenerationResult:
         prefill forward and the token it emits: exactly 1.0 for auto-regression."""
         return (len(self.output_ids) - 1) / max(1, self.num_forwards - 1)
 
-    def extend(self, tokens: list[int], params: SamplingParams, stop_ids: set[int]) -> None:
-        """Append one step's emitted tokens, cutting at a stop token or max_tokens."""
-        for token in tokens:
+    def extend(
+        self, tokens: list[int], params: SamplingParams, stop_ids: set[int], log_probs: list[float] | None = None
+    ) -> None:
+        """Append one step's emitted tokens (and their log-probabilities, when asked for),
+        cutting at a stop token or max_tokens."""
+        for i, token in enumerate(tokens):
             if token in stop_ids:
                 self.finish_reason = "stop"
                 return
             self.output_ids.append(token)
+            if log_probs is not None:
+                self.output_log_probs.append(log_probs[i])
             if len(self.output_ids) == params.max_tokens:
                 self.finish_reason = "length"
                 return

@@ -40,6 +40,21 @@ class SamplingParams:
     """Extra ids that end generation (the engine's EOS always does, unless ignore_eos)."""
     ignore_eos: bool = False
     """Keep generating past EOS (benchmarks that need fixed output lengths)."""
+    min_tokens: int = 0
+    """EOS and the stop tokens cannot be generated before this many output tokens
+    (TensorRT-LLM's `min_length`, vLLM's `min_tokens`): their logits are -inf until then."""
+    repetition_penalty: float = 1.0
+    """> 0; 1 = off. Logits of tokens already in the prompt or the output are divided by it
+    when positive, multiplied when negative (CTRL, Keskar et al. 2019; as transformers/vLLM)."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token already generated (OpenAI's definition; 0 = off)."""
+    frequency_penalty: float = 0.0
+    """Subtracted once per earlier occurrence in the output (OpenAI's definition; 0 = off)."""
+    bad_words: tuple[tuple[int, ...], ...] = field(default=())
+    """Token sequences never generated: the last token of each is masked wherever the
+    tokens before it end the sequence so far (a one-token word is masked everywhere)."""
+    logprobs: bool = False
+    """Return each generated token's log-probability (`GenerationResult.output_log_probs`)."""
 
     def __post_init__(self) -> None:
         """Refuse what cannot be served (non-finite floats, out-of-range or non-integer
@@ -58,10 +73,38 @@ class SamplingParams:
             object.__setattr__(self, "temperature", 0.0)
         if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:  # NaN fails too
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check_int("min_tokens", self.min_tokens, low=0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        rp = self.repetition_penalty
+        if not isinstance(rp, int | float) or not (math.isfinite(rp) and rp > 0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {rp!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number (0 = off), got {value!r}")
+        for word in self.bad_words:
+            if not word:
+                raise ValueError("bad_words must not contain empty token sequences")
+            for token in word:
+                _check_int("bad_words", token, low=0)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the target's logits depend on the tokens so far (penalties, min_tokens,
+        bad_words): then every tree node gets its own, along its own path
+        (`runtime/logits_processing.py`)."""
+        return bool(
+            self.min_tokens
+            or self.repetition_penalty != 1.0
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.bad_words
+        )
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         g = torch.Generator(device=device)

@@ -5,6 +5,8 @@ The engines run on the test device (`tests/device.py`); laws and counts are on t
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -60,15 +62,23 @@ def toy_engine(drafter_kind: str, settings: dict[str, Any], device: str = TEST_D
     return LoadedEngine(config, target, Tokenizer(models.BPE()), draft_model=draft)
 
 
-def exact_first_three(target: LlamaForCausalLM, params: SamplingParams) -> torch.Tensor:
+Processor = Callable[[torch.Tensor, list[int]], torch.Tensor]
+"""(logits `[V]`, tokens generated so far) -> the logits the target's law is taken from."""
+
+
+def exact_first_three(
+    target: LlamaForCausalLM, params: SamplingParams, process: Processor | None = None
+) -> torch.Tensor:
     """P(x1, x2, x3) under the target, `[V, V, V]` on the CPU, by enumerating prefixes
-    (the target's conditionals computed on its own device)."""
+    (the target's conditionals computed on its own device, changed by `process` when given)."""
     device = target.lm_head.weight.device
 
     def q(prefix: list[int]) -> torch.Tensor:
         ids = torch.tensor([prefix], device=device)
         with torch.no_grad():
             logits = target(ids, torch.arange(len(prefix), device=device)[None]).logits[0, -1]
+            if process is not None:
+                logits = process(logits.cpu(), prefix[len(PROMPT) :])
             return target_probs(logits, params).cpu()
 
     law = torch.zeros(V, V, V)
@@ -85,10 +95,7 @@ def emitted_first_three(
 ) -> torch.Tensor:
     """Counts of the first three tokens of `trials` seeded requests, all in flight at once
     (at least trials / `accepted_share` drafts must be accepted, or the test means little)."""
-    per_request = [
-        SamplingParams(max_tokens=3, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=i)
-        for i in range(trials)
-    ]
+    per_request = [dataclasses.replace(params, max_tokens=3, seed=i) for i in range(trials)]
     config = RuntimeConfig(max_num_tokens=16 * trials, max_queue_size=trials, speculation="fixed")
     results = llm_engine.generate(engine, [PROMPT] * trials, per_request, method, config)
     counts = torch.zeros(V, V, V)
