@@ -96,6 +96,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus filter, 1.0 = off (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=None, help="sampling seed; request i uses seed + i")
     ap.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
+    ap.add_argument("--min-tokens", type=int, default=0, help="no EOS/stop token before this many (default: 0)")
+    ap.add_argument(
+        "--repetition-penalty", type=float, default=1.0, help="CTRL penalty on prompt+output tokens, 1 = off"
+    )
+    ap.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI presence penalty, 0 = off")
+    ap.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI frequency penalty, 0 = off")
+    ap.add_argument(
+        "--bad-word", action="append", default=[], help="text never generated (its tokens); repeat for several"
+    )
+    ap.add_argument("--logprobs", action="store_true", help="with --json: each output token's log-probability")
     ap.add_argument(
         "--stop", action="append", metavar="TEXT", help="end the text before this string; repeat for several"
     )
@@ -150,6 +160,12 @@ def main(argv: list[str] | None = None) -> int:
                 top_p=args.top_p,
                 seed=None if args.seed is None else args.seed + i,
                 ignore_eos=args.ignore_eos,
+                min_tokens=args.min_tokens,
+                repetition_penalty=args.repetition_penalty,
+                presence_penalty=args.presence_penalty,
+                frequency_penalty=args.frequency_penalty,
+                bad_words=tuple(tuple(engine.tokenizer.encode(w, add_special_tokens=False).ids) for w in args.bad_word),
+                logprobs=args.logprobs,
             )
             for i in range(len(args.prompt))
         ]
@@ -173,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
                         "num_drafted": o.stats.num_draft_tokens if o.stats else 0,
                         "num_accepted": o.stats.num_accepted_tokens if o.stats else 0,
                         "tree_sizes": dict(sorted(Counter(o.result.sizes_per_step).items())) if o.result else {},
+                        **(
+                            {"output_log_probs": o.result.output_log_probs if o.result else []} if args.logprobs else {}
+                        ),
                     }
                 )
             )
