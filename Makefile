@@ -17,7 +17,7 @@ DEMO_PROMPTS := --prompt "def fibonacci(n):" \
 	--prompt "$$(printf 'class Stack:\n    def __init__(self):')" \
 	--prompt "$$(printf 'import os\n\n\ndef list_python_files(path):')"
 
-.PHONY: help setup mpi engine demo serve test test-slow lint format model drafter draft-lm lyanna bench-redrafter bench-batch bench-rsd bench-ngram profile bench-lyanna bench-drafter-tp loadtest soak bench-table2 export-trtllm clean
+.PHONY: help setup mpi perf-analyzer-install perf-tools genai-perf perf-analyzer engine demo serve test test-slow lint format model drafter draft-lm lyanna bench-redrafter bench-batch bench-rsd bench-ngram profile bench-lyanna bench-drafter-tp loadtest loadtest-openai soak bench-table2 export-trtllm clean
 
 help:  ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 18
@@ -35,12 +35,55 @@ mpi:  ## install OpenMPI (mpirun) if missing: apt-get as root, else print the co
 	    echo "  sudo apt-get install -y openmpi-bin libopenmpi-dev"; \
 	  fi; }
 
+# NVIDIA's benchmark clients in their own venv (genai-perf pins packages of its own): perf_analyzer is
+# the binary inside the tritonclient 2.50.0 wheel (later wheels need a newer glibc), which links
+# Debian's libb64-0d and libcudart.so.12 (nvidia-cuda-runtime-cu12) even on a CPU; the wrappers in
+# $(PERF_VENV)/tools/ set LD_LIBRARY_PATH and PATH. constraints-perf.txt pins what genai-perf pulls in.
+PERF_VENV ?= .venv-perf
+PERF_BIN  := $(PERF_VENV)/bin
+PERF_ANALYZER_STAMP := $(PERF_VENV)/.perf-analyzer-$(shell cat constraints-perf.txt | cksum | cut -d' ' -f1)
+GENAI_PERF_STAMP := $(PERF_VENV)/.genai-perf-$(shell cat constraints-perf.txt | cksum | cut -d' ' -f1)
+
+perf-analyzer-install: $(PERF_ANALYZER_STAMP)  ## perf_analyzer in $(PERF_VENV) (~30 s; libb64-0d via apt-get as root, else the command is printed)
+	@ldconfig -p | grep -q 'libb64\.so\.0d' || { \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libb64-0d >/dev/null; } \
+	      || echo "warning: could not install libb64-0d; the perf_analyzer test will be skipped"; \
+	  else \
+	    echo "perf_analyzer needs Debian's libb64-0d; install it with:"; \
+	    echo "  sudo apt-get install -y libb64-0d"; \
+	  fi; }
+
+$(PERF_ANALYZER_STAMP): constraints-perf.txt
+	test -x $(PERF_BIN)/python || $(PYTHON) -m venv $(PERF_VENV)
+	$(PERF_BIN)/pip install --quiet --disable-pip-version-check tritonclient==2.50.0 nvidia-cuda-runtime-cu12==12.9.79 -c constraints-perf.txt
+	mkdir -p $(PERF_VENV)/tools
+	printf '%s\n' '#!/bin/sh' '# runs $(PERF_VENV)/bin/<this name> with the venv'"'"'s libcudart and bin/ (written by make perf-tools)' \
+	  'v="$$(cd "$$(dirname "$$0")/.." && pwd)"' \
+	  'for d in "$$v"/lib/python3*/site-packages/nvidia/cuda_runtime/lib; do LD_LIBRARY_PATH="$$d$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}"; done' \
+	  'PATH="$$v/bin:$$PATH"; export LD_LIBRARY_PATH PATH' \
+	  'exec "$$v/bin/$$(basename "$$0")" "$$@"' > $(PERF_VENV)/tools/perf_analyzer
+	chmod +x $(PERF_VENV)/tools/perf_analyzer && cp $(PERF_VENV)/tools/perf_analyzer $(PERF_VENV)/tools/genai-perf
+	rm -f $(PERF_VENV)/.perf-analyzer-* && touch $@
+
+$(GENAI_PERF_STAMP): $(PERF_ANALYZER_STAMP)
+	$(PERF_BIN)/pip install --quiet --disable-pip-version-check genai-perf==0.0.16 -c constraints-perf.txt
+	rm -f $(PERF_VENV)/.genai-perf-* && touch $@
+
+perf-tools: perf-analyzer-install $(GENAI_PERF_STAMP)  ## perf_analyzer + genai-perf 0.0.16 in $(PERF_VENV) (~4 min, 1.1 GB)
+
+genai-perf: perf-tools engine  ## serve $(SPEC_ENGINE), profile it with NVIDIA genai-perf (kserve, tensorrtllm, streaming), stop -> benchmarks/results/genai_perf/
+	$(BIN)/python -m triton_repo.nvidia_perf genai-perf --engine $(SPEC_ENGINE)
+
+perf-analyzer: perf-analyzer-install engine  ## serve $(SPEC_ENGINE), drive it with NVIDIA perf_analyzer (--streaming, RATE req/s), stop -> benchmarks/results/perf_analyzer/
+	$(BIN)/python -m triton_repo.nvidia_perf perf-analyzer --engine $(SPEC_ENGINE) --rate $(RATE)
+
 $(STAMP): requirements.txt constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check -r requirements.txt -c constraints.txt
 	rm -f $(VENV)/.installed-* && touch $@
 
-BUILDER := build/engine.py runtime/engine_dir.py
+BUILDER := build/engine.py runtime/engine_dir.py $(MODEL)/tokenizer_config.json
 
 $(ENGINE)/config.json: $(STAMP) $(BUILDER) $(MODEL)/config.json $(MODEL)/model.safetensors $(MODEL)/tokenizer.json
 	$(BIN)/python -m build.engine --checkpoint $(MODEL) --output $(ENGINE) --force
@@ -67,14 +110,14 @@ demo: engine  ## set up, build the demo engines, generate in-process (ReDrafter 
 	$(BIN)/python -m triton_repo.demo --engine $(SPEC_ENGINE) --max-tokens 48
 
 serve: private ENGINE = $(SPEC_ENGINE)
-serve: engine  ## serve the ReDrafter engine (or ENGINE=...) with Triton: HTTP :8000, gRPC :8001, metrics :8002
-	$(BIN)/python -m triton_repo.server --engine $(ENGINE)
+serve: engine  ## serve the ReDrafter engine (or ENGINE=...) with Triton (HTTP :8000, gRPC :8001, metrics :8002) + the OpenAI API on :9000
+	$(BIN)/python -m triton_repo.openai --engine $(ENGINE)
 
 # pytest exits 5 when no test is collected; that is not a failure of the suite.
-test: setup  ## default test suite (no slow tests)
+test: setup perf-analyzer-install  ## default test suite (no slow tests)
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
-test-slow: setup  ## slow tests only
+test-slow: setup perf-tools  ## slow tests only
 	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 lint: setup  ## ruff check + ruff format --check + mypy
@@ -131,11 +174,15 @@ RATE ?= 2
 loadtest: setup  ## fixed-QPS load test of a running server (URL=host:port RATE=req/s) -> benchmarks/results/loadtest.*
 	$(BIN)/python -m benchmarks.loadtest --url $(URL) --rate $(RATE)
 
+loadtest-openai: setup  ## the same load test through the OpenAI API (URL=localhost:9000 RATE=req/s)
+	$(BIN)/python -m benchmarks.loadtest --backend openai --url $(URL) --rate $(RATE) --out benchmarks/results/loadtest_openai
+
 soak: engine  ## serve $(SPEC_ENGINE) and soak it 5 min at RATE req/s (mixed methods, cancels, bad inputs): nothing lost, one FINAL each, counters, gauges, RSS -> benchmarks/results/soak.*
 	$(BIN)/python -m benchmarks.soak --engine $(SPEC_ENGINE) --rate $(RATE) --duration 300
 
-bench-table2: engine  ## serve $(SPEC_ENGINE) with Triton; ms/token + speedup vs AR at light/medium/saturated QPS
-	$(BIN)/python -m benchmarks.table2 --engine $(SPEC_ENGINE)
+DOOR ?= grpc
+bench-table2: engine  ## serve $(SPEC_ENGINE) with Triton; ms/token + speedup vs AR at light/medium/saturated QPS (DOOR=grpc|http|openai)
+	$(BIN)/python -m benchmarks.table2 --engine $(SPEC_ENGINE) --door $(DOOR)
 
 TRTLLM_OUT ?= work_dirs/trtllm-redrafter
 export-trtllm: setup  ## TensorRT-LLM ReDrafter checkpoint + build script + tensorrtllm Triton repo -> $(TRTLLM_OUT)

@@ -1,9 +1,11 @@
-"""Fixed-QPS load test of a Triton server speaking the TensorRT-LLM ensemble's tensor names.
+"""Fixed-QPS load test of a Triton server speaking the TensorRT-LLM ensemble's tensor names,
+or of an OpenAI-compatible server (`--backend openai`: specpipe's `python -m triton_repo.openai`).
 
     python -m benchmarks.loadtest --url localhost:8001 --rate 2 --num-requests 100 \\
         [--arrivals poisson|constant|gamma --burstiness B --seed S] [--max-concurrency C] [--duration S] \\
         [--prompts bundled|question.jsonl|sharegpt.json] [--method redrafter] [--protocol grpc|http] \\
         [--goodput ttft:500 tpot:50] --out benchmarks/results/loadtest
+    python -m benchmarks.loadtest --backend openai --url localhost:9000 --rate 2 ...
 
 Requests are sent on a schedule (vLLM `bench serve` conventions: constant, Poisson, or
 gamma with a burstiness factor), each on its own stream, optionally capped at
@@ -12,7 +14,10 @@ is sent). Per request: TTFT, E2E latency, TPOT = (E2E - TTFT) / (output tokens -
 per *token*: a response carrying k tokens (one speculative step) contributes k gaps of
 (its delay / k). Token counts come from the server's `num_output_tokens` output when it
 sends one (specpipe does, on every streamed response); otherwise each non-empty response
-counts as one token, which is exact for servers that stream one token per response.
+counts as one token, which is exact for servers that stream one token per response. Through
+the OpenAI door, streamed `/v1/completions` with vLLM's `continuous_usage_stats` give the
+running count (`usage.completion_tokens` of every chunk), and specpipe's `speculation`
+object the draft / accepted counts.
 Writes `<out>.json` (vLLM's benchmark keys plus ours), `<out>.md` and `<out>_cdf.png`.
 """
 
@@ -194,15 +199,67 @@ def http_request(url: str, prompt: Prompt, settings: RequestSettings, record: Re
         record.error = f"{type(e).__name__}: {e}"
 
 
+def openai_request(url: str, prompt: Prompt, settings: RequestSettings, record: RequestRecord) -> None:
+    """One streamed `/v1/completions` request to an OpenAI-compatible server (server-sent events)."""
+    body: dict[str, Any] = {
+        "model": settings.model,
+        "prompt": prompt.text,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        **settings.request_fields(),
+    }
+    req = urllib.request.Request(
+        f"http://{url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    start = time.perf_counter()
+    try:
+        with urllib.request.urlopen(req, timeout=600) as response:
+            for line in response:
+                if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                    continue
+                event = json.loads(line[len(b"data: ") :])
+                at = time.perf_counter() - start
+                if "error" in event:
+                    record.error = event["error"].get("message", str(event["error"]))
+                    return
+                usage = event.get("usage") or {}
+                count = usage.get("completion_tokens")
+                if event.get("choices") and (count is not None or event["choices"][0].get("text")):
+                    record.add_chunk(at, None if count is None else int(count))
+                if usage.get("prompt_tokens") is not None:
+                    record.input_tokens = int(usage["prompt_tokens"])
+                spec = event.get("speculation") or {}
+                record.drafted = int(spec.get("draft_tokens", record.drafted))
+                record.accepted = int(spec.get("accepted_tokens", record.accepted))
+            record.e2e = time.perf_counter() - start
+    except urllib.error.HTTPError as e:
+        error = json.loads(e.read() or b"{}").get("error", {})
+        record.error = error.get("message", str(e)) if isinstance(error, dict) else str(error)
+    except Exception as e:
+        record.error = f"{type(e).__name__}: {e}"
+
+
 PROTOCOLS: dict[str, Callable[[str, Prompt, RequestSettings, RequestRecord], None]] = {
     "grpc": grpc_request,
     "http": http_request,
+    "openai": openai_request,
 }
+OPENAI_EXTENSIONS = frozenset({"method", "ignore_eos"})
+"""specpipe's OpenAI server takes these Triton inputs as request fields of the same name."""
 
 
 def server_model(url: str, model: str, protocol: str) -> tuple[frozenset[str], bool]:
     """Input names the served model declares, and whether it batches (its config, over the
-    run's protocol)."""
+    run's protocol). An OpenAI server must list the model; it takes specpipe's extensions."""
+    if protocol == "openai":
+        with urllib.request.urlopen(f"http://{url}/v1/models", timeout=30) as response:
+            ids = [m["id"] for m in json.loads(response.read())["data"]]
+        if model not in ids:
+            raise ValueError(f"model {model!r} is not served at {url} (it has {ids}); pass --model")
+        return OPENAI_EXTENSIONS, False
     if protocol == "grpc":
         config = grpcclient.InferenceServerClient(url).get_model_config(model).config
         return frozenset(i.name for i in config.input), config.max_batch_size > 0
@@ -374,9 +431,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m benchmarks.loadtest", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--url", default="localhost:8001", help="gRPC (or, with --protocol http, HTTP) host:port")
-    ap.add_argument("--protocol", choices=sorted(PROTOCOLS), default="grpc", help="(default: %(default)s)")
-    ap.add_argument("--model", default="specpipe", help="Triton model name (default: %(default)s)")
+    ap.add_argument(
+        "--url", default="localhost:8001", help="gRPC (or, with --protocol http / --backend openai, HTTP) host:port"
+    )
+    ap.add_argument(
+        "--backend",
+        choices=("triton", "openai"),
+        default="triton",
+        help="triton: Triton's own API over --protocol; openai: an OpenAI-compatible server's streamed "
+        "/v1/completions (default: %(default)s)",
+    )
+    ap.add_argument("--protocol", choices=("grpc", "http"), default="grpc", help="Triton's (default: %(default)s)")
+    ap.add_argument("--model", default="specpipe", help="Triton model name / OpenAI model id (default: %(default)s)")
     ap.add_argument("--rate", type=float, required=True, help="requests per second (inf = all at once)")
     ap.add_argument(
         "--arrivals", choices=("poisson", "constant", "gamma"), default="poisson", help="(default: %(default)s)"
@@ -408,6 +474,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", flush=True)
         return 2
     settings = RequestSettings(args.max_tokens, args.temperature, args.method, not args.stop_at_eos, args.model)
+    if args.backend == "openai":
+        args.protocol = "openai"
     try:
         if args.warmup:
             warm = prompts[: args.warmup]
@@ -415,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         records, duration = run_load(
             args.url, prompts[args.warmup :], arrivals, settings, args.protocol, args.max_concurrency
         )
-    except (InferenceServerException, OSError, ValueError) as e:  # no server / model / input there
+    except (InferenceServerException, OSError, ValueError, KeyError) as e:  # no server / model / input there
         print(f"error: {args.url} ({args.protocol}): {e}", flush=True)
         return 2
     summary = summarize(records, duration, slos)

@@ -1,9 +1,11 @@
 """ReDrafter-paper Table 2 on this machine: ms/token and speedup over auto-regressive
 decoding at light, medium and saturating request rates, through a real Triton server.
 
-    python -m benchmarks.table2 --engine engines/demo-redrafter   (make bench-table2)
+    python -m benchmarks.table2 --engine engines/demo-redrafter [--door grpc|http|openai]   (make bench-table2)
 
-1. Serve the engine with Triton (`triton_repo.server`), default runtime settings.
+1. Serve the engine with Triton (`triton_repo.server`), default runtime settings; requests go
+   through `--door`: Triton's gRPC streaming (default), its HTTP `generate_stream`, or the
+   OpenAI-compatible API (`python -m triton_repo.openai` attached to that Triton).
 2. Measure capacity: auto-regressive requests sent all at once, `--capacity-concurrency`
    in flight, gives this machine's saturated request rate C.
 3. For each rate in `--fractions` x C (the paper's QPS 0.1 / 0.5 / 1.0 relative to what the
@@ -16,6 +18,7 @@ Writes `<out>.json`, `<out>.md` and `<out>.png` (ms/token vs QPS per method).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,7 @@ from benchmarks.prompts import load_prompts
 from benchmarks.report import machine, save_figure, subplots, write_report
 from runtime.config import RuntimeConfig
 from runtime.proposers.registry import METHODS
+from triton_repo.openai.launch import OpenAIFrontend
 from triton_repo.repository import ServingConfig
 from triton_repo.server import TritonServer
 
@@ -42,7 +46,8 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [
         "# Table 2 on this machine: ms/token under load, speculative vs auto-regressive",
         "",
-        f"Engine `{meta['engine']}` served by Triton (runtime speculation: {meta['speculation']}), "
+        f"Engine `{meta['engine']}` served by Triton (runtime speculation: {meta['speculation']}; requests "
+        f"through {meta.get('door', 'grpc')}), "
         f"{meta['num_requests']} Poisson requests per cell, {meta['max_tokens']} output tokens each, greedy, "
         f"bundled prompts; {meta['machine']['cpu']} ({meta['machine']['torch_threads']} threads). Capacity C = "
         f"{meta['capacity_req_s']:.2f} req/s (auto-regressive, all sent at once, "
@@ -92,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--capacity-concurrency", type=int, default=8, help="in flight while measuring capacity")
     ap.add_argument("--speculation", choices=("load-aware", "fixed"), default="load-aware", help="server runtime mode")
     ap.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    ap.add_argument("--door", choices=("grpc", "http", "openai"), default="grpc", help="(default: %(default)s)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/table2"), help="output path stem")
     args = ap.parse_args(argv)
     methods = args.methods.split(",")
@@ -100,17 +106,22 @@ def main(argv: list[str] | None = None) -> int:
     fractions = [float(f) for f in args.fractions.split(",")]
     prompts = load_prompts("bundled", args.num_requests, args.seed)
     serving = ServingConfig(args.engine, runtime=RuntimeConfig(speculation=args.speculation))
-    with tempfile.TemporaryDirectory(prefix="specpipe-table2-") as tmp, TritonServer(serving, Path(tmp)) as server:
-        url = server.grpc_url
-        measure(url, prompts[:2], float("inf"), "ar", args, progress=False)  # warm-up
+    with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="specpipe-table2-")))
+        server = stack.enter_context(TritonServer(serving, tmp))
+        url = {"grpc": server.grpc_url, "http": server.http_url}.get(args.door, "")
+        if args.door == "openai":
+            url = stack.enter_context(OpenAIFrontend(["--triton-url", server.grpc_url], tmp / "openai.log")).url
+        door = {"protocol": args.door}
+        measure(url, prompts[:2], float("inf"), "ar", args, progress=False, **door)  # warm-up
         capacity = measure(
-            url, prompts, float("inf"), "ar", args, max_concurrency=args.capacity_concurrency, progress=False
+            url, prompts, float("inf"), "ar", args, max_concurrency=args.capacity_concurrency, progress=False, **door
         )["request_throughput"]
         rows = []
         for fraction in fractions:
             row: dict[str, Any] = {"fraction": fraction, "qps": fraction * capacity}
             for m in methods:
-                row[m] = measure(url, prompts, fraction * capacity, m, args)
+                row[m] = measure(url, prompts, fraction * capacity, m, args, **door)
             rows.append(row)
     meta = {
         "engine": str(args.engine),
@@ -121,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         "capacity_req_s": capacity,
         "capacity_concurrency": args.capacity_concurrency,
         "seed": args.seed,
+        "door": args.door,
         "machine": machine(),
     }
     write_report(args.out, meta, rows, markdown(rows, meta))

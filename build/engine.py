@@ -15,6 +15,7 @@ so a failed build never leaves an engine directory behind.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from jinja2 import TemplateSyntaxError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
@@ -31,7 +34,16 @@ from model_defs.checkpoint import CheckpointError, load_llama_checkpoint, read_l
 from model_defs.llama import ARCHITECTURE, LlamaConfig
 from model_defs.lyanna import LyannaDrafter
 from model_defs.redrafter import ReDrafter
-from runtime.engine_dir import DRAFTER_PREFIX, DTYPES, TOKENIZER_FILE, BuildConfig, DrafterSpec, EngineConfig, rank_file
+from runtime.engine_dir import (
+    DRAFTER_PREFIX,
+    DTYPES,
+    TOKENIZER_CONFIG_FILE,
+    TOKENIZER_FILE,
+    BuildConfig,
+    DrafterSpec,
+    EngineConfig,
+    rank_file,
+)
 from runtime.proposers.lyanna import LyannaParams
 from runtime.proposers.redrafter import ReDrafterParams
 from runtime.proposers.registry import METHODS
@@ -60,6 +72,29 @@ def check_tokenizer(path: Path, cfg: LlamaConfig) -> None:
     bad = [t for t in [*cfg.eos_token_ids, cfg.bos_token_id or 0] if not 0 <= t < cfg.vocab_size]
     if bad:
         raise BuildError(f"config.json: special token ids {bad} are outside the vocabulary [0, {cfg.vocab_size})")
+
+
+def check_tokenizer_config(path: Path) -> None:
+    """A tokenizer_config.json must be a JSON object, and its `chat_template`, if any, a
+    Jinja template that compiles (a string, or Hugging Face's list of named templates)."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BuildError(f"{path}: cannot read it as JSON ({e})") from e
+    if not isinstance(doc, dict):
+        raise BuildError(f"{path}: must hold a JSON object")
+    templates = doc.get("chat_template")
+    if templates is None:
+        return
+    if isinstance(templates, str):
+        templates = [{"name": "default", "template": templates}]
+    if not isinstance(templates, list) or not all(isinstance(t, dict) and "template" in t for t in templates):
+        raise BuildError(f"{path}: chat_template must be a Jinja string or a list of {{name, template}} objects")
+    for t in templates:
+        try:
+            ImmutableSandboxedEnvironment().parse(t["template"])
+        except TemplateSyntaxError as e:
+            raise BuildError(f"{path}: chat_template {t.get('name')!r} line {e.lineno}: {e.message}") from e
 
 
 def load_draft_model(
@@ -134,6 +169,9 @@ def build_engine(
         raise BuildError(f"{checkpoint / 'config.json'}: {e}") from e
     tok_path = tokenizer or checkpoint / TOKENIZER_FILE
     check_tokenizer(tok_path, cfg)
+    tok_config = tok_path.parent / TOKENIZER_CONFIG_FILE
+    if tok_config.is_file():
+        check_tokenizer_config(tok_config)
     spec = None
     if sum(d is not None for d in (drafter, draft_model, lyanna)) > 1:
         raise BuildError("give one of --drafter (ReDrafter RNN), --draft-model (draft LM) or --lyanna, not both")
@@ -168,6 +206,8 @@ def build_engine(
             shard = shard_tensors(weights, cfg, build.tp_size, rank)
             save_file(shard, str(partial / rank_file(rank)), metadata={"format": "pt"})
         shutil.copyfile(tok_path, partial / TOKENIZER_FILE)
+        if tok_config.is_file():
+            shutil.copyfile(tok_config, partial / TOKENIZER_CONFIG_FILE)
         model = cfg.to_hf() | {"dtype": build.dtype}  # the engine's dtype, not the checkpoint's
         EngineConfig(ARCHITECTURE, model, build, source=str(checkpoint), drafter=spec).save(partial)
         if output.exists():
@@ -209,7 +249,12 @@ def main(argv: list[str] | None = None) -> int:
         "--checkpoint", type=Path, required=True, help="HF LlamaForCausalLM directory (config.json + safetensors)"
     )
     ap.add_argument("--output", type=Path, required=True, help="engine directory to create, e.g. engines/demo")
-    ap.add_argument("--tokenizer", type=Path, help="tokenizer.json (default: the one in --checkpoint)")
+    ap.add_argument(
+        "--tokenizer",
+        type=Path,
+        help="tokenizer.json (default: the one in --checkpoint); a tokenizer_config.json beside it (chat template) "
+        "is copied too",
+    )
     ap.add_argument("--force", action="store_true", help="replace --output if it exists")
     defaults = BuildConfig()
     ap.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size, help=BUILD_HELP["max_batch_size"])

@@ -21,6 +21,9 @@ import torch
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+"""Hugging Face tokenizer settings, copied into the engine when the checkpoint has one: its
+`chat_template` (Jinja) is what the OpenAI server's chat endpoint renders messages with."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -15,6 +15,14 @@ Per request, a `RequestOutput` turns each `RequestEvent` into an `OutputDelta`:
   other finish reason is the engine's ("length", "cancelled", "error").
 - **statistics**: the final delta carries the request's `RequestStats`, from the final
   event's `result`.
+- **log probabilities** (when the request asked for them, `SamplingParams.logprobs`): each
+  delta carries the log probs of the tokens whose text it completes (`OutputDelta.log_probs`),
+  so a token whose text is held back (an incomplete character, a possible stop-string
+  prefix) has its log prob sent with the delta that releases that text, and the deltas'
+  log probs concatenated are those of the tokens behind the concatenated text. After a stop
+  string, the log probs kept are those of the tokens whose text lies at least partly before
+  it (the tokens needed to produce the text sent); later tokens' are dropped, like their
+  text. `RequestOutput.log_probs` and `cum_log_prob` are what was sent so far.
 
 The stop-string contract with the engine: the delta in which a stop string is found has
 `stop_hit` set; the caller then ends the request with `LLMEngine.cancel(request_id, "stop")`
@@ -27,7 +35,7 @@ final event itself, that one delta has both `stop_hit` and the finish reason.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
@@ -44,6 +52,8 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.sent = 0  # characters of the decoded text already emitted
+        self.held = False
+        """The last push held back an incomplete character."""
 
     @property
     def text(self) -> str:
@@ -56,6 +66,7 @@ class IncrementalDetokenizer:
         end = len(text) - 1 if text.endswith(REPLACEMENT) else len(text)
         delta = text[self.sent : end]
         self.sent = max(self.sent, end)
+        self.held = end < len(text)
         return delta
 
     def flush(self) -> str:
@@ -63,7 +74,12 @@ class IncrementalDetokenizer:
         text = self.text
         delta = text[self.sent :]
         self.sent = len(text)
+        self.held = False
         return delta
+
+    def prefix_length(self, n: int) -> int:
+        """Characters the first `n` tokens decode to (an incomplete trailing character counts as one)."""
+        return len(self.tokenizer.decode(self.ids[:n], skip_special_tokens=True))
 
 
 @dataclass(frozen=True)
@@ -112,6 +128,9 @@ class OutputDelta:
     """On the final delta."""
     error: str | None = None
     """What went wrong, when finish_reason is "error"."""
+    log_probs: list[float] = field(default_factory=list)
+    """Log probs of the tokens whose text this delta completes (module docstring); empty
+    unless the request asked for them."""
 
     @property
     def finished(self) -> bool:
@@ -137,6 +156,18 @@ class RequestOutput:
         self._detokenizer = IncrementalDetokenizer(tokenizer)
         self._decoded = ""  # the text decoded so far (complete characters)
         self._emitted = 0  # characters of it sent in deltas
+        self._token_log_probs: list[float] = []  # of every token in token_ids, when the request asked
+        self._log_probs_sent = 0  # how many of them went out in deltas
+
+    @property
+    def log_probs(self) -> list[float]:
+        """Log probs sent so far: those of the tokens behind `text` (module docstring)."""
+        return self._token_log_probs[: self._log_probs_sent]
+
+    @property
+    def cum_log_prob(self) -> float:
+        """Their sum."""
+        return float(sum(self.log_probs))
 
     @property
     def text(self) -> str:
@@ -150,29 +181,64 @@ class RequestOutput:
             raise ValueError(f"request {event.request_id} already finished ({self.finish_reason})")
         if event.finished and event.result is None:
             raise ValueError(f"the final event of request {event.request_id} carries no result")
+        if event.log_probs and len(event.log_probs) != len(event.tokens):
+            raise ValueError(
+                f"request {event.request_id}: {len(event.log_probs)} log probs for {len(event.tokens)} tokens"
+            )
         if self.stop_hit:  # only the final event still matters: it ends the request
-            return self._delta("", [], event, hit=False)
+            return self._delta("", [], event, hit=False, log_probs=[])
         previous = len(self._decoded)
         self.token_ids += event.tokens
+        self._token_log_probs += event.log_probs
         self._decoded += self._detokenizer.push(event.tokens)
         if event.finished:
             self._decoded += self._detokenizer.flush()
         cut = self._find_stop(previous)
         self.stop_hit = cut is not None
+        held = False
         if cut is None:
-            cut = len(self._decoded) - (0 if event.finished else self._stop_prefix_length())
+            held_back = 0 if event.finished else self._stop_prefix_length()
+            held = held_back > 0 or self._detokenizer.held
+            cut = len(self._decoded) - held_back
         text = self._decoded[self._emitted : cut]
         self._emitted = max(self._emitted, cut)
-        return self._delta(text, event.tokens, event, hit=self.stop_hit)
+        return self._delta(text, event.tokens, event, hit=self.stop_hit, log_probs=self._release_log_probs(held))
 
-    def _delta(self, text: str, tokens: list[int], event: RequestEvent, hit: bool) -> OutputDelta:
+    def _release_log_probs(self, held: bool) -> list[float]:
+        """The log probs of the tokens whose text the delta being made completes: every token
+        pushed when no text is held back; else those whose text lies wholly within what was
+        emitted; after a stop string, those whose text begins before it."""
+        if len(self._token_log_probs) <= self._log_probs_sent:
+            return []  # not asked for, or nothing new
+        n = len(self._token_log_probs)
+        if self.stop_hit:
+            end = next(
+                (k for k in range(self._log_probs_sent, n + 1) if self._detokenizer.prefix_length(k) >= self._emitted),
+                n,
+            )
+        elif held:
+            end = next(
+                (k for k in range(n, self._log_probs_sent, -1) if self._detokenizer.prefix_length(k) <= self._emitted),
+                self._log_probs_sent,
+            )
+        else:
+            end = n
+        released = self._token_log_probs[self._log_probs_sent : end]
+        self._log_probs_sent = max(self._log_probs_sent, end)
+        return released
+
+    def _delta(
+        self, text: str, tokens: list[int], event: RequestEvent, hit: bool, log_probs: list[float]
+    ) -> OutputDelta:
         if not event.finished:
-            return OutputDelta(text, tokens, len(self.token_ids), stop_hit=hit)
+            return OutputDelta(text, tokens, len(self.token_ids), stop_hit=hit, log_probs=log_probs)
         assert event.result is not None
         self.result, self.stats = event.result, RequestStats.of(event.result)
         self.finish_reason = "stop" if self.stop_hit else event.finish_reason
         self.error = None if self.stop_hit else event.error
-        return OutputDelta(text, tokens, len(self.token_ids), self.finish_reason, hit, self.stats, self.error)
+        return OutputDelta(
+            text, tokens, len(self.token_ids), self.finish_reason, hit, self.stats, self.error, log_probs
+        )
 
     def _find_stop(self, previous: int) -> int | None:
         """Where the first stop string begins in the decoded text, if one ends after its

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from runtime.engine_dir import TOKENIZER_CONFIG_FILE
+
 EOT = "<|endoftext|>"
 
 
@@ -33,11 +35,33 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
     return tok
 
 
+CHAT_TEMPLATE = (
+    "{#- specpipe demo chat format: system/developer messages become Python comment lines, "
+    "a user message is code the assistant continues (as is: no newline added, BPE merges it with what follows), "
+    "an assistant message ends with EOS (a file boundary in training). -#}\n"
+    "{%- for message in messages %}\n"
+    "{%- if message['role'] == 'system' or message['role'] == 'developer' %}\n"
+    "{{- '# ' + message['content'] | replace('\\n', '\\n# ') + '\\n' }}\n"
+    "{%- elif message['role'] == 'user' %}\n"
+    "{{- message['content'] }}\n"
+    "{%- elif message['role'] == 'assistant' %}\n"
+    "{{- message['content'] + eos_token }}\n"
+    "{%- else %}\n"
+    "{{- raise_exception('role ' + message['role'] + "
+    "' is not supported: use system, developer, user or assistant') }}\n"
+    "{%- endif %}\n"
+    "{%- endfor %}\n"
+)
+"""The demo models' chat format (jinja2, as transformers' `apply_chat_template` reads it):
+system/developer messages become Python comment lines, a user message is code the
+assistant continues, an assistant message ends with EOS. The OpenAI server renders it."""
+
+
 def save_hf_tokenizer(tok: Tokenizer, out_dir: Path, model_max_length: int) -> None:
     """Write `tokenizer.json` plus the `tokenizer_config.json` that lets
     `transformers.AutoTokenizer.from_pretrained(out_dir)` load it too."""
     tok.save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(
+    (out_dir / TOKENIZER_CONFIG_FILE).write_text(
         json.dumps(
             {
                 "tokenizer_class": "PreTrainedTokenizerFast",
@@ -48,6 +72,7 @@ def save_hf_tokenizer(tok: Tokenizer, out_dir: Path, model_max_length: int) -> N
                 "model_max_length": model_max_length,
                 "add_bos_token": False,
                 "clean_up_tokenization_spaces": False,
+                "chat_template": CHAT_TEMPLATE,
             },
             indent=2,
         )

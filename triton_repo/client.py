@@ -14,11 +14,11 @@ import argparse
 import queue
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import tritonclient.grpc as grpcclient
-from tritonclient.utils import InferenceServerException
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 STATS = ("num_input_tokens", "num_output_tokens", "num_draft_tokens", "num_accepted_tokens")
 
@@ -50,10 +50,19 @@ def make_inputs(
     min_tokens: int | None = None,
     seed_name: str = "random_seed",
     batched: bool = False,
+    exclude_input_in_output: bool | None = None,
+    return_log_probs: bool | None = None,
+    min_length: int | None = None,
+    repetition_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    bad_words: list[str] | None = None,
+    extra: dict[str, np.ndarray] | None = None,
 ) -> list[grpcclient.InferInput]:
     """Request tensors for the specpipe model, or a TensorRT-LLM ensemble (same names; there
     `batched=True`, `seed_name="seed"` in current releases, and `min_tokens` for a fixed
-    length); None leaves an input out (the model's default)."""
+    length); None leaves an input out (the model's default). `extra` adds any other input
+    as it is (name -> array; the Triton dtype follows the numpy dtype)."""
     inputs = [
         _tensor("text_input", [prompt.encode()], "BYTES", None, batched),
         _tensor("stream", [stream], "BOOL", np.bool_, batched),
@@ -70,12 +79,25 @@ def make_inputs(
         ("redrafter_beam_width", beam_width, "INT32", np.int32),  # not the ensemble's beam_width (beam search)
         ("redrafter_beam_length", beam_length, "INT32", np.int32),
         ("min_tokens", min_tokens, "INT32", np.int32),  # the ensemble's way to a fixed length
+        ("min_length", min_length, "INT32", np.int32),  # older ensembles' name, genai-perf's
+        ("exclude_input_in_output", exclude_input_in_output, "BOOL", np.bool_),
+        ("return_log_probs", return_log_probs, "BOOL", np.bool_),
+        ("repetition_penalty", repetition_penalty, "FP32", np.float32),
+        ("presence_penalty", presence_penalty, "FP32", np.float32),
+        ("frequency_penalty", frequency_penalty, "FP32", np.float32),
     ]
     inputs += [_tensor(n, [v], dtype, np_dtype, batched) for n, v, dtype, np_dtype in optional if v is not None]
     if branching:
         inputs.append(_tensor("rsd_branching", list(branching), "INT32", np.int32, batched))
     if stop_words:
         inputs.append(_tensor("stop_words", [w.encode() for w in stop_words], "BYTES", None, batched))
+    if bad_words:
+        inputs.append(_tensor("bad_words", [w.encode() for w in bad_words], "BYTES", None, batched))
+    for name, array in (extra or {}).items():
+        array = array[None] if batched else array
+        tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
     return inputs
 
 
@@ -85,6 +107,10 @@ class Completion:
     finish_reason: str
     stats: dict[str, int]
     """The STATS outputs the final response carried."""
+    output_log_probs: list[float] = field(default_factory=list)
+    """With return_log_probs: every response's `output_log_probs`, concatenated."""
+    cum_log_prob: float | None = None
+    """With return_log_probs: the last response's `cum_log_probs`."""
 
 
 def stream_completion(
@@ -100,6 +126,8 @@ def stream_completion(
     client.async_stream_infer(model, inputs, enable_empty_final_response=True)
     pieces: list[str] = []
     finish_reason, stats = "", {}
+    log_probs: list[float] = []
+    cum_log_prob: float | None = None
     while True:
         result, error = responses.get(timeout=timeout_s)
         if error is not None:
@@ -114,8 +142,12 @@ def stream_completion(
         if reason is not None:
             finish_reason = reason.reshape(-1)[0].decode()
         stats.update({name: int(v.reshape(-1)[0]) for name in STATS if (v := result.as_numpy(name)) is not None})
+        if (lp := result.as_numpy("output_log_probs")) is not None:
+            log_probs += [float(x) for x in lp.reshape(-1)]
+        if (cum := result.as_numpy("cum_log_probs")) is not None:
+            cum_log_prob = float(cum.reshape(-1)[0])
         if result.get_response().parameters["triton_final_response"].bool_param:
-            return Completion("".join(pieces), finish_reason, stats)
+            return Completion("".join(pieces), finish_reason, stats, log_probs, cum_log_prob)
 
 
 def _print_piece(piece: str) -> None:

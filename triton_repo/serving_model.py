@@ -8,8 +8,9 @@ Threads:
 - the engine thread runs the in-flight batching loop (`LLMEngine.step`), whose per-request
   callbacks only queue events;
 - the response thread turns events into responses through each request's output stage
-  (`runtime/output.py`: text deltas, stop words, finish reason, statistics; deltas when
-  streaming, one response otherwise), ends every request with exactly one FINAL response, notices
+  (`runtime/output.py`: text deltas, stop words, finish reason, statistics, log probs; deltas
+  when streaming, one response otherwise, with the prompt in front when the request set
+  `exclude_input_in_output` false), ends every request with exactly one FINAL response, notices
   cancelled requests and cancels them in the engine, and updates the metrics.
 
 Under tensor parallelism this process is rank 0 (it joins the other ranks at the address
@@ -276,8 +277,8 @@ class SpecpipeModel:
             self.llm.cancel(event.request_id, "stop")  # frees its KV at the next step, which ends it
         if delta.finished:
             self._finish(stream, delta)
-        elif stream.parsed.stream and delta.text:
-            stream.sender.send(self._response(delta.text, delta))
+        elif stream.parsed.stream and (delta.text or delta.log_probs):
+            stream.sender.send(self._response(stream, delta.text, delta, delta.log_probs))
 
     def _finish(self, stream: Stream, delta: OutputDelta) -> None:
         stream.done = True
@@ -286,17 +287,27 @@ class SpecpipeModel:
             response = self.pb.InferenceResponse(
                 output_tensors=[], error=self.pb.TritonError(delta.error, self.pb.TritonError.INTERNAL)
             )
+        elif stream.parsed.stream:  # deltas never repeat the prompt, whatever exclude_input_in_output says
+            response = self._response(stream, delta.text, delta, delta.log_probs)
         else:
-            response = self._response(delta.text if stream.parsed.stream else stream.output.text, delta)
+            prompt = "" if stream.parsed.exclude_input_in_output else stream.parsed.text
+            response = self._response(stream, prompt + stream.output.text, delta, stream.output.log_probs)
         stream.sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         with self.lock:
             self.streams.pop(stream.request_id, None)
         self.metrics.observe_finished(delta.stats, delta.finish_reason, stream.first_token_at, time.perf_counter())
 
-    def _response(self, text: str, delta: OutputDelta) -> Any:
+    def _response(self, stream: Stream, text: str, delta: OutputDelta, log_probs: list[float]) -> Any:
         """`text` with the final delta's statistics and finish reason, or a streamed delta's
-        output-token count (clients count tokens, not chunks, when one step streams several)."""
+        output-token count (clients count tokens, not chunks, when one step streams several);
+        with `return_log_probs`, TensorRT-LLM's `output_log_probs` ([beam, tokens]: those of
+        `text`'s tokens) and `cum_log_probs` ([beam]: the sum over every token sent so far)."""
         tensors = [self.pb.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))]
+        if stream.parsed.params.logprobs:
+            tensors.append(
+                self.pb.Tensor("output_log_probs", np.array([log_probs], dtype=np.float32).reshape(1, len(log_probs)))
+            )
+            tensors.append(self.pb.Tensor("cum_log_probs", np.array([stream.output.cum_log_prob], dtype=np.float32)))
         if delta.stats is not None and delta.finish_reason is not None:
             stats = {name: getattr(delta.stats, name) for name in STATS_OUTPUTS}
             tensors += [self.pb.Tensor(k, np.array([v], dtype=np.int32)) for k, v in stats.items()]

@@ -1,6 +1,7 @@
 """The load tester against a real Triton server: every request is accounted for, tokens
 are counted per token (a speculative step streams several in one response), the JSON
-has vLLM's keys, and a server-side error is a recorded failure, not a crash."""
+has vLLM's keys, and a server-side error is a recorded failure, not a crash; the same
+through the OpenAI door (`--backend openai`, `python -m triton_repo.openai` attached)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from benchmarks.prompts import Prompt, load_prompts
 from build.engine import build_engine
 from runtime.engine_dir import BuildConfig
 from tests.host_tools import skip_without_tritonserver
+from triton_repo.openai.launch import OpenAIFrontend
 from triton_repo.repository import ServingConfig
 from triton_repo.server import TritonServer
 
@@ -95,3 +97,21 @@ def test_requests_send_only_what_the_server_declares() -> None:
     assert RequestSettings(method="ar", server_inputs=specpipe).request_fields()["ignore_eos"] is True
     with pytest.raises(ValueError, match="no 'method' input"):
         RequestSettings(method="redrafter", server_inputs=ensemble).request_fields()
+
+
+def test_the_openai_backend_writes_the_same_report(server: TritonServer, tmp_path: Path) -> None:
+    with OpenAIFrontend(["--triton-url", server.grpc_url, "--log-level", "warning"], tmp_path / "openai.log") as door:
+        out = tmp_path / "openai"
+        argv = ["--backend", "openai", "--url", door.url, "--rate", "10", "--num-requests", "3", "--warmup", "1"]
+        assert main([*argv, "--max-tokens", str(MAX_TOKENS), "--method", "redrafter", "--out", str(out)]) == 0
+        assert main([*argv, "--model", "gpt-4o", "--out", str(tmp_path / "none")]) == 2  # not served there
+        prompts = [Prompt("def f():", "ok"), Prompt("x " * 2000, "too-long")]
+        settings = RequestSettings(max_tokens=8)
+        records, _ = run_load(door.url, prompts, ArrivalProcess(float("inf")), settings, "openai", progress=False)
+    doc = json.loads(out.with_suffix(".json").read_text())
+    assert all(k in doc for k in VLLM_KEYS), [k for k in VLLM_KEYS if k not in doc]
+    assert (doc["completed"], doc["failed"]) == (3, 0) and doc["total_output_tokens"] == 3 * MAX_TOKENS
+    for row in doc["rows"]:
+        assert row["output_tokens"] == sum(t for _, t in row["chunks"]) == MAX_TOKENS and row["input_tokens"] > 0
+    assert doc["total_draft_tokens"] >= doc["total_accepted_tokens"] > 0
+    assert records[0].ok and records[1].error is not None and "max_input_len 256" in records[1].error

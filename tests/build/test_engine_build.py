@@ -49,7 +49,8 @@ def expect_failure(ckpt: Path, out: Path, *needles: str, tokenizer: Path | None 
 
 def test_build_and_load_matches_transformers(tiny_checkpoint: Path, tmp_path: Path) -> None:
     out = build_engine(tiny_checkpoint, tmp_path / "eng", SMALL)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "rank0.safetensors", "tokenizer.json"]
+    files = ["config.json", "rank0.safetensors", "tokenizer.json", "tokenizer_config.json"]  # chat template's home
+    assert sorted(p.name for p in out.iterdir()) == files
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["format_version"] == 1 and cfg["architecture"] == "LlamaForCausalLM"
     assert cfg["build"] == {
@@ -112,6 +113,13 @@ def test_tokenizer_larger_than_vocab(tiny_checkpoint: Path, tmp_path: Path) -> N
     (ckpt / "config.json").write_text(json.dumps(cfg))
     edit_weights(ckpt, lambda t: t.update({k: v[:200] for k, v in t.items() if v.shape[0] == 320}))
     expect_failure(ckpt, tmp_path / "eng", "tokenizer.json", "tokens but the model's vocab_size is 200")
+
+
+def test_chat_template_that_does_not_compile(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    ckpt = copy_ckpt(tiny_checkpoint, tmp_path / "ckpt")
+    cfg = json.loads((ckpt / "tokenizer_config.json").read_text())
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(cfg | {"chat_template": "{% for m in messages %}"}))
+    expect_failure(ckpt, tmp_path / "eng", "tokenizer_config.json", "chat_template 'default' line 1")
 
 
 def test_unsupported_architecture(tiny_checkpoint: Path, tmp_path: Path) -> None:

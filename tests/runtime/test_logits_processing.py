@@ -171,8 +171,11 @@ def test_sampled_speculation_with_penalties_follows_the_penalized_law(method: st
     counts = toy_sampling.emitted_first_three(engine, SAMPLED, method, trials=TRIALS)
     law = toy_sampling.exact_first_three(engine.model, SAMPLED, _penalized)
     assert passes_chi_square(counts, law), chi_square(counts, law)
-    # test of the test: the law with each token penalized only for the tokens before the
-    # step's root (what verifying every node with the root's logits samples from) is rejected
+    # tests of the test: the unpenalized law, and the law with each token penalized only for
+    # the tokens before the step's root (what verifying every node with the root's logits
+    # samples from), are both rejected
+    unpenalized = toy_sampling.exact_first_three(engine.model, SamplingParams(temperature=SAMPLED.temperature))
     first_only = toy_sampling.exact_first_three(engine.model, SAMPLED, lambda row, g: _penalized(row, g[:1]))
-    impossible = bool((counts[first_only == 0] > 0).any())  # a bad word it does not mask was emitted
-    assert impossible or not passes_chi_square(counts, first_only)
+    for wrong in (unpenalized, first_only):
+        impossible = bool((counts[wrong == 0] > 0).any())  # e.g. a bad word it does not mask was emitted
+        assert impossible or not passes_chi_square(counts, wrong)

@@ -130,6 +130,53 @@ def test_the_engines_finish_reason_and_error_pass_through(tokenizer: Tokenizer) 
     assert output.result is not None and output.stats == delta.stats
 
 
+def with_log_probs(ids: list[int], reason: str = "length", step: int = 1) -> list[RequestEvent]:
+    """Events feeding `ids` with log prob -(i + 1) for the i-th token (so each is traceable)."""
+    lps = [-(i + 1.0) for i in range(len(ids))]
+    events = [RequestEvent("r", ids[i : i + step], log_probs=lps[i : i + step]) for i in range(0, len(ids), step)]
+    last = events[-1]
+    events[-1] = RequestEvent("r", last.tokens, reason, None, final([], reason, ids).result, last.log_probs)
+    return events
+
+
+@pytest.mark.parametrize("step", [1, 2])
+def test_log_probs_go_out_with_the_text_of_their_tokens(tokenizer: Tokenizer, step: int) -> None:
+    """A token whose character is incomplete has its log prob sent with the delta that
+    completes the character; all of them, in order, by the end."""
+    ids = ids_of(tokenizer, TEXT)
+    output = RequestOutput(tokenizer)
+    deltas = [output.push(e) for e in with_log_probs(ids, step=step)]
+    assert [lp for d in deltas for lp in d.log_probs] == output.log_probs == [-(i + 1.0) for i in range(len(ids))]
+    assert output.cum_log_prob == sum(output.log_probs)
+    sent = 0
+    for d in deltas:  # the tokens behind the text so far are exactly those whose log probs went out
+        sent += len(d.log_probs)
+        if not d.finished:
+            assert tokenizer.decode(ids[:sent]) == "".join(x.text for x in deltas[: deltas.index(d) + 1])
+    held = [d for d in deltas if not d.text]
+    assert held and all(not d.log_probs for d in held), "an incomplete character holds its tokens' log probs back"
+
+
+def test_log_probs_held_with_a_possible_stop_string_prefix_and_cut_with_it(tokenizer: Tokenizer) -> None:
+    ids = ids_of(tokenizer, "x = list_files")  # 'x', ' =', ' list', '_', 'files'
+    output = RequestOutput(tokenizer, ["st_q", "list_z"])
+    deltas = [output.push(e) for e in with_log_probs(ids)]
+    assert [d.log_probs for d in deltas] == [[-1.0], [-2.0], [], [], [-3.0, -4.0, -5.0]]
+    output = RequestOutput(tokenizer, ["st_"])  # begins inside ' list': the tokens before it and ' list' count
+    deltas = [output.push(e) for e in with_log_probs(ids)[:4]]
+    assert deltas[-1].stop_hit and output.text == "x = li"
+    assert output.log_probs == [-1.0, -2.0, -3.0] and output.cum_log_prob == -6.0
+    assert output.push(final([], "stop", ids)).log_probs == []
+
+
+def test_events_without_log_probs_give_none(tokenizer: Tokenizer) -> None:
+    output = RequestOutput(tokenizer)
+    assert all(not d.log_probs for d in run(output, ids_of(tokenizer, TEXT)))
+    assert output.log_probs == [] and output.cum_log_prob == 0.0
+    with pytest.raises(ValueError, match="1 log probs for 2 tokens"):
+        RequestOutput(tokenizer).push(RequestEvent("r", [5, 6], log_probs=[-1.0]))
+
+
 def test_bad_use_is_refused(tokenizer: Tokenizer) -> None:
     with pytest.raises(ValueError, match="must not be empty"):
         RequestOutput(tokenizer, ["x", ""])

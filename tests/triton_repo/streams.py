@@ -49,7 +49,14 @@ def stream_grpc(url: str, requests: list[dict[str, Any]]) -> list[dict[str, Any]
             r is not None and r.get_response().parameters["triton_final_response"].bool_param
             for r, _ in list(responses.queue)
         )
-        results[i] = {"text": done.text, "finals": 1 + late_finals, "finish_reason": done.finish_reason, **done.stats}
+        results[i] = {
+            "text": done.text,
+            "finals": 1 + late_finals,
+            "finish_reason": done.finish_reason,
+            "output_log_probs": done.output_log_probs,
+            "cum_log_prob": done.cum_log_prob,
+            **done.stats,
+        }
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
     for t in threads:

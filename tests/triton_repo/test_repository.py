@@ -40,8 +40,69 @@ INPUTS = {
     "rsd_branching": (T.TYPE_INT32, [-1]),
     "cancel_request_id": (T.TYPE_STRING, [1]),
 }
-OUTPUTS = {
+# Triton's TensorRT-LLM ensemble and tensorrt_llm_bls inputs (names, dtypes, dims without the
+# batch dimension), from NVIDIA/TensorRT-LLM triton_backend/all_models/inflight_batcher_llm/
+# {ensemble,tensorrt_llm_bls}/config.pbtxt, plus the older ensemble's random_seed and min_length
+# and the tensorrt_llm model's draft_input_ids / draft_logits. All are declared by ours with the
+# same dtype and dims, except `num_draft_tokens` (BLS input), which is specpipe's output of that
+# name, and `max_tokens`, which is optional here.
+TRTLLM_INPUTS = {
+    "text_input": (T.TYPE_STRING, [1]),
+    "decoder_text_input": (T.TYPE_STRING, [1]),
+    "image_input": (T.TYPE_FP16, [-1, 3, -1, -1]),
+    "image_bytes_input": (T.TYPE_UINT8, [-1, -1, -1, -1]),
+    "image_url_input": (T.TYPE_STRING, [1]),
+    "video_bytes_input": (T.TYPE_UINT8, [-1, -1, -1, -1]),
+    "max_tokens": (T.TYPE_INT32, [1]),
+    "num_return_sequences": (T.TYPE_INT32, [1]),
+    "bad_words": (T.TYPE_STRING, [-1]),
+    "stop_words": (T.TYPE_STRING, [-1]),
+    "exclude_input_in_output": (T.TYPE_BOOL, [1]),
+    "end_id": (T.TYPE_INT32, [1]),
+    "pad_id": (T.TYPE_INT32, [1]),
+    "top_k": (T.TYPE_INT32, [1]),
+    "top_p": (T.TYPE_FP32, [1]),
+    "temperature": (T.TYPE_FP32, [1]),
+    "length_penalty": (T.TYPE_FP32, [1]),
+    "repetition_penalty": (T.TYPE_FP32, [1]),
+    "min_tokens": (T.TYPE_INT32, [1]),
+    "min_length": (T.TYPE_INT32, [1]),
+    "presence_penalty": (T.TYPE_FP32, [1]),
+    "frequency_penalty": (T.TYPE_FP32, [1]),
+    "seed": (T.TYPE_UINT64, [1]),
+    "random_seed": (T.TYPE_UINT64, [1]),
+    "return_log_probs": (T.TYPE_BOOL, [1]),
+    "return_context_logits": (T.TYPE_BOOL, [1]),
+    "return_generation_logits": (T.TYPE_BOOL, [1]),
+    "return_perf_metrics": (T.TYPE_BOOL, [1]),
+    "return_num_input_tokens": (T.TYPE_BOOL, [1]),
+    "return_num_output_tokens": (T.TYPE_BOOL, [1]),
+    "beam_width": (T.TYPE_INT32, [1]),
+    "stream": (T.TYPE_BOOL, [1]),
+    "prompt_embedding_table": (T.TYPE_FP16, [-1, -1]),
+    "prompt_table_extra_id": (T.TYPE_UINT64, [1]),
+    "prompt_vocab_size": (T.TYPE_INT32, [1]),
+    "embedding_bias_words": (T.TYPE_STRING, [-1]),
+    "embedding_bias_weights": (T.TYPE_FP32, [-1]),
+    "use_draft_logits": (T.TYPE_BOOL, [1]),
+    "draft_input_ids": (T.TYPE_INT32, [-1]),
+    "draft_logits": (T.TYPE_FP32, [-1, -1]),
+    "lora_task_id": (T.TYPE_UINT64, [1]),
+    "lora_weights": (T.TYPE_FP16, [-1, -1]),
+    "lora_config": (T.TYPE_INT32, [-1, 3]),
+    "guided_decoding_guide_type": (T.TYPE_STRING, [1]),
+    "guided_decoding_guide": (T.TYPE_STRING, [1]),
+}
+INPUTS.update(TRTLLM_INPUTS)
+TRTLLM_OUTPUTS = {
     "text_output": (T.TYPE_STRING, [-1]),
+    "cum_log_probs": (T.TYPE_FP32, [-1]),
+    "output_log_probs": (T.TYPE_FP32, [-1, -1]),
+    "context_logits": (T.TYPE_FP32, [-1, -1]),
+    "generation_logits": (T.TYPE_FP32, [-1, -1, -1]),
+}
+OUTPUTS = {
+    **TRTLLM_OUTPUTS,
     "finish_reason": (T.TYPE_STRING, [-1]),
     "num_input_tokens": (T.TYPE_INT32, [-1]),
     "num_output_tokens": (T.TYPE_INT32, [-1]),

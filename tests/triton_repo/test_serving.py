@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import queue
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -33,6 +34,13 @@ from tests.host_tools import skip_without_tritonserver
 from tests.triton_repo.streams import MODEL, PROMPTS, stream_grpc
 from triton_repo.client import make_inputs
 from triton_repo.metrics import read_metrics
+from triton_repo.nvidia_perf import (
+    perf_analyzer_command,
+    perf_analyzer_input,
+    summarize_export,
+    tool_env,
+    tool_problem,
+)
 from triton_repo.repository import ServingConfig
 from triton_repo.server import TritonServer
 
@@ -167,6 +175,11 @@ BAD_HTTP = [
     # a setting the method does not take is refused, not ignored
     ({"text_input": "x", "method": "sd", "redrafter_beam_width": 2}, "method 'sd' takes ['beam_length']"),
     ({"text_input": "x" * 2_000_000}, "more than the"),  # refused by byte length, before tokenizing
+    # TensorRT-LLM inputs that cannot apply are declared (no "unexpected input") and refused, naming why
+    ({"text_input": "x", "beam_width": 2}, "beam search is not supported; use beam_width 1 or omit it"),
+    ({"text_input": "x", "return_context_logits": True}, "return_context_logits: specpipe returns no logits"),
+    ({"text_input": "x", "lora_task_id": 3}, "lora_task_id: specpipe engines serve no LoRA adapters"),
+    ({"text_input": "x", "repetition_penalty": 0.0}, "repetition_penalty must be a finite number > 0"),
 ]
 
 
@@ -286,3 +299,98 @@ def test_stop_words_cut_the_text_and_end_the_request(server: TritonServer, engin
     [streamed] = stream_grpc(server.grpc_url, [{"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "stop_words": [word]}])
     assert streamed["text"] == full[: full.index(word)]
     assert streamed["finish_reason"] == "stop" and streamed["finals"] == 1
+
+
+REPETITIVE = "x = [1, 1, 1, 1, 1, 1, 1, 1, 1, 1"
+EMPTY_EXTRAS = {  # what TensorRT-LLM clients send for "none": accepted, and nothing changes
+    "pad_id": np.array([0], np.int32),
+    "beam_width": np.array([1], np.int32),
+    "length_penalty": np.array([1.0], np.float32),
+    "return_context_logits": np.array([False]),
+    "return_generation_logits": np.array([False]),
+    "num_return_sequences": np.array([1], np.int32),
+    "embedding_bias_words": np.array([b""], np.object_),
+    "embedding_bias_weights": np.zeros((0,), np.float32),
+    "prompt_embedding_table": np.zeros((0, 4), np.float16),
+    "stop_words": np.array([b""], np.object_),
+}
+
+
+def test_tensorrt_llm_sampling_inputs_are_honoured(server: TritonServer, engine: LoadedEngine) -> None:
+    """min_length, bad_words, the penalties, return_log_probs and exclude_input_in_output over
+    gRPC streaming, against the in-process runtime's greedy output; empty values of inputs
+    that cannot apply change nothing."""
+    llm = LLMEngine(engine, RuntimeConfig(max_batch_size=1, speculation="fixed"))
+    prompt = PROMPTS[0]
+    greedy = llm.generate([engine.encode(prompt)], [SamplingParams(max_tokens=MAX_TOKENS, logprobs=True)])[0]
+    text = engine.decode(greedy.output_ids)
+    early = greedy.output_ids[1]  # as end_id, it would end the request after one token
+    word = engine.tokenizer.decode([greedy.output_ids[5]])
+    assert word.strip() and word in text, "the banned word must be in the greedy text for the test to mean anything"
+    repetitive = solo_text(engine, REPETITIVE, SamplingParams(max_tokens=16))
+    requests: list[dict[str, Any]] = [
+        {"prompt": prompt, "max_tokens": MAX_TOKENS, "return_log_probs": True},
+        {"prompt": prompt, "max_tokens": MAX_TOKENS, "end_id": early},
+        {"prompt": prompt, "max_tokens": MAX_TOKENS, "end_id": early, "min_length": 6},
+        {"prompt": prompt, "max_tokens": MAX_TOKENS, "bad_words": [word]},
+        {"prompt": REPETITIVE, "max_tokens": 16, "repetition_penalty": 1.5},
+        {"prompt": REPETITIVE, "max_tokens": 16, "frequency_penalty": 1.0, "presence_penalty": 0.5},
+        {"prompt": prompt, "max_tokens": MAX_TOKENS, "exclude_input_in_output": False, "extra": EMPTY_EXTRAS},
+    ]
+    logprobs, ended, min_length, banned, repetition, frequency, streamed = stream_grpc(server.grpc_url, requests)
+    assert all("error" not in r for r in (logprobs, ended, min_length, banned, repetition, frequency, streamed))
+
+    assert logprobs["text"] == text and logprobs["num_output_tokens"] == MAX_TOKENS
+    lps = logprobs["output_log_probs"]
+    assert len(lps) == MAX_TOKENS and all(np.isfinite(lp) and lp <= 0 for lp in lps)
+    assert np.allclose(lps, greedy.output_log_probs, atol=1e-3), "the log probs of the tokens generated"
+    assert logprobs["cum_log_prob"] == pytest.approx(sum(lps), rel=1e-4)
+
+    assert ended["num_output_tokens"] == 1 and ended["finish_reason"] == "stop"
+    assert min_length["num_output_tokens"] >= 6
+    assert word not in banned["text"] and banned["text"] != text
+    assert repetitive.startswith(", 1, 1, 1")
+    assert repetition["text"] != repetitive and frequency["text"] != repetitive
+    assert streamed["text"] == text, "streamed deltas never repeat the prompt (as in TensorRT-LLM)"
+
+
+def test_non_streaming_responses_include_the_prompt_and_log_probs_on_request(
+    server: TritonServer, engine: LoadedEngine
+) -> None:
+    prompt = PROMPTS[1]
+    text = solo_text(engine, prompt, SamplingParams(max_tokens=MAX_TOKENS))
+    body = {"text_input": prompt, "max_tokens": MAX_TOKENS, "exclude_input_in_output": False, "return_log_probs": True}
+    status, reply = http_post(server.http_url, f"/v2/models/{MODEL}/generate", body)
+    assert status == 200, reply
+    out = json.loads(reply)
+    assert out["text_output"] == prompt + text
+    lps = np.array(out["output_log_probs"], dtype=np.float64).reshape(-1)
+    assert len(lps) == out["num_output_tokens"] == MAX_TOKENS and np.all(lps <= 0)
+    assert float(np.array(out["cum_log_probs"]).reshape(-1)[0]) == pytest.approx(lps.sum(), rel=1e-4)
+    grpc = grpcclient.InferenceServerClient(server.grpc_url)
+    inputs = make_inputs(prompt, max_tokens=MAX_TOKENS, stream=False, exclude_input_in_output=False)
+    result = grpc.infer(INFER_MODEL, inputs)
+    assert b"".join(result.as_numpy("text_output")).decode() == prompt + text
+    assert result.as_numpy("output_log_probs") is None, "log probs only when asked for"
+    inputs = make_inputs(prompt, max_tokens=MAX_TOKENS, stream=False, return_log_probs=True)
+    result = grpc.infer(INFER_MODEL, inputs)
+    assert b"".join(result.as_numpy("text_output")).decode() == text, "the default excludes the prompt"
+    assert result.as_numpy("output_log_probs").shape == (1, MAX_TOKENS)
+    assert result.as_numpy("cum_log_probs").shape == (1,)
+
+
+def test_nvidia_perf_analyzer_streams_from_the_server(server: TritonServer, tmp_path: Path) -> None:
+    """NVIDIA's perf_analyzer binary itself (tritonclient 2.50.0's, `make perf-tools`), unchanged:
+    gRPC streaming at a fixed request rate; every request streams several responses."""
+    problem = tool_problem("perf_analyzer")
+    if problem is not None:
+        pytest.skip(f"NVIDIA perf_analyzer is not installed: {problem}")
+    data = perf_analyzer_input(tmp_path / "input_data.json", [PROMPTS[0]], max_tokens=12)
+    export = tmp_path / "profile_export.json"
+    command = perf_analyzer_command(server.grpc_url, data, export, request_rate=4, request_count=4)
+    proc = subprocess.run(command, env=tool_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Request count: 4" in proc.stdout and "Response Throughput" in proc.stdout, proc.stdout
+    summary = summarize_export(export)
+    assert summary.requests == 4 and summary.responses >= 2 * summary.requests
+    assert 0 < summary.ttft_ms <= summary.e2e_ms and summary.itl_ms > 0 and summary.request_throughput > 0
