@@ -20,8 +20,15 @@ Formats as read in github.com/NVIDIA/TensorRT-LLM:
 - `tensorrt_llm/models/modeling_utils.py` @ 01ea6d79d454bb3ab10c7510a6f706ba039090c2 (`PretrainedConfig`);
 - `tensorrt_llm/models/redrafter/model.py` @ 06255cb759835a9797b656aa5d1dc8f7e75fdca6 (the config it reads);
 - `examples/redrafter/README.md` @ 2d234357c6e69fa514f6e9b4d4a5ad3bc431c4a6 (the `trtllm-build` call);
-- `tensorrt_llm/commands/build.py` (the version indexed): ReDrafter's max_draft_len is derived from
-  `redrafter_num_beams * redrafter_draft_len_per_beam`, so the command passes no `--max_draft_len`.
+- `tensorrt_llm/commands/build.py` and `tensorrt_llm/builder.py` (the versions indexed): ReDrafter's
+  max_draft_len is derived from `redrafter_num_beams * redrafter_draft_len_per_beam`, so the command
+  passes no `--max_draft_len`, and the builder adds it to `--max_seq_len` ("Increasing max_seq_len ...
+  by max_draft_len"); `--kv_cache_type paged` replaces the deprecated `--paged_kv_cache enable`.
+
+Sequence length: the engine's positions go up to max_seq_len + max_draft_len, which must stay within
+the model's max_position_embeddings (its rotary table). `--max-seq-len` defaults to
+max_position_embeddings - max_draft_len (the export prints so); a larger value is refused, naming
+the numbers and the fix.
 Weight names and splits: see `build.trtllm_weights`.
 """
 
@@ -70,6 +77,16 @@ class ReDrafterSettings:
                 f"num_beams and draft_len_per_beam must be >= 1, got {self.num_beams}, {self.draft_len_per_beam}"
             )
 
+    @property
+    def max_draft_len(self) -> int:
+        """What `trtllm-build` derives from the checkpoint (num_beams x draft_len_per_beam) and adds to max_seq_len."""
+        return self.num_beams * self.draft_len_per_beam
+
+
+def default_max_seq_len(max_position_embeddings: int, spec: ReDrafterSettings) -> int:
+    """The longest max_seq_len whose engine (max_seq_len + max_draft_len positions) the model covers."""
+    return max_position_embeddings - spec.max_draft_len
+
 
 @dataclass(frozen=True)
 class BuildLimits:
@@ -78,19 +95,22 @@ class BuildLimits:
     max_batch_size: int = 8
     max_input_len: int = 512
     max_seq_len: int = 1024
-    """Prompt + generated tokens; `trtllm-build` adds the draft length on top by itself."""
+    """Prompt + generated tokens; `trtllm-build` adds max_draft_len on top by itself."""
     max_num_tokens: int = 4096
     """Tokens per engine step across the batch (context chunks + draft trees)."""
 
-    def check(self, max_position_embeddings: int) -> None:
+    def check(self, max_position_embeddings: int, spec: ReDrafterSettings) -> None:
         """Sizes the engine could never serve are refused here rather than after a long build."""
         if min(self.max_batch_size, self.max_input_len, self.max_seq_len, self.max_num_tokens) < 1:
             raise BuildError(f"build limits must be >= 1: {self}")
         if self.max_input_len >= self.max_seq_len:
             raise BuildError(f"max_input_len {self.max_input_len} must be < max_seq_len {self.max_seq_len}")
-        if self.max_seq_len > max_position_embeddings:
+        if self.max_seq_len + spec.max_draft_len > max_position_embeddings:
             raise BuildError(
-                f"max_seq_len {self.max_seq_len} exceeds the model's max_position_embeddings {max_position_embeddings}"
+                f"max_seq_len {self.max_seq_len} + max_draft_len {spec.max_draft_len} (which trtllm-build adds: "
+                f"{spec.num_beams} beams x {spec.draft_len_per_beam} tokens) exceeds the model's "
+                f"max_position_embeddings {max_position_embeddings}: use --max-seq-len "
+                f"{default_max_seq_len(max_position_embeddings, spec)} or less, or fewer/shorter draft beams"
             )
 
 
@@ -172,7 +192,7 @@ def trtllm_build_command(checkpoint_dir: str, engine_dir: str, dtype: str, limit
         *("--gpt_attention_plugin", dtype),
         *("--use_paged_context_fmha", "enable"),
         *("--remove_input_padding", "enable"),
-        *("--paged_kv_cache", "enable"),
+        *("--kv_cache_type", "paged"),
         *("--max_batch_size", str(limits.max_batch_size)),
         *("--max_input_len", str(limits.max_input_len)),
         *("--max_seq_len", str(limits.max_seq_len)),
@@ -224,8 +244,8 @@ def export_checkpoint(
         check_tp_size(target_cfg, tp_size)
     except TpSizeError as e:
         raise BuildError(f"{target_dir}: {e}") from e
-    limits = limits or BuildLimits(max_seq_len=target_cfg.max_position_embeddings)
-    limits.check(target_cfg.max_position_embeddings)
+    limits = limits or BuildLimits(max_seq_len=default_max_seq_len(target_cfg.max_position_embeddings, spec))
+    limits.check(target_cfg.max_position_embeddings, spec)
     drafter_cfg, drafter_tensors = load_drafter(Path(drafter_dir), target_cfg)
 
     out = Path(out_dir)
@@ -283,11 +303,21 @@ def main(argv: list[str] | None = None) -> int:
     defaults = BuildLimits()
     ap.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size, help="(default: %(default)s)")
     ap.add_argument("--max-input-len", type=int, default=defaults.max_input_len, help="(default: %(default)s)")
-    ap.add_argument("--max-seq-len", type=int, help="(default: the model's max_position_embeddings)")
+    ap.add_argument(
+        "--max-seq-len", type=int, help="(default: the model's max_position_embeddings - beam width x beam length)"
+    )
     ap.add_argument("--max-num-tokens", type=int, default=defaults.max_num_tokens, help="(default: %(default)s)")
     args = ap.parse_args(argv)
     try:
-        max_seq_len = args.max_seq_len or read_llama_config(args.checkpoint).max_position_embeddings
+        max_seq_len = args.max_seq_len
+        if max_seq_len is None:
+            positions = read_llama_config(args.checkpoint).max_position_embeddings
+            spec = ReDrafterSettings(args.beam_width, args.beam_length, args.greedy)
+            max_seq_len = default_max_seq_len(positions, spec)
+            print(
+                f"max_seq_len {max_seq_len} = max_position_embeddings {positions} - max_draft_len "
+                f"{spec.max_draft_len} (trtllm-build adds it for the draft tokens)"
+            )
         limits = BuildLimits(args.max_batch_size, args.max_input_len, max_seq_len, args.max_num_tokens)
         print(f"exporting {args.checkpoint} + {args.drafter} -> {args.output} (tp {args.tp_size}, {args.dtype})")
         out = export_checkpoint(

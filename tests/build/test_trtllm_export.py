@@ -15,7 +15,15 @@ import torch
 from safetensors.torch import load_file
 
 from build.engine import BuildError
-from build.trtllm_export import ARCHITECTURE, BuildLimits, export_checkpoint, main, trtllm_build_command
+from build.trtllm_export import (
+    ARCHITECTURE,
+    BuildLimits,
+    ReDrafterSettings,
+    default_max_seq_len,
+    export_checkpoint,
+    main,
+    trtllm_build_command,
+)
 from build.trtllm_weights import fuse_qkv, target_rank_tensors, unfuse_qkv, unsplit
 from model_defs.checkpoint import load_llama_checkpoint, load_tensors, tensor_files
 
@@ -207,7 +215,7 @@ def test_build_command() -> None:
         "--gpt_attention_plugin": "bfloat16",
         "--use_paged_context_fmha": "enable",
         "--remove_input_padding": "enable",
-        "--paged_kv_cache": "enable",
+        "--kv_cache_type": "paged",
         "--max_batch_size": "4",
         "--max_input_len": "256",
         "--max_seq_len": "1024",
@@ -232,6 +240,44 @@ def test_tp_size_that_does_not_divide(tmp_path: Path) -> None:
 def test_limits_checked(tmp_path: Path) -> None:
     with pytest.raises(BuildError, match="max_position_embeddings"):
         export_checkpoint(TARGET, DRAFTER, tmp_path / "out", limits=BuildLimits(max_seq_len=4096))
+
+
+def test_max_seq_len_leaves_room_for_the_draft_tokens(exports: dict[int, Path], tmp_path: Path) -> None:
+    """trtllm-build adds max_draft_len (4 beams x 4 tokens) to max_seq_len: the default stops 16 short of
+    the demo model's 1024 positions, and 1024 itself is refused with the numbers and the fix."""
+    assert ReDrafterSettings().max_draft_len == 16
+    assert default_max_seq_len(1024, ReDrafterSettings(num_beams=2, draft_len_per_beam=3)) == 1018
+    assert "--max_seq_len 1008" in (exports[1] / "build_engine.sh").read_text()
+    message = (
+        r"max_seq_len 1024 \+ max_draft_len 16 \(which trtllm-build adds: 4 beams x 4 tokens\) exceeds the "
+        r"model's max_position_embeddings 1024: use --max-seq-len 1008 or less"
+    )
+    with pytest.raises(BuildError, match=message):
+        export_checkpoint(TARGET, DRAFTER, tmp_path / "out", limits=BuildLimits(max_seq_len=1024))
+    export_checkpoint(TARGET, DRAFTER, tmp_path / "ok", num_beams=2, limits=BuildLimits(max_seq_len=1016))
+
+
+def test_cli_exports_the_checkpoint_script_and_triton_repository(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The CLI's defaults: max_seq_len derived (and said), and a Triton repository whose tokenizer
+    models have their code (tests/triton_repo/test_trtllm_repository.py tests the repository itself)."""
+    out = tmp_path / "export"
+    assert main(["--checkpoint", str(TARGET), "--drafter", str(DRAFTER), "--output", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "max_seq_len 1008 = max_position_embeddings 1024 - max_draft_len 16" in said
+    assert "--max_seq_len 1008" in (out / "build_engine.sh").read_text()
+    for name in ("preprocessing", "postprocessing"):
+        assert sorted(p.name for p in (out / "triton_repo" / name / "1").iterdir()) == [
+            "model.py",
+            "tokenizer_models.py",
+        ]
+    config = (out / "triton_repo" / "tensorrt_llm" / "config.pbtxt").read_text()
+    assert f'string_value: "{(out / "engine").resolve()}"' in config
+    assert f'key: "tokenizer_dir", value: {{ string_value: "{TARGET.resolve()}" }}' in config
+    argv = ["--checkpoint", str(TARGET), "--drafter", str(DRAFTER), "--output", str(tmp_path / "x")]
+    assert main([*argv, "--max-seq-len", "1020"]) == 2
+    assert "use --max-seq-len 1008 or less" in capsys.readouterr().err
 
 
 def test_cli_error_exit_code(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
