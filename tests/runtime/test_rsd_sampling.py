@@ -26,7 +26,8 @@ PARAMS = SamplingParams(temperature=0.9, top_p=0.9)
 # the draft LM exercises the most code (its own cache, catch-up, compaction); the RNN runs
 # the same verifier, so its three runs (~1 min each) are in the slow suite
 @pytest.mark.parametrize("drafter", [pytest.param("redrafter", marks=pytest.mark.slow), "draft-lm"])
-@pytest.mark.parametrize("method", ["rsd-c", "rsd-s", "sd"])
+# SD (a one-child-per-level chain of RSD-C's code path) runs in the slow suite
+@pytest.mark.parametrize("method", ["rsd-c", "rsd-s", pytest.param("sd", marks=pytest.mark.slow)])
 def test_rsd_follows_target_distribution(method: str, drafter: str) -> None:
     engine = toy_sampling.toy_engine(drafter, SETTINGS)
     counts = toy_sampling.emitted_first_three(engine, PARAMS, method)

@@ -12,7 +12,7 @@ import torch
 
 from runtime.sampling import SamplingParams, target_probs
 from runtime.tree import DraftTree, children_lists
-from runtime.verify import Acceptance, accept_greedy, accept_sampled
+from runtime.verify import Acceptance, accept_greedy, accept_sampled_batch
 from tests.device import TEST_DEVICE
 from tests.stats import passes_chi_square
 
@@ -68,14 +68,20 @@ def accept_without_residual(
             return Acceptance(path, [*out, int(torch.multinomial(q, 1, generator=gen))])
 
 
-def first_two(params: SamplingParams, trials: int, seed: int, rule=accept_sampled) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def first_two(params: SamplingParams, trials: int, seed: int, rule=None) -> torch.Tensor:  # type: ignore[no-untyped-def]
     """Counts of the first two emitted tokens; when a step emits only one, the next
-    token comes from the target itself (what the next step's root would produce)."""
+    token comes from the target itself (what the next step's root would produce). The
+    production rule verifies every trial's tree in one batched call, each tree with its
+    own generator (as requests have); `rule` replaces it with a one-tree rule."""
     gen = torch.Generator(TEST_DEVICE).manual_seed(seed)
     logits, markov = node_logits(), LOGITS.to(TEST_DEVICE)
+    if rule is None:
+        gens = [torch.Generator(TEST_DEVICE).manual_seed(seed * trials + i) for i in range(trials)]
+        outs = [acc.tokens for acc in accept_sampled_batch([TREE] * trials, [logits] * trials, [params] * trials, gens)]
+    else:
+        outs = [rule(TREE, logits, params, gen).tokens for _ in range(trials)]
     counts = torch.zeros(V, V)
-    for _ in range(trials):
-        out = rule(TREE, logits, params, gen).tokens
+    for out in outs:
         if len(out) == 1:
             out.append(int(torch.multinomial(target_probs(markov[out[0]], params), 1, generator=gen)))
         counts[out[0], out[1]] += 1
