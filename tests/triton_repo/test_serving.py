@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import queue
-import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -37,8 +36,8 @@ from triton_repo.metrics import read_metrics
 from triton_repo.nvidia_perf import (
     perf_analyzer_command,
     perf_analyzer_input,
+    run_perf_analyzer,
     summarize_export,
-    tool_env,
     tool_problem,
 )
 from triton_repo.repository import ServingConfig
@@ -388,7 +387,7 @@ def test_nvidia_perf_analyzer_streams_from_the_server(server: TritonServer, tmp_
     data = perf_analyzer_input(tmp_path / "input_data.json", [PROMPTS[0]], max_tokens=12)
     export = tmp_path / "profile_export.json"
     command = perf_analyzer_command(server.grpc_url, data, export, request_rate=4, request_count=4)
-    proc = subprocess.run(command, env=tool_env(), capture_output=True, text=True, timeout=300)
+    proc = run_perf_analyzer(command, export, timeout_s=300, capture=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Request count: 4" in proc.stdout and "Response Throughput" in proc.stdout, proc.stdout
     summary = summarize_export(export)
