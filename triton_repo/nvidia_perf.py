@@ -271,14 +271,21 @@ def run_perf_analyzer(
 ) -> subprocess.CompletedProcess[str]:
     """Run a `perf_analyzer_command`. perf_analyzer 2.50 sometimes exits 0 with complete
     statistics on stdout but an empty `--profile-export-file` (seen on its first run against
-    a server that had just started, and in a loaded CI run): then it runs once more."""
-    for attempt in range(2):
+    a server that had just started, and in a loaded CI run): then it runs again, up to
+    `attempts` times. perf_analyzer refuses an export path that already exists, so the empty
+    file is removed before each run."""
+    attempts = 3
+    for attempt in range(1, attempts + 1):
+        export.unlink(missing_ok=True)
         if not capture:
             print("$ " + " ".join(command), flush=True)
         proc = subprocess.run(command, env=tool_env(venv), timeout=timeout_s, capture_output=capture, text=True)
-        if proc.returncode != 0 or (export.is_file() and export.stat().st_size > 0) or attempt:
+        if proc.returncode != 0 or (export.is_file() and export.stat().st_size > 0) or attempt == attempts:
             return proc
-        print("perf_analyzer exited 0 with an empty profile export; running it once more", file=sys.stderr)
+        print(
+            f"perf_analyzer exited 0 with an empty profile export; running it again ({attempt}/{attempts})",
+            file=sys.stderr,
+        )
     raise AssertionError("unreachable")
 
 
