@@ -51,6 +51,7 @@ from torch import nn
 from model_defs.paged_kv_cache import PagedBatch, PagedKVCache
 from model_defs.rope import RopeConfig, RotaryEmbedding, apply_rope
 from plugins.batch_invariant import bi_linear_nd, bi_rms_norm
+from plugins.cpu_linear import cpu_packed_linear, pack_cpu_weight, packed_pays
 
 ARCHITECTURE = "LlamaForCausalLM"
 
@@ -231,15 +232,28 @@ class RMSNorm(nn.Module):
 
 class Linear(nn.Linear):
     """`nn.Linear` (same parameters, same state dict) that runs `bi_linear` in
-    batch-invariant mode."""
+    batch-invariant mode, and oneDNN's blocked copy of its weight once `pack_cpu_weights`
+    made one (fp32 on the CPU, no autograd)."""
 
     batch_invariant = False
     """Set per instance by `LlamaForCausalLM.set_batch_invariant`."""
+    packed: torch.Tensor | None = None
+    """oneDNN-layout copy of `weight` (`pack_cpu_weights`), or None."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x, self.bias)
+
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """`x W^T + bias` by the mode's kernel: `bi_linear`, the blocked copy, or `F.linear`."""
         if self.batch_invariant:
-            return bi_linear_nd(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            return bi_linear_nd(x, self.weight, bias)
+        if self.packed is not None and packed_pays(x, self.weight) and not x.requires_grad:
+            return cpu_packed_linear(x, self.packed, bias)
+        return F.linear(x, self.weight, bias)
+
+    def pack_cpu_weight(self) -> None:
+        """Keep a oneDNN-blocked copy of the weight for inference (`pack_cpu_weights`)."""
+        self.packed = pack_cpu_weight(self.weight.detach())
 
 
 class RowParallelLinear(Linear):
@@ -249,9 +263,20 @@ class RowParallelLinear(Linear):
     on every rank would not be. In batch-invariant mode the local product is `bi_linear`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = bi_linear_nd(x, self.weight) if self.batch_invariant else F.linear(x, self.weight)
+        y = self.product(x, None)
         dist.all_reduce(y)
         return y if self.bias is None else y + self.bias
+
+
+def pack_cpu_weights(module: nn.Module) -> int:
+    """Give every `Linear` in `module` oneDNN's blocked copy of its weight
+    (`plugins/cpu_linear.py`) for fp32 inference on the CPU; returns how many were packed.
+    Call it once the weights are final (engine load): the copy does not follow later
+    changes to the weight."""
+    linears = [m for m in module.modules() if isinstance(m, Linear)]
+    for m in linears:
+        m.pack_cpu_weight()
+    return sum(m.packed is not None for m in linears)
 
 
 def output_linear(in_features: int, out_features: int, bias: bool, tp_size: int) -> Linear:

@@ -81,7 +81,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from model_defs.checkpoint import SINGLE_FILE, load_checkpoint_dir
-from model_defs.llama import Attend, DecoderLayer, LlamaConfig, RMSNorm
+from model_defs.llama import Attend, DecoderLayer, LlamaConfig, Linear, RMSNorm
 from model_defs.rope import RotaryEmbedding
 
 MODEL_TYPE = "lyanna_drafter"
@@ -311,7 +311,7 @@ class LyannaDrafter(nn.Module):
         super().__init__()
         self.config = cfg
         d = cfg.hidden_size
-        self.fuse = nn.Linear(2 * d if cfg.first_token_fusion else d, d, bias=True)
+        self.fuse = Linear(2 * d if cfg.first_token_fusion else d, d, bias=True)
         self.layer = DecoderLayer(cfg.layer_config(), layer=0)
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.layer_config().rope)
@@ -352,8 +352,9 @@ class LyannaDrafter(nn.Module):
     def head_logits(hidden: torch.Tensor, lm_head: nn.Linear | torch.Tensor) -> torch.Tensor:
         """The one-pass LM head (§4.2): hidden `[B, k, D]` -> logits `[B, k, V]` (fp32) with one
         matmul over all k states, instead of one `[B, D] x [D, V]` per drafted token."""
-        weight = lm_head.weight if isinstance(lm_head, nn.Linear) else lm_head
-        return F.linear(hidden.to(weight.dtype), weight).float()
+        if isinstance(lm_head, nn.Linear):  # the target's head (its CPU-blocked weight, if packed)
+            return lm_head(hidden.to(lm_head.weight.dtype)).float()
+        return F.linear(hidden.to(lm_head.dtype), lm_head).float()
 
     def token_bias(self, prev_tokens: torch.Tensor, embed: nn.Embedding | torch.Tensor) -> torch.Tensor:
         """E'(prev_tokens) `[..., V]` (fp32): the low-rank token-info bias (training, reference)."""

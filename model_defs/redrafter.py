@@ -38,6 +38,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from model_defs.checkpoint import SINGLE_FILE, load_checkpoint_dir
+from model_defs.llama import Linear
 
 MODEL_TYPE = "recurrent_drafting_drafter"
 ARCHITECTURE = "Drafter"
@@ -142,7 +143,7 @@ class ResBlock(nn.Module):
 
     def __init__(self, dim: int) -> None:
         super().__init__()
-        self.linear = nn.Linear(dim, dim, bias=True)
+        self.linear = Linear(dim, dim, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + F.silu(self.linear(x))
@@ -155,20 +156,20 @@ class ReDrafter(nn.Module):
     def __init__(self, cfg: ReDrafterConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.input_proj = nn.Linear(2 * cfg.hidden_size, cfg.exit_dim, bias=True) if cfg.has_input_proj else None
+        self.input_proj = Linear(2 * cfg.hidden_size, cfg.exit_dim, bias=True) if cfg.has_input_proj else None
         self.lm_head = nn.Sequential(
             *(ResBlock(cfg.exit_dim) for _ in range(cfg.num_draft_layers)),
-            nn.Linear(cfg.exit_dim, cfg.vocab_size, bias=False),
+            Linear(cfg.exit_dim, cfg.vocab_size, bias=False),
         )
         if cfg.rnn:
-            self.rnn_u = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
-            self.rnn_w = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
+            self.rnn_u = Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
+            self.rnn_w = Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
 
     @property
     def head_weight(self) -> torch.Tensor:
         """`[V, exit_dim]` vocabulary projection (`lm_head.{N}.weight`)."""
         head = self.lm_head[-1]
-        assert isinstance(head, nn.Linear)
+        assert isinstance(head, Linear)
         return head.weight
 
     @property

@@ -14,7 +14,7 @@ from tokenizers import Tokenizer
 
 from model_defs import lyanna, redrafter
 from model_defs.checkpoint import validate_tensors
-from model_defs.llama import LlamaConfig, LlamaForCausalLM, expected_shapes
+from model_defs.llama import LlamaConfig, LlamaForCausalLM, expected_shapes, pack_cpu_weights
 from runtime.engine_dir import DRAFTER_PREFIX, DrafterSpec, EngineConfig, rank_file
 
 
@@ -63,6 +63,9 @@ class LoadedEngine:
             validate = partial(_validate, drafter_tensors, weights_path)
             load = DRAFTER_LOADERS[config.drafter.kind]
             drafter = load(config.drafter, drafter_tensors, config.build.drafter_torch_dtype, model, validate)
+        for module in (model, *drafter.values()):
+            if isinstance(module, torch.nn.Module):
+                pack_cpu_weights(module)  # fp32 on the CPU only: plugins/cpu_linear.py
         return cls(config, model, tokenizer, **drafter)
 
     @property

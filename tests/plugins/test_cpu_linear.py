@@ -1,0 +1,82 @@
+"""`plugins/cpu_linear.py`: oneDNN-blocked weights for CPU inference linears. The product
+equals `F.linear`'s to fp32 rounding for every row count, input shape and stride the
+engine produces; the blocked copy is used only where it pays and never under autograd;
+and a packed model's forward matches the unpacked one (greedy equality on the demo
+engines is in tests/runtime/test_ar_greedy.py and the method suites, which load engines
+packed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model_defs.llama import Linear, pack_cpu_weights
+from plugins.cpu_linear import LARGE_WEIGHT, cpu_packed_linear, cpu_packing_available, pack_cpu_weight, packed_pays
+from tests.tiny_models import tiny_target
+
+pytestmark = pytest.mark.skipif(not cpu_packing_available(), reason="this torch has no oneDNN")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 17, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_product_equals_f_linear(rows: int, bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 40, generator=gen)
+    b = torch.randn(96, generator=gen) if bias else None
+    packed = pack_cpu_weight(weight)
+    assert packed is not None
+    x = torch.randn(1, rows, 40, generator=gen)
+    torch.testing.assert_close(cpu_packed_linear(x, packed, b), F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+    strided = torch.randn(rows, 80, generator=gen)[:, ::2]  # a non-contiguous view
+    torch.testing.assert_close(
+        cpu_packed_linear(strided, packed, b), F.linear(strided, weight, b), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_a_wrong_weight_is_caught() -> None:
+    """The comparison above can fail: a transposed-then-reshaped weight (a plausible packing
+    mistake) gives another product."""
+    weight = torch.randn(48, 48)
+    x = torch.randn(3, 48)
+    packed = pack_cpu_weight(weight.t().contiguous())
+    assert packed is not None
+    assert not torch.allclose(cpu_packed_linear(x, packed, None), F.linear(x, weight), atol=1e-3)
+
+
+def test_packing_applies_to_fp32_cpu_weights_only() -> None:
+    assert pack_cpu_weight(torch.randn(8, 4, dtype=torch.bfloat16)) is None
+    small, large = torch.randn(8, 4), torch.randn(LARGE_WEIGHT // 4, 4)
+    assert not packed_pays(torch.randn(1, 4), small)  # one row, small weight: F.linear's GEMV
+    assert packed_pays(torch.randn(1, 1, 4), large)  # one row, an LM-head-sized weight
+    assert packed_pays(torch.randn(1, 2, 4), small)
+    assert not packed_pays(torch.randn(2, 4, dtype=torch.bfloat16), small)
+
+
+def test_autograd_never_uses_the_copy() -> None:
+    """Training keeps differentiating the live weight: after an update the packed copy is
+    stale, and a forward with gradients must not read it."""
+    layer = Linear(16, 8)
+    layer.pack_cpu_weight()
+    with torch.no_grad():
+        layer.weight.mul_(2)
+    x = torch.randn(4, 16, requires_grad=True)
+    y = layer(x)
+    torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias))
+    y.sum().backward()
+    assert x.grad is not None
+    with torch.inference_mode():
+        stale = layer(x.detach())  # documented: pack after the weights are final
+    assert not torch.allclose(stale, F.linear(x.detach(), layer.weight, layer.bias))
+
+
+def test_packed_model_matches_unpacked() -> None:
+    model = tiny_target(seed=3, vocab_size=64)
+    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(12)[None]
+    with torch.inference_mode():
+        plain = model(ids, positions).logits
+        assert pack_cpu_weights(model) == 2 * 7 + 1  # 7 per layer + the LM head
+        packed = model(ids, positions).logits
+    torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-5)
+    assert torch.equal(packed.argmax(-1), plain.argmax(-1))
