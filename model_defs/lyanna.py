@@ -81,7 +81,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from model_defs.checkpoint import SINGLE_FILE, load_checkpoint_dir
-from model_defs.llama import Attend, DecoderLayer, LlamaConfig, Linear, RMSNorm
+from model_defs.llama import Attend, DecoderLayer, Linear, LlamaConfig, RMSNorm
 from model_defs.rope import RotaryEmbedding
 
 MODEL_TYPE = "lyanna_drafter"
