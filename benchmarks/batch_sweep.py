@@ -3,9 +3,11 @@ with load-aware speculation, on the in-flight batching engine.
 
     python -m benchmarks.batch_sweep --engine engines/demo-redrafter
 
-For each batch size B, B held-out prompts are decoded together (B running requests,
-fixed output length, EOS ignored, greedy or at --temperature) by each of the three configurations, in
-alternating rounds on the same engine so machine noise hits them alike. Reported per B:
+For each batch size B, max(B, --min-prompts) held-out prompts are decoded with at most B
+running at once (in-flight batching: a finished request's place goes to the next; so
+batch 1 averages over several prompts instead of timing one), fixed output length, EOS
+ignored, greedy or at --temperature, by each of the three configurations, in alternating
+rounds on the same engine so machine noise hits them alike. Reported per B:
 - output tokens/s of each configuration (prefill included, as a user sees it) and its
   ratio to auto-regressive decoding: the median over rounds of the ratio measured within
   one round (robust to bursts of load on a shared machine);
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -76,9 +79,11 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
         "# Throughput vs batch size",
         "",
         f"Engine `{meta['engine']}`, temperature {meta['temperature']}, {meta['max_tokens']} output tokens "
-        f"per request, prompts from the held-out files, {meta['rounds']} alternating rounds; "
+        f"per request, max(batch, {meta['min_prompts']}) prompts from the held-out files with at most `batch` "
+        f"running, {meta['rounds']} alternating rounds; "
         f"{meta['machine']['cpu']} ({meta['machine']['torch_threads']} threads). Ratios: median over rounds of "
-        "the ratio to auto-regressive decoding within a round; tau = tokens per decoding step per request.",
+        "the ratio to auto-regressive decoding within a round; tau = tokens per decoding step per request. "
+        f"Command: `{meta['command']}`",
         "",
         "| batch | " + " | ".join(f"{n} tok/s" for n in names) + " | fixed / AR | load-aware / AR | "
         "tau fixed | tau load-aware | load-aware tree sizes (request-steps) |",
@@ -102,6 +107,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default: %(default)s)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per batch size (default: %(default)s)")
+    ap.add_argument("--min-prompts", type=int, default=8, help="prompts per batch size at least (default: %(default)s)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/batch_sweep"), help="output path stem")
     args = ap.parse_args()
 
@@ -114,7 +120,7 @@ def main() -> None:
             f"error: batch size {max(sizes)} > the engine's max_batch_size {loaded.config.build.max_batch_size}; "
             "rebuild it with a larger --max-batch-size"
         )
-    texts = heldout_prompts(max(sizes))
+    texts = heldout_prompts(max(*sizes, args.min_prompts))
     rows = []
     for size in tqdm(sizes, desc="batch sweep", unit="batch size"):
         # one engine per configuration: each keeps its own cost and acceptance measurements
@@ -122,7 +128,7 @@ def main() -> None:
             name: LLMEngine(loaded, RuntimeConfig(max_batch_size=size, max_num_tokens=2048, speculation=mode))
             for name, (_, mode) in CONFIGS.items()
         }
-        prompts = [loaded.encode(t) for t in texts[:size]]
+        prompts = [loaded.encode(t) for t in texts[: max(size, args.min_prompts)]]
         for name, llm in engines.items():  # warm-up (allocator growth, first-step measurements)
             warm_up(llm, prompts[0], CONFIGS[name][0], args.temperature)
         engines["redrafter-load-aware"].policy.chosen.clear()
@@ -134,6 +140,8 @@ def main() -> None:
         "temperature": args.temperature,
         "max_tokens": args.max_tokens,
         "rounds": args.rounds,
+        "min_prompts": args.min_prompts,
+        "command": "python -m benchmarks.batch_sweep " + " ".join(sys.argv[1:]),
         "machine": machine(),
     }
     write_report(args.out, meta, [asdict(r) for r in rows], markdown(rows, meta))
