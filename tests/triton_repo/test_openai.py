@@ -243,6 +243,14 @@ def wait_until_freed(served: Served, cancelled_before: float) -> None:
     pytest.fail(f"the abandoned request still runs: {m}")
 
 
+def wait_until_running(served: Served) -> None:
+    """Until the engine gauges show the one open request (they lag the engine by up to 0.1 s)."""
+    deadline = time.monotonic() + 10
+    while (m := engine_gauges(served))["specpipe_running_requests"] != 1:
+        assert time.monotonic() < deadline, f"the open request does not run: {m}"
+        time.sleep(0.02)
+
+
 def test_a_client_that_goes_away_frees_the_engine(client: Any, served: Served) -> None:
     long = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "extra_body": {"ignore_eos": True}}
     before = engine_gauges(served).get('specpipe_requests_total{outcome="cancelled"}', 0.0)
@@ -250,7 +258,7 @@ def test_a_client_that_goes_away_frees_the_engine(client: Any, served: Served) -
     for i, _ in enumerate(stream):
         if i == 2:
             break
-    assert engine_gauges(served)["specpipe_running_requests"] == 1
+    wait_until_running(served)  # the gauges are published every 0.1 s: the first read may predate the request
     stream.close()  # closes the HTTP response: the server closes its Triton stream
     wait_until_freed(served, before)
     with pytest.raises(openai.APITimeoutError):  # non-streaming: the client gives up waiting
