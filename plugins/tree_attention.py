@@ -32,6 +32,12 @@ def _check(
         )
 
 
+def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`x[index]` for `x` [M, ...] and `index` [G, S]: one `index_select` of whole rows, which
+    on the CPU copies 2-3x faster than advanced indexing (same values)."""
+    return x.reshape(x.shape[0], -1).index_select(0, index.reshape(-1)).view(*index.shape, *x.shape[1:])
+
+
 @torch.library.custom_op("specpipe::tree_attention", mutates_args=())
 def tree_attention(
     q: torch.Tensor,  # [N, H, D] queries of the whole flat batch
@@ -42,9 +48,9 @@ def tree_attention(
     mask: torch.Tensor,  # [G, T, S] bool, True = attend; every row needs one True
 ) -> torch.Tensor:  # [G, T, H, D]
     _check(q, k_cache, query_index, key_slots, mask)
-    qg = q[query_index].transpose(1, 2)  # [G, H, T, D]
-    kg = k_cache[key_slots].transpose(1, 2)  # [G, H_kv, S, D]
-    vg = v_cache[key_slots].transpose(1, 2)
+    qg = _rows(q, query_index).transpose(1, 2)  # [G, H, T, D]
+    kg = _rows(k_cache, key_slots).transpose(1, 2)  # [G, H_kv, S, D]
+    vg = _rows(v_cache, key_slots).transpose(1, 2)
     out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask[:, None], enable_gqa=qg.shape[1] != kg.shape[1])
     return out.transpose(1, 2).contiguous()
 

@@ -11,9 +11,9 @@ RoPE positions (context + depth) are the caller's business.
 Both forms are built on the host (the model runner moves them to its device, or packs
 them into a CUDA graph's buffers); see `model_defs/paged_kv_cache.py`. For a GPU,
 `build_rows` gives every query row its ordered key list (`RowMetadata`, int32). For the
-CPU, `build_groups` pads requests into groups: every segment of at most `SHORT_SEGMENT`
-new tokens (decode tokens and draft trees) joins one padded group, each longer one (a
-prefill chunk) gets a group of its own.
+CPU, `build_groups` pads requests into groups: segments of at most `SHORT_SEGMENT` new
+tokens (decode tokens and draft trees) join one padded group per power-of-two bucket of
+their new-token count, each longer one (a prefill chunk) gets a group of its own.
 """
 
 from __future__ import annotations
@@ -75,9 +75,16 @@ def group(segments: list[Segment], device: torch.device | str = "cpu") -> Attent
 
 
 def build_groups(segments: list[Segment], device: torch.device | str = "cpu") -> list[AttentionGroup]:
-    short = [s for s in segments if s.num_new <= SHORT_SEGMENT]
-    long = [s for s in segments if s.num_new > SHORT_SEGMENT]
-    return [group(g, device) for g in ([short] if short else []) + [[s] for s in long]]
+    """Short segments grouped by new-token count in power-of-two buckets (1, 2, 3-4, 5-8,
+    ...): a group pads every request to its longest, so one request's 17-node tree must
+    not make seven decode tokens attend as 17 rows each (at batch 8 that padding cost as
+    much as all eight drafting); each long segment alone."""
+    buckets: dict[int, list[Segment]] = {}
+    for s in segments:
+        if s.num_new <= SHORT_SEGMENT:
+            buckets.setdefault((s.num_new - 1).bit_length(), []).append(s)
+    long = [[s] for s in segments if s.num_new > SHORT_SEGMENT]
+    return [group(g, device) for _, g in sorted(buckets.items())] + [group(g, device) for g in long]
 
 
 def build_rows(segments: list[Segment], block_size: int) -> RowMetadata:

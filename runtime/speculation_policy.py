@@ -15,9 +15,13 @@ with bounded exploration so it never settles on a stale estimate for good.
   smaller nested size too: the accepted path stays accepted at size c as long as each of
   its nodes is in the tree of size c (`DraftTree.node_budget` <= c), exactly for greedy
   and in law for sampling;
-- forward(n): measured seconds of target forwards of n tokens (`TokenCost`, a table
-  interpolated between measured sizes: small-M GEMMs are far from linear), seeded by a
-  short calibration at engine start and refreshed by every step;
+- forward(n, r): seconds of a target forward of n tokens from r requests (`ForwardCost`):
+  a table over n (`TokenCost`, interpolated between measured sizes: small-M GEMMs are far
+  from linear) timed at engine start on one request, plus a per-request-count residual
+  learned from every live step (each request's attention over its own context: at batch
+  8, 8 one-token requests cost 1.6x one 8-token request). Keeping the two apart matters:
+  a table refreshed by live steps alone mixes batch shapes, so that forward(8 tokens of 8
+  requests) came out dearer than forward(40 tokens) and drafting looked free;
 - draft_m: per method, intercept + per level + per drafted node (`LinearCost` over the
   method's recent drafting calls; levels are its sequential drafter calls).
 
@@ -119,6 +123,8 @@ class StepStats:
     drafting: dict[str, tuple[int, int, float]] = field(default_factory=dict)
     """method -> (most levels, drafted nodes, seconds) of its drafting call."""
     outcomes: list[Outcome] = field(default_factory=list)
+    num_requests: int = 1
+    """Requests whose tokens the forward held (prefill chunks included)."""
 
 
 class TokenCost:
@@ -156,6 +162,45 @@ class TokenCost:
     def slope(self, lo: float, hi: float) -> float:
         """Marginal seconds per token between lo and hi tokens."""
         return max((self(hi) - self(lo)) / (hi - lo), 0.0) if hi > lo else 0.0
+
+
+class ForwardCost:
+    """Seconds of a target forward of n tokens from r requests: `tokens` (one request,
+    timed at engine start) plus `extra[r]`, the decayed mean of what live forwards of r
+    requests cost beyond it (interpolated between measured r, proportional to r beyond)."""
+
+    def __init__(self) -> None:
+        self.tokens = TokenCost()
+        self.extra: dict[int, float] = {}
+
+    def __call__(self, n: float, requests: int = 1) -> float:
+        return self.tokens(n) + self.residual(requests)
+
+    def residual(self, requests: int) -> float:
+        if requests in self.extra:
+            return self.extra[requests]
+        if not self.extra:
+            return 0.0
+        known = sorted(self.extra)
+        if requests < known[0] or requests > known[-1]:  # beyond the measured: per request like the nearest
+            near = known[0] if requests < known[0] else known[-1]
+            return self.extra[near] * requests / near
+        return float(np.interp(requests, known, [self.extra[r] for r in known]))
+
+    def slope(self, lo: float, hi: float) -> float:
+        """Marginal seconds per token between lo and hi tokens (the request count fixed)."""
+        return self.tokens.slope(lo, hi)
+
+    def calibrate(self, n: int, seconds: float) -> None:
+        self.tokens.add(n, seconds)
+
+    def observe(self, n: int, requests: int, seconds: float) -> None:
+        if not self.tokens.points:  # never calibrated (a cost fit learning from live steps only)
+            self.tokens.add(n, seconds)
+            return
+        residual = seconds - self.tokens(n)
+        old = self.extra.get(requests)
+        self.extra[requests] = residual if old is None else old + FORWARD_EMA * (residual - old)
 
 
 class LinearCost:
@@ -227,7 +272,7 @@ class _Choice:
 class SpeculationPolicy:
     adaptive: bool = True
     """False: every request drafts its largest size (`--speculation fixed`)."""
-    forward_cost: TokenCost = field(default_factory=TokenCost)
+    forward_cost: ForwardCost = field(default_factory=ForwardCost)
     draft_cost: dict[str, LinearCost] = field(default_factory=dict)
     """method -> seconds of a drafting call from (levels, drafted nodes)."""
     kinds: dict[tuple[Hashable, int], Estimate] = field(default_factory=dict)
@@ -359,7 +404,7 @@ class SpeculationPolicy:
         return offer
 
     def _evaluate(self, batch: list[_Group], sizes: list[int], others: int) -> _Choice:
-        tokens, nodes = 0.0, float(others)
+        tokens, nodes, requests = 0.0, float(others), others
         drafting: dict[str, list[float]] = {}
         for g, s in zip(batch, sizes, strict=True):
             if not g.count:
@@ -367,11 +412,12 @@ class SpeculationPolicy:
             _, tau, n, levels = g.entry(s)
             tokens += g.count * tau
             nodes += g.count * n
+            requests += g.count
             if s > 1:
                 acc = drafting.setdefault(g.method, [0.0, 0.0])
                 acc[0] = max(acc[0], levels)
                 acc[1] += g.count * (s - 1)
-        seconds = self.forward_cost(nodes)
+        seconds = self.forward_cost(nodes, requests)
         for method, (most, drafted) in drafting.items():
             cost = self.draft_cost.get(method)
             seconds += cost(most, drafted) if cost is not None else 0.0
@@ -397,7 +443,7 @@ class SpeculationPolicy:
                 start = time.perf_counter()
                 forward(n)
                 times.append(time.perf_counter() - start)
-            self.forward_cost.add(n, min(times))
+            self.forward_cost.calibrate(n, min(times))
 
     def add_draft_samples(self, method: str, samples: Iterable[tuple[int, int, float]]) -> None:
         """(levels, drafted nodes, seconds) of drafting calls timed at engine start."""
@@ -405,7 +451,7 @@ class SpeculationPolicy:
             self.draft_cost.setdefault(method, LinearCost()).add((levels, drafted), seconds)
 
     def observe(self, stats: StepStats) -> None:
-        self.forward_cost.add(stats.num_tokens, stats.forward_seconds)
+        self.forward_cost.observe(stats.num_tokens, stats.num_requests, stats.forward_seconds)
         for method, (levels, drafted, seconds) in stats.drafting.items():
             if drafted:
                 self.draft_cost.setdefault(method, LinearCost()).add((levels, drafted), seconds)
