@@ -125,6 +125,9 @@ class StepStats:
     outcomes: list[Outcome] = field(default_factory=list)
     num_requests: int = 1
     """Requests whose tokens the forward held (prefill chunks included)."""
+    prefill: bool = False
+    """The forward held prefill chunks: their cost (long causal chunks) is not what the
+    per-request residual of decoding steps models, so it is not learned from."""
 
 
 class TokenCost:
@@ -451,7 +454,8 @@ class SpeculationPolicy:
             self.draft_cost.setdefault(method, LinearCost()).add((levels, drafted), seconds)
 
     def observe(self, stats: StepStats) -> None:
-        self.forward_cost.observe(stats.num_tokens, stats.num_requests, stats.forward_seconds)
+        if not stats.prefill:
+            self.forward_cost.observe(stats.num_tokens, stats.num_requests, stats.forward_seconds)
         for method, (levels, drafted, seconds) in stats.drafting.items():
             if drafted:
                 self.draft_cost.setdefault(method, LinearCost()).add((levels, drafted), seconds)
