@@ -51,7 +51,7 @@ from torch import nn
 from model_defs.paged_kv_cache import PagedBatch, PagedKVCache
 from model_defs.rope import RopeConfig, RotaryEmbedding, apply_rope
 from plugins.batch_invariant import bi_linear_nd, bi_rms_norm
-from plugins.cpu_linear import cpu_packed_linear, pack_cpu_weight, packed_pays
+from plugins.cpu_linear import cpu_packed_linear, int8_linear, pack_cpu_weight, packed_pays, quantize_int8
 
 ARCHITECTURE = "LlamaForCausalLM"
 
@@ -239,14 +239,19 @@ class Linear(nn.Linear):
     """Set per instance by `LlamaForCausalLM.set_batch_invariant`."""
     packed: torch.Tensor | None = None
     """oneDNN-layout copy of `weight` (`pack_cpu_weights`), or None."""
+    int8: Any = None
+    """fbgemm int8 copy of `weight` (`quantize_int8`; drafter vocabulary heads only), or None."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x, self.bias)
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """`x W^T + bias` by the mode's kernel: `bi_linear`, the blocked copy, or `F.linear`."""
+        """`x W^T + bias` by the mode's kernel: `bi_linear`, the int8 copy, the blocked copy,
+        or `F.linear` (the copies only for fp32 CPU rows without autograd)."""
         if self.batch_invariant:
             return bi_linear_nd(x, self.weight, bias)
+        if self.int8 is not None and x.dtype == torch.float32 and x.device.type == "cpu" and not x.requires_grad:
+            return int8_linear(x, self.int8, bias)
         if self.packed is not None and packed_pays(x, self.weight) and not x.requires_grad:
             return cpu_packed_linear(x, self.packed, bias)
         return F.linear(x, self.weight, bias)
@@ -254,6 +259,12 @@ class Linear(nn.Linear):
     def pack_cpu_weight(self) -> None:
         """Keep a oneDNN-blocked copy of the weight for inference (`pack_cpu_weights`)."""
         self.packed = pack_cpu_weight(self.weight.detach())
+
+    def quantize_int8(self) -> bool:
+        """Keep an int8 copy of the weight for inference (a drafter's vocabulary head:
+        `plugins/cpu_linear.py`); False where it does not apply (not fp32 on the CPU)."""
+        self.int8 = quantize_int8(self.weight)
+        return self.int8 is not None
 
 
 class RowParallelLinear(Linear):

@@ -17,9 +17,20 @@ the mode for that, and takes precedence in `model_defs.llama.Linear`).
 that is 1.6-2x slower from 2 rows on; 32 is as fast as 8 at every size we measured
 (1-64 rows). A blocked weight is a copy: pack after the weights are final (at engine
 load), never while training.
+
+Drafter vocabulary heads may also run in int8 (`quantize_int8` / `int8_linear`, fbgemm's
+dynamic quantized linear: int8 weights per output channel, activations quantized per
+call, 7-bit). A one-row product with the 8192 x 384 head of the demo drafters is memory-bound:
+~0.9 ms in fp32 inside a draft loop, ~0.17 ms in int8, and a ReDrafter draft calls it
+once per level. Only proposals change (demo ReDrafter, 8 held-out prompts: tau 3.44 ->
+3.41); verification and output never see it, so it is for drafters only, never for the
+target.
 """
 
 from __future__ import annotations
+
+import warnings
+from typing import Any
 
 import torch
 
@@ -53,3 +64,30 @@ def packed_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def cpu_packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` with `packed = pack_cpu_weight(weight)`; x `[..., in]` fp32."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def int8_available() -> bool:
+    return "fbgemm" in torch.backends.quantized.supported_engines or "x86" in torch.backends.quantized.supported_engines
+
+
+def quantize_int8(weight: torch.Tensor) -> Any | None:
+    """fbgemm's packed int8 copy of an fp32 CPU weight `[out, in]` (symmetric, one scale per
+    output row), for `int8_linear`; None where it does not apply (another dtype or device)."""
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or not int8_available():
+        return None
+    w = weight.detach().contiguous()
+    scales = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny).double()
+    zero_points = torch.zeros(w.shape[0], dtype=torch.long)
+    with warnings.catch_warnings():  # quantized-tensor creation is deprecated, the fbgemm kernels are not
+        warnings.simplefilter("ignore")
+        qweight = torch.quantize_per_channel(w, scales, zero_points, 0, torch.qint8)
+    return torch.ops.quantized.linear_prepack(qweight, None)
+
+
+def int8_linear(x: torch.Tensor, packed: Any, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x W^T + bias` with `packed = quantize_int8(W)`; x `[..., in]` fp32 on the CPU."""
+    # reduce_range: 7-bit activations, as torch's own dynamic quantization uses on x86. With
+    # 8 bits, AVX2's u8 x s8 pair sums saturate int16 (255 * 127 * 2 > 32767) and a few
+    # outputs come out wrong by far more than the rounding (4.5 vs 0.3 on a random test).
+    y = torch.ops.quantized.linear_dynamic(x, packed, reduce_range=True)
+    return y if bias is None else y + bias

@@ -14,7 +14,7 @@ from tokenizers import Tokenizer
 
 from model_defs import lyanna, redrafter
 from model_defs.checkpoint import validate_tensors
-from model_defs.llama import LlamaConfig, LlamaForCausalLM, expected_shapes, pack_cpu_weights
+from model_defs.llama import Linear, LlamaConfig, LlamaForCausalLM, expected_shapes, pack_cpu_weights
 from runtime.engine_dir import DRAFTER_PREFIX, DrafterSpec, EngineConfig, rank_file
 
 
@@ -66,6 +66,9 @@ class LoadedEngine:
         for module in (model, *drafter.values()):
             if isinstance(module, torch.nn.Module):
                 pack_cpu_weights(module)  # fp32 on the CPU only: plugins/cpu_linear.py
+        if config.build.drafter_head == "int8":
+            for head in drafter_heads(drafter):
+                head.quantize_int8()  # fp32 on the CPU only; proposals change, never the output
         return cls(config, model, tokenizer, **drafter)
 
     @property
@@ -90,6 +93,18 @@ Validate = Callable[[dict[str, torch.Size]], None]
 
 def _validate(tensors: dict[str, torch.Tensor], path: Path, shapes: dict[str, torch.Size]) -> None:
     validate_tensors(tensors, dict.fromkeys(tensors, path), shapes)
+
+
+def drafter_heads(drafter: dict[str, Any]) -> list[Linear]:
+    """The vocabulary projections that belong to the drafter alone (`BuildConfig.drafter_head`):
+    ReDrafter's head and a draft LM's LM head. Lyanna drafts through the target's own head,
+    which verification uses too, so it has none."""
+    heads = []
+    if (rnn := drafter.get("redrafter")) is not None:
+        heads.append(rnn.lm_head[-1])
+    if (lm := drafter.get("draft_model")) is not None:
+        heads.append(lm.lm_head)
+    return heads
 
 
 def _load_redrafter(

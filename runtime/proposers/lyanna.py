@@ -7,12 +7,13 @@ token t_1 into a chain h_1..h_k whose logits come from ONE LM-head product; the 
 not depend on the drafted tokens, so which token a node follows enters only through the
 token-info bias: the logits of a node's children are `l_i + E'(token of the node)`.
 
-Algorithm 1 (token-info sampling), per request:
+Algorithm 1 (token-info sampling), per request, as the paper writes it:
     frontier = [root]
     for depth i = 1..k:
-        for each frontier node n: scores = log_softmax(l_i + E'(token(n))); its top-w children
-        keep the w best (node, child) pairs by joint log-probability -> the next frontier
-    keep the B best drafted nodes by joint log-probability (the verification budget)
+        for each frontier node n: scores = log_softmax(l_i + E'(token(n))); its top-w
+            children ALL enter the tree (`children.add`)
+        frontier = the w best of those children by joint log-probability (`TopkByJointProb`)
+    prune the tree to the B best drafted nodes by joint log-probability (the budget)
 
 Algorithm 2 (re-sampling): when verification stops at depth j (a draft rejected, or the
 tree ran out), the target's bonus token t_gt sits at depth j+1 and the chain rows
@@ -56,8 +57,9 @@ class LyannaParams:
     width: int = 4
     """Nodes kept per level (w), and children tried per node."""
     budget: int = 12
-    """Drafted nodes verified per step (B), the best by joint probability. The tree has at
-    most depth x width nodes, so a larger B verifies them all (B = 16 needs depth 4 at width 4)."""
+    """Drafted nodes verified per step (B), the best by joint probability among the up to
+    width + (depth - 1) x width^2 candidates Algorithm 1 adds (the paper's Table 1: depth
+    3, width 4, B 16)."""
     resample: bool = True
     """Re-sample rejected drafts from the unused chain rows (Algorithm 2)."""
     fuse: bool = True
@@ -82,7 +84,11 @@ class LyannaParams:
 
 
 def token_info_tree(root: int, logits: torch.Tensor, bias: Bias | None, width: int, budget: int) -> DraftTree:
-    """Algorithm 1 for one request: `logits` `[k, V]` are the chain rows for depths 1..k."""
+    """Algorithm 1 for one request: `logits` `[k, V]` are the chain rows for depths 1..k.
+    Every expanded node's top-`width` children enter the tree; the `width` best of them
+    by joint log-probability are expanded at the next depth; the tree is then pruned to
+    `budget` drafted nodes by joint log-probability (a child never scores above its parent,
+    so the kept nodes form a tree)."""
     tokens, parents, joint = [root], [-1], [0.0]
     frontier = [0]
     for row in logits:
@@ -91,16 +97,13 @@ def token_info_tree(root: int, logits: torch.Tensor, bias: Bias | None, width: i
         rows = bias(prev, rows) if bias is not None else rows
         logp = torch.log_softmax(rows.float(), dim=-1)  # [F, V]
         top = logp.topk(min(width, logp.shape[-1]), dim=-1)  # each node's best children
-        scores = torch.tensor([joint[n] for n in frontier], device=row.device)[:, None] + top.values
-        best = scores.flatten().topk(min(width, scores.numel()))
-        frontier_next = []
-        for score, flat in zip(best.values.tolist(), best.indices.tolist(), strict=True):
-            f, c = divmod(flat, top.indices.shape[1])
-            tokens.append(int(top.indices[f, c]))
-            parents.append(frontier[f])
-            joint.append(score)
-            frontier_next.append(len(tokens) - 1)
-        frontier = frontier_next
+        first = len(tokens)
+        for node, children, values in zip(frontier, top.indices.tolist(), top.values.tolist(), strict=True):
+            for token, value in zip(children, values, strict=True):  # children.add: all of them
+                tokens.append(token)
+                parents.append(node)
+                joint.append(joint[node] + value)
+        frontier = sorted(range(first, len(tokens)), key=lambda n: -joint[n])[:width]  # TopkByJointProb
     return prune(DraftTree(tokens, parents), joint, budget)
 
 

@@ -60,6 +60,7 @@ def test_build_and_load_matches_transformers(tiny_checkpoint: Path, tmp_path: Pa
         "dtype": "float32",
         "tp_size": 1,
         "drafter_dtype": "float32",
+        "drafter_head": "int8",
     }
     assert cfg["drafter"] is None
     engine = LoadedEngine.load(out)
@@ -190,6 +191,7 @@ def test_engine_with_drafter(tiny_checkpoint: Path, tmp_path: Path) -> None:
     assert cfg["drafter"]["kind"] == "redrafter" and cfg["drafter"]["settings"] == settings
     engine = LoadedEngine.load(out)
     assert engine.redrafter is not None and engine.redrafter.config.exit_dim == 48
+    assert engine.redrafter.lm_head[-1].int8 is None  # a bf16 drafter keeps its head in bf16
 
 
 def test_drafter_for_another_target_is_refused(tiny_checkpoint: Path, tmp_path: Path) -> None:
@@ -212,6 +214,24 @@ def test_draft_model_engine_round_trips(tiny_checkpoint: Path, tmp_path: Path) -
     for (name, a), b in zip(engine.model.state_dict().items(), engine.draft_model.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, msg=name)  # same checkpoint, same dtype
     assert LLMEngine(engine).default_method == "rsd-s"
+    # the draft LM's head runs in int8 (the default --drafter-head); the target's never does
+    assert engine.draft_model.lm_head.int8 is not None and engine.model.lm_head.int8 is None
+    ids, positions = torch.tensor([[1, 2, 3]]), torch.arange(3)[None]
+    with torch.no_grad():
+        draft, target = engine.draft_model(ids, positions).logits, engine.model(ids, positions).logits
+    assert 0 < (draft - target).abs().max() < 0.05 * target.abs().max()  # same weights: int8 rounding only
+    out = build_engine(tiny_checkpoint, tmp_path / "eng2", dataclasses.replace(build, drafter_head="drafter-dtype"))
+    assert LoadedEngine.load(out).draft_model is None  # no drafter: nothing to quantize
+    kept = build_engine(
+        tiny_checkpoint,
+        tmp_path / "eng3",
+        dataclasses.replace(build, drafter_head="drafter-dtype"),
+        draft_model=tiny_checkpoint,
+    )
+    plain = LoadedEngine.load(kept)
+    assert plain.draft_model is not None and plain.draft_model.lm_head.int8 is None
+    with pytest.raises(ValueError, match="drafter_head 'int4' is not one of"):
+        BuildConfig(drafter_head="int4")
 
 
 def test_draft_model_must_share_the_vocabulary(tiny_checkpoint: Path, tmp_path: Path) -> None:

@@ -159,3 +159,13 @@ def test_bad_inputs_are_rejected() -> None:
 def test_opcheck(beams: torch.Tensor) -> None:
     torch.library.opcheck(torch.ops.specpipe.dedup_prefix.default, (beams,))
     torch.library.opcheck(torch.ops.specpipe.pack_beams.default, (beams,))
+
+
+@pytest.mark.parametrize(("b", "seq"), [(1, 1), (1, 5), (3, 4)])
+def test_one_beam_chain_equals_the_op(b: int, seq: int) -> None:
+    """`pack` builds a single beam's chain directly: every output equals `specpipe::pack_beams`'s."""
+    beams = random_beams(b, 1, seq, 5, seed=seq)
+    fast, op = pack(beams), PackedBeams(*torch.ops.specpipe.pack_beams(beams))
+    for name, got, want in zip(PackedBeams._fields, fast, op, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+    check_against_trie(beams, fast)

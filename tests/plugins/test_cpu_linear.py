@@ -12,7 +12,16 @@ import torch
 import torch.nn.functional as F
 
 from model_defs.llama import Linear, pack_cpu_weights
-from plugins.cpu_linear import LARGE_WEIGHT, cpu_packed_linear, cpu_packing_available, pack_cpu_weight, packed_pays
+from plugins.cpu_linear import (
+    LARGE_WEIGHT,
+    cpu_packed_linear,
+    cpu_packing_available,
+    int8_available,
+    int8_linear,
+    pack_cpu_weight,
+    packed_pays,
+    quantize_int8,
+)
 from tests.tiny_models import tiny_target
 
 pytestmark = pytest.mark.skipif(not cpu_packing_available(), reason="this torch has no oneDNN")
@@ -80,3 +89,30 @@ def test_packed_model_matches_unpacked() -> None:
         packed = model(ids, positions).logits
     torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-5)
     assert torch.equal(packed.argmax(-1), plain.argmax(-1))
+
+
+@pytest.mark.skipif(not int8_available(), reason="this torch has no fbgemm")
+@pytest.mark.parametrize("rows", [1, 4, 17])
+def test_int8_product_is_the_rounded_weights_product(rows: int) -> None:
+    """`int8_linear` multiplies by the weight rounded to int8 per output row (plus the
+    activations' own 8-bit rounding): close to `F.linear` with the dequantized weight,
+    much closer to it than to a wrong weight, and it keeps bias and shape."""
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(512, 64, generator=gen), torch.randn(512, generator=gen)
+    packed = quantize_int8(weight)
+    assert packed is not None
+    x = torch.randn(2, rows, 64, generator=gen)
+    got = int8_linear(x, packed, bias)
+    scale = weight.abs().amax(1, keepdim=True) / 127
+    exact = F.linear(x, torch.round(weight / scale) * scale, bias)
+    assert got.shape == exact.shape and (got - exact).abs().max() < 0.05 * exact.abs().max()
+    wrong = F.linear(x, weight.roll(1, 0), bias)
+    assert (wrong - exact).abs().max() > 0.2 * exact.abs().max()
+    lin = Linear(64, 512)
+    lin.weight.data.copy_(weight), lin.bias.data.copy_(bias)
+    assert lin.quantize_int8()
+    with torch.no_grad():
+        assert torch.equal(lin(x), got)
+    assert quantize_int8(weight.bfloat16()) is None
+    x.requires_grad_(True)
+    torch.testing.assert_close(lin(x), F.linear(x, weight, bias))  # autograd: the fp32 weight

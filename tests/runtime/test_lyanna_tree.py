@@ -6,6 +6,9 @@ The chain logits live on the test device, as the drafter's do in the engine."""
 
 from __future__ import annotations
 
+import math
+import random
+
 import torch
 
 from runtime.proposers.lyanna import LyannaParams, resample_subtree, token_info_tree
@@ -38,7 +41,8 @@ def chain() -> torch.Tensor:
 def test_without_bias_the_tree_is_the_joint_top() -> None:
     tree = token_info_tree(0, chain(), None, width=2, budget=10)
     assert tree.tokens[:3] == [0, 1, 2]  # depth 1, best first
-    assert paths(tree) == {(1,), (2,), (1, 3), (1, 4)}  # level 2 keeps the 2 best joints
+    # every expanded node's 2 best children enter the tree (Algorithm 1's children.add)
+    assert paths(tree) == {(1,), (2,), (1, 3), (1, 4), (2, 3), (2, 4)}
     assert distinct_siblings(tree)
 
 
@@ -82,3 +86,67 @@ def test_resampling_reads_only_the_unused_rows() -> None:
     assert sub is not None and sub.tokens[0] == 7 and len(sub.tokens) == 3 and sub.tokens[2] == 5
     assert resample_subtree(7, rows, 3, None, params) is None  # nothing left after the bonus
     assert resample_subtree(7, rows, 2, None, LyannaParams(depth=4, min_remaining=1)) is None
+
+
+def literal_algorithm_1(root: int, rows: list[list[float]], bias: list[list[float]], w: int, b: int) -> set:
+    """The paper's Algorithm 1 transcribed line by line in plain Python (no torch, no
+    shared code): per depth, for each frontier node, the top-w children of
+    softmax(l_i + E'(token)) are all added to the tree; the frontier becomes the top-w of
+    the added children by joint probability; at the end the B best nodes by joint
+    probability are kept. Returns the kept nodes as token paths."""
+
+    def log_softmax(x: list[float]) -> list[float]:
+        m = max(x)
+        z = m + math.log(sum(math.exp(v - m) for v in x))
+        return [v - z for v in x]
+
+    nodes = [((), 0.0)]  # (path of tokens below the root, joint log-prob)
+    frontier = [((), 0.0, root)]
+    for row in rows:
+        children = []
+        for path, joint, token in frontier:
+            scores = log_softmax([l + e for l, e in zip(row, bias[token], strict=True)])
+            for t in sorted(range(len(scores)), key=lambda t: -scores[t])[:w]:
+                children.append((path + (t,), joint + scores[t], t))
+        nodes += [(path, joint) for path, joint, _ in children]  # children.add(...)
+        frontier = sorted(children, key=lambda c: -c[1])[:w]  # TopkByJointProb(children, w)
+    drafted = sorted(nodes[1:], key=lambda n: -n[1])[:b]  # prune to the budget
+    return {path for path, _ in drafted}
+
+
+def frontier_only(root: int, rows: list[list[float]], bias: list[list[float]], w: int, b: int) -> set:
+    """The variant we used to run: only the w frontier nodes of each depth enter the tree."""
+    nodes, frontier = [], [((), 0.0, root)]
+    for row in rows:
+        children = []
+        for path, joint, token in frontier:
+            x = [l + e for l, e in zip(row, bias[token], strict=True)]
+            z = max(x) + math.log(sum(math.exp(v - max(x)) for v in x))
+            children += [(path + (t,), joint + x[t] - z, t) for t in range(len(x))]
+        frontier = sorted(children, key=lambda c: -c[1])[:w]
+        nodes += [(p, j) for p, j, _ in frontier]
+    return {p for p, _ in sorted(nodes, key=lambda n: -n[1])[:b]}
+
+
+def test_token_info_tree_is_the_papers_algorithm_1() -> None:
+    """200 random chains with random token-info biases (k=3, w=4, B=12 and the paper's
+    B=16): the tree is exactly the literal transcription's; the frontier-only variant is
+    not (it differs in most cases, so the comparison can fail)."""
+    rng = random.Random(0)
+    vocab, differs = 12, 0
+    for case in range(200):
+        budget = 12 if case % 2 else 16
+        rows = [[rng.gauss(0, 2) for _ in range(vocab)] for _ in range(3)]
+        table = [[rng.gauss(0, 1) for _ in range(vocab)] for _ in range(vocab)]
+        table_t = torch.tensor(table, device=TEST_DEVICE)
+
+        def bias(prev: torch.Tensor, logits: torch.Tensor, table_t: torch.Tensor = table_t) -> torch.Tensor:
+            return logits + table_t[prev]
+
+        root = rng.randrange(vocab)
+        tree = token_info_tree(root, torch.tensor(rows, device=TEST_DEVICE), bias, width=4, budget=budget)
+        want = literal_algorithm_1(root, rows, table, 4, budget)
+        assert paths(tree) == want, case
+        assert len(tree.tokens) == 1 + budget and distinct_siblings(tree)
+        differs += frontier_only(root, rows, table, 4, budget) != want
+    assert differs > 100, differs
