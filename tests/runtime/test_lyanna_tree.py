@@ -105,9 +105,9 @@ def literal_algorithm_1(root: int, rows: list[list[float]], bias: list[list[floa
     for row in rows:
         children = []
         for path, joint, token in frontier:
-            scores = log_softmax([l + e for l, e in zip(row, bias[token], strict=True)])
+            scores = log_softmax([v + e for v, e in zip(row, bias[token], strict=True)])
             for t in sorted(range(len(scores)), key=lambda t: -scores[t])[:w]:
-                children.append((path + (t,), joint + scores[t], t))
+                children.append(((*path, t), joint + scores[t], t))
         nodes += [(path, joint) for path, joint, _ in children]  # children.add(...)
         frontier = sorted(children, key=lambda c: -c[1])[:w]  # TopkByJointProb(children, w)
     drafted = sorted(nodes[1:], key=lambda n: -n[1])[:b]  # prune to the budget
@@ -120,9 +120,9 @@ def frontier_only(root: int, rows: list[list[float]], bias: list[list[float]], w
     for row in rows:
         children = []
         for path, joint, token in frontier:
-            x = [l + e for l, e in zip(row, bias[token], strict=True)]
+            x = [v + e for v, e in zip(row, bias[token], strict=True)]
             z = max(x) + math.log(sum(math.exp(v - max(x)) for v in x))
-            children += [(path + (t,), joint + x[t] - z, t) for t in range(len(x))]
+            children += [((*path, t), joint + x[t] - z, t) for t in range(len(x))]
         frontier = sorted(children, key=lambda c: -c[1])[:w]
         nodes += [(p, j) for p, j, _ in frontier]
     return {p for p, _ in sorted(nodes, key=lambda n: -n[1])[:b]}
