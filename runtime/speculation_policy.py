@@ -43,6 +43,7 @@ Whatever the sizes, acceptance is lossless; the policy only moves speed.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -151,7 +152,7 @@ class TokenCost:
             return 0.0
         if n in self.points:
             return self.points[n]  # type: ignore[index]
-        i = int(np.searchsorted(xs, n))
+        i = bisect.bisect_left(xs, n)
         if i == 0:
             return self.points[xs[0]]
         if i == len(xs):
