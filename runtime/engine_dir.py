@@ -57,7 +57,7 @@ class BuildConfig:
     drafter_head: str = "int8"
     """The drafter's vocabulary projection (ReDrafter's head, a draft LM's LM head) on the
     CPU: "int8" (fbgemm int8 weights, ~5x faster for the few rows of a draft level; the
-    demo ReDrafter went from 1.48x to 1.80x AR at batch 1 with tau 3.44 -> 3.41) or
+    demo ReDrafter went from 1.55x to 1.73x AR at batch 1, tau 3.37 either way) or
     "drafter-dtype" (as the rest of the drafter). Like `drafter_dtype` it changes only the
     proposals, never the output; the weights are stored unquantized either way, and on a
     GPU or with a non-fp32 drafter the head stays in the drafter dtype."""
