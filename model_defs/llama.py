@@ -262,8 +262,11 @@ class Linear(nn.Linear):
 
     def quantize_int8(self) -> bool:
         """Keep an int8 copy of the weight for inference (a drafter's vocabulary head:
-        `plugins/cpu_linear.py`); False where it does not apply (not fp32 on the CPU)."""
+        `plugins/cpu_linear.py`); False where it does not apply (not fp32 on the CPU). The
+        int8 copy serves every input the blocked copy would, so that one is dropped."""
         self.int8 = quantize_int8(self.weight)
+        if self.int8 is not None:
+            self.packed = None
         return self.int8 is not None
 
 

@@ -141,8 +141,13 @@ class EngineCore:
                 raise  # ... except under TP: the other ranks may be inside that forward, out of step
             log.exception("forward failed; failing its %d request(s)", len(work))
             return finished + [self._finish(item.request, "error", describe(e)) for item in work]
-        stats = StepStats(len(batch.step.tokens), clock.lap("forward"), drafting, num_requests=len(work))
-        stats.prefill = any(item.prefill for item in work)
+        stats = StepStats(
+            len(batch.step.tokens),
+            clock.lap("forward"),
+            drafting,
+            num_requests=len(work),
+            prefill=any(item.prefill for item in work),
+        )
         rows = {r: self._processed(r, logits[span.logits_start : span.logits_start + len(trees[r].tokens)], trees[r])
                 for r, span in zip((i.request for i in work), batch.spans, strict=True) if r in trees}  # fmt: skip
         acceptances = self._verify(trees, rows)
