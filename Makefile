@@ -17,7 +17,7 @@ DEMO_PROMPTS := --prompt "def fibonacci(n):" \
 	--prompt "$$(printf 'class Stack:\n    def __init__(self):')" \
 	--prompt "$$(printf 'import os\n\n\ndef list_python_files(path):')"
 
-.PHONY: help setup mpi perf-analyzer-install perf-tools genai-perf perf-analyzer engine demo serve test test-slow lint format model drafter draft-lm lyanna bench-redrafter bench-batch bench-rsd bench-ngram profile bench-lyanna bench-drafter-tp loadtest loadtest-openai soak bench-table2 export-trtllm clean
+.PHONY: help setup mpi perf-analyzer-install perf-tools genai-perf perf-analyzer engine demo serve test test-slow lint format model drafter draft-lm lyanna bench-redrafter bench-redrafter-kd bench-batch bench-rsd bench-ngram profile bench-lyanna bench-drafter-tp loadtest loadtest-openai soak bench-table2 export-trtllm clean
 
 help:  ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 18
@@ -147,11 +147,20 @@ bench-redrafter: engine  ## W x L x T sweep: tau, acceptance, compression, speed
 bench-batch: engine  ## throughput + tau vs batch size: AR, fixed and load-aware ReDrafter -> benchmarks/results/
 	$(BIN)/python -m benchmarks.batch_sweep --engine $(SPEC_ENGINE)
 
+# ReDrafter Table 6 analogue: one drafter per --kd choice, matched budgets (1024 windows x 2 epochs, ~4 min each), made once
+REDRAFTER_KD := --train-sequences 1024 --epochs 2
+work_dirs/redrafter-kd-%/model.safetensors: | $(STAMP)
+	$(BIN)/python -m training.train_redrafter --target $(MODEL) --out work_dirs/redrafter-kd-$* $(REDRAFTER_KD) --kd $*
+REDRAFTER_KDS := $(foreach kd,greedy sampled soft ground-truth,work_dirs/redrafter-kd-$(kd)/model.safetensors)
+
+bench-redrafter-kd: setup $(REDRAFTER_KDS)  ## ReDrafter Table 6: drafters trained with --kd greedy|sampled|soft|ground-truth at matched budgets, tau + speedup at T=0/1 -> benchmarks/results/
+	$(BIN)/python -m benchmarks.redrafter_kd
+
 bench-rsd: engine  ## RSD Exp1/Exp2: tau + speedup vs AR for sd, rsd-c, rsd-s, redrafter on both drafters -> benchmarks/results/
 	$(BIN)/python -m benchmarks.rsd_sweep
 
-# Table 1's ablations: matched short training runs (40 steps each, ~4 min alone), made once
-LYANNA_ABLATION := --steps 40 --warmup-steps 5
+# Table 1's ablations: matched training runs (300 steps each, ~5 min alone), made once
+LYANNA_ABLATION := --steps 300 --warmup-steps 15
 work_dirs/lyanna-full/model.safetensors: | $(STAMP)
 	$(BIN)/python -m training.train_lyanna --target $(MODEL) --out work_dirs/lyanna-full $(LYANNA_ABLATION)
 work_dirs/lyanna-no-token-info/model.safetensors: | $(STAMP)
@@ -159,7 +168,11 @@ work_dirs/lyanna-no-token-info/model.safetensors: | $(STAMP)
 work_dirs/lyanna-no-fusion/model.safetensors: | $(STAMP)
 	$(BIN)/python -m training.train_lyanna --target $(MODEL) --out work_dirs/lyanna-no-fusion $(LYANNA_ABLATION) --no-first-token-fusion
 
-LYANNA_ABLATIONS := work_dirs/lyanna-full/model.safetensors work_dirs/lyanna-no-token-info/model.safetensors work_dirs/lyanna-no-fusion/model.safetensors
+# Table 2's dense model: the committed drafter's recipe with the token-info bias trained dense (~16 min), made once
+work_dirs/lyanna-dense/model.safetensors: | $(STAMP)
+	$(BIN)/python -m training.train_lyanna --target $(MODEL) --out work_dirs/lyanna-dense --no-sparse-token-info
+
+LYANNA_ABLATIONS := work_dirs/lyanna-full/model.safetensors work_dirs/lyanna-no-token-info/model.safetensors work_dirs/lyanna-no-fusion/model.safetensors work_dirs/lyanna-dense/model.safetensors
 profile: engine  ## where a step's time goes: ms per phase for AR and every method at batch 1/8/32 -> benchmarks/results/step_profile.{json,md}
 	$(BIN)/python -m benchmarks.step_profile
 

@@ -31,7 +31,8 @@ prompt i sampled with seed i), fixed output length (EOS ignored).
   table (bf16, `hot_table_bytes`), and 3-step top-1 agreement with the target on held-out
   corpus windows (teacher forcing: for every position p the chain runs from (H_p,
   t_{p+1}); step i is right when argmax(l_i + bias(t_{p+i})) = the target's argmax at
-  p+i) with the dense low-rank bias, the hot-table bias and no bias.
+  p+i) with the dense low-rank bias, the hot-table bias and no bias, for the main drafter
+  (trained sparse) and one trained dense (`--dense-drafter`).
 - fig13a (paper Figure 13a): latency of `draft_chain` + ONE `head_logits` product over
   the k states vs the same chain with the LM head applied after every step (implemented
   here from the drafter's pieces), k = 3, 5, 8, batch 1 and 8; median of `--repeats`.
@@ -113,6 +114,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--temperatures", default="0,1.0", help="fig12 temperatures (default: %(default)s)")
     ap.add_argument("--windows", type=int, default=16, help="table2 held-out windows (default: %(default)s)")
     ap.add_argument("--seq-len", type=int, default=128, help="table2 positions per window (default: %(default)s)")
+    ap.add_argument(
+        "--dense-drafter", type=Path, default=Path("work_dirs/lyanna-dense"),
+        help="table2: a drafter trained with --no-sparse-token-info, compared with --lyanna (default: %(default)s)",
+    )  # fmt: skip
     ap.add_argument("--ks", default="3,5,8", help="fig13a chain lengths k (default: %(default)s)")
     ap.add_argument("--batches", default="1,8", help="fig13a batch sizes (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=300, help="fig13a timed calls per cell (default: %(default)s)")

@@ -8,8 +8,11 @@ of sd, rsd-c, rsd-s and redrafter, on both demo drafters.
 - Exp1, draft length L (default 2,3,4,5): sd = one chain of L tokens; rsd-c with
   b = (2, 2, 1, ..., 1) of length L; rsd-s and redrafter with W = 4 beams of L tokens.
 - Exp2, target budget B = draft tokens verified per step, tree nodes without the root
-  (default 6,10,14,21,30): sd with L = B; rsd-c with a constant-branching tree of exactly
-  B nodes; rsd-s and redrafter with W x L = B beams.
+  (default 6,10,14,21,30): sd with L = B; rsd-c with constant-branching trees of exactly
+  B nodes; rsd-s and redrafter with W x L = B beams; three shapes per tree method and
+  budget (`EXP2_BRANCHING`, `EXP2_BEAMS`), and, as in the paper, each cell reports the
+  best shape (best tau and best speedup separately, each with its shape; the JSON has
+  every shape).
 
 For each engine (drafter "rnn": engines/demo-redrafter, "draft-lm": engines/demo-draft-lm)
 and temperature, held-out prompts are decoded one request at a time (batch 1, the
@@ -49,10 +52,23 @@ ENGINES = ("engines/demo-redrafter", "engines/demo-draft-lm")
 DRAFTER_NAMES = {"redrafter": "rnn", "draft-lm": "draft-lm"}
 METHODS = ("sd", "rsd-c", "rsd-s", "redrafter")
 EXP1_WIDTH = 4
-EXP2_BRANCHING = {6: (2, 2), 10: (2, 1, 1, 1, 1), 14: (2, 2, 1, 1), 21: (3, 2, 1, 1), 30: (3, 3, 1, 1)}
-"""rsd-c tree of each Exp2 budget B: b0 + b0*b1 + ... = B nodes."""
-EXP2_BEAMS = {6: (2, 3), 10: (2, 5), 14: (2, 7), 21: (3, 7), 30: (5, 6)}
-"""rsd-s / redrafter (W, L) of each Exp2 budget B: W * L = B."""
+EXP2_BRANCHING: dict[int, tuple[tuple[int, ...], ...]] = {
+    6: ((2, 2), (3, 1), (6,)),
+    10: ((2, 1, 1, 1, 1), (2, 2, 1), (5, 1)),
+    14: ((2, 2, 1, 1), (2, 3, 1), (7, 1)),
+    21: ((3, 2, 1, 1), (3, 1, 1, 1, 1, 1, 1), (7, 2)),
+    30: ((3, 3, 1, 1), (5, 1, 1, 1, 1, 1), (10, 2)),
+}
+"""rsd-c trees of each Exp2 budget B (b0 + b0*b1 + ... = B nodes): deep and narrow, balanced,
+wide and shallow. The paper reports, per budget, the best of a few shapes; so does Exp2."""
+EXP2_BEAMS: dict[int, tuple[tuple[int, int], ...]] = {
+    6: ((2, 3), (3, 2), (6, 1)),
+    10: ((2, 5), (5, 2), (10, 1)),
+    14: ((2, 7), (7, 2), (14, 1)),
+    21: ((3, 7), (7, 3), (21, 1)),
+    30: ((5, 6), (6, 5), (10, 3)),
+}
+"""rsd-s / redrafter (W, L) shapes of each Exp2 budget B: W * L = B."""
 
 
 @dataclass(frozen=True)
@@ -112,12 +128,12 @@ def exp2_configs(budgets: list[int]) -> list[Config]:
     for b in budgets:
         if b not in EXP2_BRANCHING:
             raise SystemExit(f"error: no Exp2 tree shapes for budget {b}; choose from {sorted(EXP2_BRANCHING)}")
-        width, length = EXP2_BEAMS[b]
-        group = [
-            Config(2, b, "sd", beam_length=b),
-            Config(2, b, "rsd-c", branching=EXP2_BRANCHING[b]),
-            Config(2, b, "rsd-s", beam_width=width, beam_length=length),
-            Config(2, b, "redrafter", beam_width=width, beam_length=length),
+        group = [Config(2, b, "sd", beam_length=b)]
+        group += [Config(2, b, "rsd-c", branching=shape) for shape in EXP2_BRANCHING[b]]
+        group += [
+            Config(2, b, method, beam_width=w, beam_length=n)
+            for method in ("rsd-s", "redrafter")
+            for w, n in EXP2_BEAMS[b]
         ]
         for c in group:
             assert c.draft_tokens == b, f"{c.method} {c.shape} drafts {c.draft_tokens} tokens, not the budget {b}"
@@ -212,6 +228,13 @@ def _row_label(method: str, experiment: int) -> str:
     return {"sd": "sd (chain of B)", "rsd-c": "rsd-c", "rsd-s": "rsd-s W x L", "redrafter": "redrafter W x L"}[method]
 
 
+def _short(row: Row) -> str:
+    """A shape in few characters: "2,2,1" for rsd-c, "4x3" for beams."""
+    if row.shape.startswith("b=("):
+        return row.shape[3:-1]
+    return row.shape.replace("W=", "").replace(" L=", "x")
+
+
 def _winners(rows: list[Row], key: str) -> str:
     """'method (columns won)' for the method with the highest `key` in most columns, plus the best cell."""
     wins: dict[str, int] = {}
@@ -240,10 +263,13 @@ def markdown(experiment: int, rows: list[Row], meta: dict[str, Any]) -> str:
     if experiment == 2:
         lines += [
             "",
-            "Shapes, all with exactly B draft nodes: rsd-c b = "
-            + ", ".join(f"B={b}: ({','.join(map(str, s))})" for b, s in EXP2_BRANCHING.items())
+            "Shapes, all with exactly B draft nodes, best of them per cell (shape in brackets): rsd-c b = "
+            + "; ".join(
+                f"B={b}: " + ", ".join(f"({','.join(map(str, s))})" for s in shapes)
+                for b, shapes in EXP2_BRANCHING.items()
+            )
             + "; rsd-s / redrafter W x L = "
-            + ", ".join(f"{b}: {w}x{n}" for b, (w, n) in EXP2_BEAMS.items())
+            + "; ".join(f"B={b}: " + ", ".join(f"{w}x{n}" for w, n in shapes) for b, shapes in EXP2_BEAMS.items())
             + ".",
         ]
     for temperature in sorted({r.temperature for r in rows}):
@@ -265,12 +291,15 @@ def markdown(experiment: int, rows: list[Row], meta: dict[str, Any]) -> str:
             for method in METHODS:
                 cells = []
                 for c in columns:
-                    r = next((r for r in mine if r.method == method and r.column == c), None)
-                    if r is None:
+                    shapes = [r for r in mine if r.method == method and r.column == c]
+                    if not shapes:
                         cells.append("")
                         continue
-                    tau = f"**{r.tau:.2f}**" if r.tau == best_tau[c] else f"{r.tau:.2f}"
-                    speed = f"**{r.speedup:.2f}x**" if r.speedup == best_speed[c] else f"{r.speedup:.2f}x"
+                    t, v = max(shapes, key=lambda r: r.tau), max(shapes, key=lambda r: r.speedup)
+                    tau = f"**{t.tau:.2f}**" if t.tau == best_tau[c] else f"{t.tau:.2f}"
+                    speed = f"**{v.speedup:.2f}x**" if v.speedup == best_speed[c] else f"{v.speedup:.2f}x"
+                    if len(shapes) > 1:
+                        tau, speed = f"{tau} ({_short(t)})", f"{speed} ({_short(v)})"
                     cells.append(f"{tau} / {speed}")
                 lines.append(f"| {drafter} | {_row_label(method, experiment)} | " + " | ".join(cells) + " |")
             summaries.append(

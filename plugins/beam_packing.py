@@ -160,6 +160,40 @@ def chain(beams: Tensor) -> PackedBeams:
     )
 
 
+def unpacked(beams: Tensor) -> PackedBeams:
+    """beams [B, W, L] -> the tree *without* packing: the shared root (every beam's first
+    token, the bonus) and each beam's L - 1 drafts as its own chain, duplicates kept, so
+    1 + W * (L - 1) nodes are verified whatever the beams share (padded to N = W * L like
+    `pack_beams`). ReDrafter's ablation of dynamic tree attention (§3.3, Fig. 6);
+    verification treats duplicates as the point masses they are (a duplicate of a rejected
+    sibling is rejected), so output stays exact."""
+    _check_beams(beams)
+    b, w, seq = beams.shape
+    dev, per = beams.device, seq - 1
+    real, n = 1 + w * per, w * seq
+    node = torch.arange(n, device=dev)
+    depth = torch.where((node >= 1) & (node < real), (node - 1) % max(per, 1) + 1, 0)  # [N]
+    parents = torch.where(depth == 1, 0, node - 1).masked_fill(depth == 0, -1)
+    beam = (node - 1).div(max(per, 1), rounding_mode="floor")
+    row, col = node[:, None], node[None, :]
+    same = (beam[:, None] == beam[None, :]) & (depth[None, :] >= 1) & (col <= row) & (row < real)
+    tree_mask = (row == col) | ((col == 0) & (row < real)) | same  # self + root + own chain
+    tokens = torch.zeros(b, n, dtype=beams.dtype, device=dev)
+    tokens[:, 0] = beams[:, 0, 0]
+    tokens[:, 1:real] = beams[:, :, 1:].reshape(b, w * per)
+    unpack_index = torch.cat(
+        [torch.zeros(w, 1, dtype=torch.int64, device=dev), 1 + torch.arange(w * per, device=dev).view(w, per)], dim=1
+    )
+    return PackedBeams(
+        tokens,
+        parents.expand(b, n).clone(),
+        depth.expand(b, n).clone(),
+        tree_mask.expand(b, n, n).clone(),
+        unpack_index.expand(b, w, seq).clone(),
+        torch.full((b,), real, dtype=torch.int64, device=dev),
+    )
+
+
 def unpack(values: Tensor, unpack_index: Tensor) -> Tensor:
     """Per-node results [B, N, ...] -> per-beam [B, W, L, ...], e.g. verification logits back to beams."""
     b, w, seq = unpack_index.shape

@@ -51,18 +51,22 @@ class Acceptance:
 
 
 def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> Acceptance:
-    """logits `[N, V]`: target logits at every node."""
+    """logits `[N, V]`: target logits at every node. Siblings are distinct in a packed tree,
+    so at most one child matches; when several do (duplicates: unpacked beams), the one with
+    the deepest accepted path below it is kept, as verifying every beam apart would."""
     tokens, argmax = tree.tokens, logits.argmax(dim=-1).tolist()
     children = children_lists(tree.parents)
-    node, path, out = 0, [0], list[int]()
-    while True:
-        want = argmax[node]
-        nxt = next((c for c in children[node] if tokens[c] == want), None)
-        if nxt is None:
-            return Acceptance(path, [*out, want])
-        path.append(nxt)
-        out.append(want)
-        node = nxt
+
+    def deepest(node: int) -> list[int]:
+        best: list[int] = []
+        for c in children[node]:
+            if tokens[c] == argmax[node]:
+                below = [c, *deepest(c)]
+                best = below if len(below) > len(best) else best
+        return best
+
+    path = [0, *deepest(0)]
+    return Acceptance(path, [*(tokens[c] for c in path[1:]), argmax[path[-1]]])
 
 
 def rejection_step(

@@ -83,10 +83,24 @@ def write_drafter_card(drafter_dir: Path, command: str) -> Path:
     drafter_cfg = json.loads((drafter_dir / "config.json").read_text())
     size_mb = sum(p.stat().st_size for p in drafter_dir.glob("*.safetensors")) / 1e6
     agreement = ", ".join(f"{a:.3f}" for a in m["heldout_top1_agreement"])
+    kd = cfg.get("kd", "greedy")
+    t1 = m.get("heldout_t1_acceptance")
     curve = "\n".join(
-        f"| {r['epoch']} | {r['heldout_loss']:.3f} | {', '.join(f'{a:.3f}' for a in r['heldout_top1_agreement'])} |"
+        f"| {r['epoch']} | {r['heldout_loss']:.3f} | {', '.join(f'{a:.3f}' for a in r['heldout_top1_agreement'])} | "
+        f"{', '.join(f'{a:.3f}' for a in r.get('heldout_t1_acceptance', [])) or '-'} |"
         for r in log["log"]
     )
+    temperature = cfg.get("kd_temperature", 1.0)
+    source = {
+        "greedy": "the target's greedy continuations",
+        "ground-truth": "the corpus's own continuations",
+    }.get(kd, f"continuations sampled from the target at T={temperature}")
+    loss = {
+        "greedy": "cross-entropy against the target's greedy tokens at every draft position (sequence-level KD)",
+        "sampled": "cross-entropy against the target's sampled tokens at every draft position (KD on samples)",
+        "soft": "cross-entropy against the target's whole distribution at every draft position (soft-label KD)",
+        "ground-truth": "cross-entropy against the corpus tokens (no distillation)",
+    }[kd]
     rows = [
         ("target", f"`{log['target']}`"),
         (
@@ -98,12 +112,16 @@ def write_drafter_card(drafter_dir: Path, command: str) -> Path:
         ("parameters", f"{m['parameters']:,} (bfloat16 safetensors, {size_mb:.1f} MB)"),
         (
             "data",
-            f"the target's greedy continuations ({cfg['gen_tokens']} tokens) of {cfg['train_sequences']} random "
+            f"{source} ({cfg['gen_tokens']} tokens) of {cfg['train_sequences']} random "
             f"training-corpus windows: {m['train_examples']:,} examples of {cfg['draft_len']} draft positions; "
             f"held out: {m['heldout_examples']:,} examples from the held-out files",
         ),
-        ("loss", "cross-entropy against the target's greedy tokens at every draft position (sequence-level KD)"),
-        ("held-out top-1 agreement per draft position", agreement),
+        ("loss", f"`--kd {kd}`: {loss}"),
+        ("held-out top-1 agreement per draft position (greedy continuations)", agreement),
+        (
+            "held-out expected acceptance at T=1 per draft position (sampled continuations)",
+            ", ".join(f"{a:.3f}" for a in t1) if t1 else "-",
+        ),
         ("time", f"{m['data_minutes']:.1f} min data generation + {m['train_minutes']:.1f} min training on 2 CPU cores"),
     ]
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
@@ -122,8 +140,8 @@ Reproduce (`make drafter` runs exactly this):
 {command}
 ```
 
-| epoch | held-out loss | held-out top-1 agreement per position |
-|---|---|---|
+| epoch | held-out loss | held-out top-1 agreement per position | held-out T=1 acceptance per position |
+|---|---|---|---|
 {curve}
 """
     path = drafter_dir / "README.md"
@@ -232,7 +250,8 @@ def write_lyanna_card(drafter_dir: Path, command: str) -> Path:
     parts = ["one decoder layer of the target's shape over its own chain"]
     parts.append("step 1 fuses h_0 with E(t_1)" if dcfg["first_token_fusion"] else "step 1 reads h_0 only (no t_1)")
     if dcfg["token_info_rank"]:
-        parts.append(f"token-info bias E' of rank {dcfg['token_info_rank']}")
+        trained = "hot-token sparse" if cfg.get("sparse_token_info") and dcfg["num_hot_tokens"] else "dense"
+        parts.append(f"token-info bias E' of rank {dcfg['token_info_rank']}, trained {trained}")
     else:
         parts.append("no token-info bias")
     rows = [

@@ -37,7 +37,11 @@ expected acceptance E[sum_x min(p(x), q(x))] at temperature 1 (the "k-step accur
 the end also with the collapsed hot-token table in place of E' (what inference runs).
 
 Hot tokens: the `hot_tokens` most frequent tokens of the training split; their ids are
-stored in the checkpoint (`hot_token_ids`) and their coverage in `config.json`.
+stored in the checkpoint (`hot_token_ids`) and their coverage in `config.json`. Inference
+adds E' only through the hot-token table (§6.1): after a hot token, to the hot columns;
+after a cold one, nothing. Training applies the bias the same way (sparse-aware training,
+the paper's sparse model of Table 2), so no column learns to lean on a bias that inference
+drops; `--no-sparse-token-info` trains the dense bias over all V columns instead.
 
 Ablations (Table 1): `--no-token-info` (no E' bias: TokenInfo neither trained nor saved)
 and `--no-first-token-fusion` (step 1 is Layer(fuse(h_0)), fuse = Linear(D -> D)).
@@ -80,6 +84,9 @@ class LyannaTrainConfig:
     """d of E' = RMSNorm(W_E W1 W2)."""
     hot_tokens: int = DEFAULT_HOT_TOKENS
     """H: most frequent training tokens kept in the hot-token table."""
+    sparse_token_info: bool = True
+    """Train E' as inference applies it: only after hot tokens, only on hot columns
+    (--no-sparse-token-info: dense over all V columns, as inference would not use it)."""
     init_from_target: bool = True
     """Initialise the drafter layer and norm from the target's last layer and final norm."""
     alpha: float = 1.0
@@ -153,15 +160,24 @@ class ChainBatch:
         self.logits = logits[b, idx[..., 1:]].flatten(0, 1).clone()  # [N, k, V]: L_{p+1..p+k}
 
 
+def hot_mask(drafter: LyannaDrafter, prev: torch.Tensor) -> torch.Tensor:
+    """`[..., V]` bool: where the hot-token table adds E'(prev) (hot previous token, hot column)."""
+    hot = torch.zeros(drafter.config.vocab_size, dtype=torch.bool)
+    hot[drafter.hot_token_ids] = True
+    return hot[prev][..., None] & hot
+
+
 def draft_logits(
-    drafter: LyannaDrafter, target: LlamaForCausalLM, batch: ChainBatch, k: int
+    drafter: LyannaDrafter, target: LlamaForCausalLM, batch: ChainBatch, k: int, sparse: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chain hidden states `[N, k, D]` and biased logits l' `[N, k, V]` (fp32)."""
+    """Chain hidden states `[N, k, D]` and biased logits l' `[N, k, V]` (fp32); `sparse` adds
+    the bias only where the hot-token table does (`hot_mask`)."""
     embed = target.model.embed_tokens
     hidden = drafter.draft_chain(batch.h0, batch.t1, embed, k)
     logits = drafter.head_logits(hidden, target.lm_head)
     if drafter.token_info is not None:
-        logits = logits + drafter.token_bias(batch.prev, embed)
+        bias = drafter.token_bias(batch.prev, embed)
+        logits = logits + (bias.masked_fill(~hot_mask(drafter, batch.prev), 0.0) if sparse else bias)
     return hidden, logits
 
 
@@ -277,7 +293,7 @@ def train(cfg: LyannaTrainConfig, target_dir: Path, out: Path) -> dict[str, Any]
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            hidden, logits = draft_logits(drafter, target, batch, k)
+            hidden, logits = draft_logits(drafter, target, batch, k, sparse=cfg.sparse_token_info and hot_count > 0)
         mse, ce = chain_losses(hidden, logits, batch)
         loss = (cfg.alpha * mse + cfg.beta * ce).sum()
         loss.backward()

@@ -2,12 +2,24 @@
 
     python -m training.train_redrafter --target models/demo-target --out models/demo-redrafter
 
-Data: the target's greedy continuations of random training-corpus windows
-(`training/distill_data.py`); held-out data the same way from the held-out files.
-Loss (ReDrafter §3.1/§4.4.3): at every draft position k = 1..T, cross-entropy of the
-drafter's (unwarped) logits against the token the target generated there — the
-sequence-level knowledge-distillation loss of the seed. Reported: held-out top-1
-agreement per draft position, the quantity beam search turns into acceptance.
+Data: continuations of random training-corpus windows (`training/distill_data.py`);
+`--kd` picks what the drafter learns at every draft position k = 1..T (ReDrafter §3.1
+Eq. 1-2, §4.4.3; Table 6 compares KD with ground-truth training):
+
+- `greedy`: cross-entropy against the target's greedy token (sequence-level KD, the
+  paper's recipe for greedy decoding);
+- `sampled`: cross-entropy against a token sampled from the target at `--kd-temperature`;
+- `soft`: on sampled continuations, cross-entropy against the target's whole
+  distribution softmax(L_{p+k}) there (= KL to the target up to a constant): the drafter
+  learns the law that verification accepts against at T > 0, not one draw of it;
+- `ground-truth`: cross-entropy against the corpus text (no target: the baseline).
+
+The drafter's logits are scored unwarped; the soft labels are the target's unwarped (T=1)
+distribution, and a temperature divides both at inference. Reported on held-out files:
+top-1 agreement with the target's greedy token per draft position (greedy held-out
+continuations: what beam search turns into acceptance at T=0) and the expected acceptance
+sum_x min(p(x), q(x)) at T=1 per position (sampled held-out continuations: what
+verification turns into acceptance at T=1).
 """
 
 from __future__ import annotations
@@ -27,9 +39,11 @@ from model_defs.llama import LlamaForCausalLM
 from model_defs.redrafter import ReDrafter, ReDrafterConfig
 from training import corpus
 from training.cli import distill_main, write_training_log
-from training.distill_data import DistillData, corpus_windows, make_distill_data
+from training.distill_data import Continuation, DistillData, corpus_windows, make_distill_data
 from training.model_card import write_drafter_card
 from training.train_target import tokenize
+
+KD_CHOICES = ("greedy", "sampled", "soft", "ground-truth")
 
 
 @dataclass
@@ -56,8 +70,23 @@ class DrafterTrainConfig:
     """Peak learning rate (cosine to 10%)."""
     weight_decay: float = 0.01
     """AdamW decay."""
+    kd: str = "greedy"
+    """What the drafter learns: greedy | sampled | soft | ground-truth (see the module doc)."""
+    kd_temperature: float = 1.0
+    """Temperature the target samples training continuations at (--kd sampled/soft)."""
     seed: int = 0
     """Seeds data and init."""
+
+    def __post_init__(self) -> None:
+        if self.kd not in KD_CHOICES:
+            raise ValueError(f"--kd must be one of {', '.join(KD_CHOICES)}, got {self.kd!r}")
+        if self.kd_temperature <= 0:
+            raise ValueError(f"--kd-temperature must be > 0, got {self.kd_temperature}")
+
+    @property
+    def continuation(self) -> Continuation:
+        """The training continuations --kd needs."""
+        return {"greedy": "greedy", "ground-truth": "ground-truth"}.get(self.kd, "sampled")  # type: ignore[return-value]
 
 
 def draft_logits(drafter: ReDrafter, embed: torch.nn.Embedding, batch: DistillData) -> torch.Tensor:
@@ -72,28 +101,50 @@ def draft_logits(drafter: ReDrafter, embed: torch.nn.Embedding, batch: DistillDa
     return torch.stack(out, dim=1)
 
 
-def loss_and_agreement(
-    drafter: ReDrafter, embed: torch.nn.Embedding, batch: DistillData
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean CE over draft positions and per-position top-1 agreement `[T]`."""
-    logits = draft_logits(drafter, embed, batch)  # [E, T, V]
-    labels = batch.tokens[:, 1:]  # [E, T]
-    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-    return loss, (logits.argmax(-1) == labels).float().mean(0)
+def teacher_logits(lm_head: torch.Tensor, batch: DistillData) -> torch.Tensor:
+    """The target's logits `[E, T, V]` over the T tokens to predict (its LM head on g_{p+k})."""
+    return batch.teacher.float() @ lm_head.t()
+
+
+def kd_loss(
+    drafter: ReDrafter, embed: torch.nn.Embedding, lm_head: torch.Tensor, batch: DistillData, kd: str
+) -> torch.Tensor:
+    """Mean cross-entropy over draft positions against the labels `kd` names: the
+    continuation's tokens, or (`soft`) the target's distribution at every position."""
+    logits = draft_logits(drafter, embed, batch).flatten(0, 1)  # [E*T, V]
+    if kd == "soft":
+        return F.cross_entropy(logits, F.softmax(teacher_logits(lm_head, batch).flatten(0, 1), dim=-1))
+    return F.cross_entropy(logits, batch.tokens[:, 1:].flatten())
 
 
 @torch.no_grad()
-def evaluate(drafter: ReDrafter, embed: torch.nn.Embedding, data: DistillData) -> tuple[float, list[float]]:
-    """Held-out loss and per-position top-1 agreement, example-weighted over chunks."""
+def evaluate(
+    drafter: ReDrafter, embed: torch.nn.Embedding, lm_head: torch.Tensor, greedy: DistillData, sampled: DistillData
+) -> dict[str, object]:
+    """Held-out metrics, example-weighted over chunks: on greedy continuations the
+    cross-entropy and top-1 agreement with the target's token per position; on sampled ones
+    the expected acceptance sum_x min(p, q) at T=1 per position."""
     drafter.eval()
-    loss_sum, agree_sum = 0.0, torch.zeros(data.tokens.shape[1] - 1)
-    for i in range(0, len(data.hidden), 1024):
-        chunk = DistillData(data.hidden[i : i + 1024], data.tokens[i : i + 1024])
-        loss, agree = loss_and_agreement(drafter, embed, chunk)
-        loss_sum += loss.item() * len(chunk.hidden)
-        agree_sum += agree * len(chunk.hidden)
+    loss_sum, agree_sum, accept_sum = (
+        0.0,
+        torch.zeros(greedy.tokens.shape[1] - 1),
+        torch.zeros(sampled.tokens.shape[1] - 1),
+    )
+    for i in range(0, len(greedy.hidden), 1024):
+        chunk = greedy.rows(slice(i, i + 1024))
+        logits, labels = draft_logits(drafter, embed, chunk), chunk.tokens[:, 1:]
+        loss_sum += F.cross_entropy(logits.flatten(0, 1), labels.flatten()).item() * len(labels)
+        agree_sum += (logits.argmax(-1) == labels).float().sum(0)
+    for i in range(0, len(sampled.hidden), 1024):
+        chunk = sampled.rows(slice(i, i + 1024))
+        p = F.softmax(draft_logits(drafter, embed, chunk), dim=-1)
+        accept_sum += torch.minimum(p, F.softmax(teacher_logits(lm_head, chunk), dim=-1)).sum(-1).sum(0)
     drafter.train()
-    return loss_sum / len(data.hidden), (agree_sum / len(data.hidden)).tolist()
+    return {
+        "heldout_loss": loss_sum / len(greedy.hidden),
+        "heldout_top1_agreement": (agree_sum / len(greedy.hidden)).tolist(),
+        "heldout_t1_acceptance": (accept_sum / len(sampled.hidden)).tolist(),
+    }
 
 
 def train(cfg: DrafterTrainConfig, target_dir: Path, out: Path) -> dict[str, object]:
@@ -104,12 +155,21 @@ def train(cfg: DrafterTrainConfig, target_dir: Path, out: Path) -> dict[str, obj
     root, files = corpus.stdlib_root(), corpus.load_manifest()
     corpus.verify_manifest(files, root)
     streams = {s: tokenize(corpus.read_texts(files, root, s), tokenizer, eot) for s in ("train", "test")}
-    prompts = {
-        "train": corpus_windows(streams["train"], cfg.train_sequences, 16, 128, cfg.seed),
-        "test": corpus_windows(streams["test"], cfg.heldout_sequences, 16, 128, cfg.seed + 1),
-    }
+    extra = cfg.gen_tokens if cfg.kd == "ground-truth" else 0  # the corpus plays the continuation
+    train_prompts = corpus_windows(streams["train"], cfg.train_sequences, 16 + extra, 128 + extra, cfg.seed)
+    test_prompts = corpus_windows(streams["test"], cfg.heldout_sequences, 16, 128, cfg.seed + 1)
     start = time.time()
-    data = {s: make_distill_data(target, tokenizer, p, cfg.gen_tokens, cfg.draft_len) for s, p in prompts.items()}
+
+    def distill(prompts: list[list[int]], continuation: Continuation, seed: int) -> DistillData:
+        return make_distill_data(
+            target, tokenizer, prompts, cfg.gen_tokens, cfg.draft_len, continuation, cfg.kd_temperature, seed
+        )
+
+    data = {
+        "train": distill(train_prompts, cfg.continuation, cfg.seed),
+        "test": distill(test_prompts, "greedy", 0),
+        "test_sampled": distill(test_prompts, "sampled", 10**6),  # T=1 acceptance is scored at temperature 1
+    }
     data_minutes = (time.time() - start) / 60
     print(f"distillation data: {len(data['train'].hidden):,} train / {len(data['test'].hidden):,} held-out examples")
 
@@ -124,6 +184,7 @@ def train(cfg: DrafterTrainConfig, target_dir: Path, out: Path) -> dict[str, obj
         )
     ).train()
     embed = target.model.embed_tokens.requires_grad_(False)
+    lm_head = target.lm_head.weight.detach().float()
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     n = len(data["train"].hidden)
     steps = cfg.epochs * math.ceil(n / cfg.batch_size)
@@ -136,9 +197,7 @@ def train(cfg: DrafterTrainConfig, target_dir: Path, out: Path) -> dict[str, obj
         order = torch.randperm(n, generator=gen)
         for i in range(0, n, cfg.batch_size):
             idx = order[i : i + cfg.batch_size]
-            loss, _ = loss_and_agreement(
-                drafter, embed, DistillData(data["train"].hidden[idx], data["train"].tokens[idx])
-            )
+            loss = kd_loss(drafter, embed, lm_head, data["train"].rows(idx), cfg.kd)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
             opt.step()
@@ -146,13 +205,13 @@ def train(cfg: DrafterTrainConfig, target_dir: Path, out: Path) -> dict[str, obj
             sched.step()
             bar.update()
             bar.set_postfix(loss=f"{loss.item():.3f}")
-        heldout_loss, agreement = evaluate(drafter, embed, data["test"])
-        log.append({"epoch": epoch + 1, "heldout_loss": heldout_loss, "heldout_top1_agreement": agreement})
+        log.append({"epoch": epoch + 1} | evaluate(drafter, embed, lm_head, data["test"], data["test_sampled"]))
         tqdm.write(json.dumps(log[-1]))
     bar.close()
     metrics = {
         "heldout_loss": log[-1]["heldout_loss"],
         "heldout_top1_agreement": log[-1]["heldout_top1_agreement"],
+        "heldout_t1_acceptance": log[-1]["heldout_t1_acceptance"],
         "train_examples": n,
         "heldout_examples": len(data["test"].hidden),
         "data_minutes": data_minutes,

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from model_defs.redrafter import ReDrafter
-from plugins.beam_packing import pack
+from plugins.beam_packing import pack, unpacked
 from runtime.proposers.beam_search import beam_search
 from runtime.proposers.proposer import Proposer, target_hidden
 from runtime.request import Request
@@ -38,6 +38,9 @@ class ReDrafterParams:
     """Beams drafted (W)."""
     beam_length: int = 4
     """Draft tokens per beam (L); beams carry the bonus token in front."""
+    packing: bool = True
+    """Dynamic tree attention (§3.3): verify the prefixes beams share once. False verifies
+    every beam's drafts on their own (1 + W * L nodes): the paper's ablation (Fig. 6)."""
 
     def __post_init__(self) -> None:
         if self.beam_width < 1 or self.beam_length < 1:
@@ -71,11 +74,12 @@ def draft_trees(
     width: int,
     length: int,
     with_dists: bool,
+    packing: bool = True,
 ) -> list[DraftTree]:
-    """One packed tree per request; `with_dists` attaches the per-node draft distributions
-    (sampling requests' verification may use them)."""
+    """One packed tree per request (`packing=False`: beams unmerged); `with_dists` attaches
+    the per-node draft distributions (sampling requests' verification may use them)."""
     drafts = beam_search(drafter, embed, hidden, torch.tensor(bonus, device=hidden.device), width, length)
-    tree = pack(drafts.beams)
+    tree = pack(drafts.beams) if packing else unpacked(drafts.beams)
     b, w, d = tree.unpack_index.shape
     beam = torch.arange(w, device=hidden.device)[None, :, None].expand(b, w, d).reshape(b, w * d)
     first = torch.full((b, w * d), w, device=hidden.device)
@@ -114,7 +118,7 @@ class ReDrafterProposer(Proposer):
     nested smaller tree, and load-aware speculation may draft fewer of them."""
 
     def setting_names(self, method: str) -> Collection[str]:
-        return ("beam_width", "beam_length")
+        return ("beam_width", "beam_length", "packing")
 
     def params(self, method: str, settings: Mapping[str, Any]) -> ReDrafterParams:
         return ReDrafterParams(**settings)
@@ -146,18 +150,18 @@ class ReDrafterProposer(Proposer):
         drafter = self.engine.redrafter
         assert drafter is not None
         trees: dict[Request, DraftTree] = {}
-        groups: dict[tuple[int, int], list[Request]] = {}
+        groups: dict[tuple[int, int, bool], list[Request]] = {}
         for request, budget in zip(requests, budgets, strict=True):
             length = request.draft_params.beam_length
             width = (largest_fitting(self.sizes(request.draft_params), budget) - 1) // length
             if width == 0:
                 trees[request] = DraftTree.root(request.tokens[-1])
             else:
-                groups.setdefault((width, length), []).append(request)
+                groups.setdefault((width, length, request.draft_params.packing), []).append(request)
         embed = self.engine.model.model.embed_tokens
-        for (width, length), group in groups.items():
+        for (width, length, packing), group in groups.items():
             with_dists = any(not r.params.greedy for r in group)  # per-node draft laws, for rules that use them
             roots = [r.tokens[-1] for r in group]
-            drafted = draft_trees(drafter, embed, target_hidden(group), roots, width, length, with_dists)
+            drafted = draft_trees(drafter, embed, target_hidden(group), roots, width, length, with_dists, packing)
             trees |= dict(zip(group, drafted, strict=True))
         return [trees[r] for r in requests]

@@ -1,6 +1,7 @@
 """The RSD Exp1/Exp2 sweep, run for real on engines built from the bundled demo models
 with tiny settings: both reports are written, every method and drafter has its row, tau
-is at least 1 (exactly 1 for auto-regression) and the Exp2 trees have exactly B nodes."""
+is at least 1 (exactly 1 for auto-regression), the Exp2 trees have exactly B nodes and every
+Exp2 shape of a budget runs."""
 
 from __future__ import annotations
 
@@ -57,6 +58,9 @@ def test_sweep_writes_both_reports(engines: list[Path], tmp_path: Path) -> None:
                 assert r["column"] == column and len(r["speedup_per_round"]) == r["rounds"] == 1
                 if experiment == 2:
                     assert r["draft_tokens"] == 6
+        if experiment == 2:  # every shape of the budget ran; the report shows the best one's
+            shapes = {(r["drafter"], r["method"], r["shape"]) for r in rows}
+            assert sum(m == "rsd-c" for _, m, _ in shapes) == 2 * len(EXP2_BRANCHING[6])
         md = (tmp_path / f"rsd_exp{experiment}.md").read_text()
         axis = "L" if experiment == 1 else "B"
         assert f"| drafter | method | {axis}={column} |" in md

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plugins.beam_packing import PackedBeams, dedup_prefix, pack, unpack
+from plugins.beam_packing import PackedBeams, dedup_prefix, pack, unpack, unpacked
 
 EXAMPLE = torch.tensor([[[91, 92, 93, 95], [91, 92, 94, 96], [91, 92, 93, 97]]])  # [1, 3, 4]
 
@@ -142,6 +142,23 @@ def test_unpack_gathers_node_values_to_beams() -> None:
     assert per_beam.shape == (1, 3, 4, 5)
     assert torch.equal(per_beam[0, 2, 3], logits[0, 6])
     assert torch.equal(per_beam[0, 1, 1], logits[0, 1])
+
+
+def test_unpacked_keeps_every_beam_apart() -> None:
+    """Packing off (the paper's ablation): one shared root, then each beam's drafts as its own
+    chain, duplicates included; every node sees the root and its own beam up to itself, and
+    `unpack` still maps (beam, depth) to the node holding that beam's token."""
+    p = unpacked(EXAMPLE)  # [1, 3, 4]: 1 + 3 * 3 nodes where packing keeps 7
+    assert p.num_nodes.tolist() == [10] and pack(EXAMPLE).num_nodes.tolist() == [7]
+    assert p.tokens.tolist() == [[91, 92, 93, 95, 92, 94, 96, 92, 93, 97, 0, 0]]  # padded to W * L like pack
+    assert p.parents.tolist() == [[-1, 0, 1, 2, 0, 4, 5, 0, 7, 8, -1, -1]]
+    assert p.depths.tolist() == [[0, 1, 2, 3, 1, 2, 3, 1, 2, 3, 0, 0]]
+    ancestors = torch.eye(12, dtype=torch.bool)
+    for node, parent in enumerate(p.parents[0].tolist()):
+        if parent >= 0:
+            ancestors[node] |= ancestors[parent]
+    assert torch.equal(p.tree_mask[0], ancestors)  # padding sees only itself
+    assert torch.equal(unpack(p.tokens[..., None], p.unpack_index)[..., 0], EXAMPLE)
 
 
 def test_bad_inputs_are_rejected() -> None:

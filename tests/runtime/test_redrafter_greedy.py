@@ -68,3 +68,18 @@ def test_one_by_one_greedy_equals_target(
     for i, prompt in enumerate(prompts):
         result = llm_engine.generate(engine, [prompt], [PARAMS], "redrafter", FIXED, beam_width=4, beam_length=4)[0]
         assert result.output_ids == reference[i]
+
+
+def test_without_packing_greedy_equals_target_and_verifies_every_beam(
+    engine: LoadedEngine, prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    """`packing=False` (dynamic tree attention off) verifies 1 + W * L nodes per step, accepts
+    exactly what the packed tree accepts (the same beams), and stays token-identical."""
+    spec = {"beam_width": 4, "beam_length": 4}
+    params = [PARAMS] * 8
+    packed = llm_engine.generate(engine, prompts[:8], params, "redrafter", FIXED, **spec)
+    plain = llm_engine.generate(engine, prompts[:8], params, "redrafter", FIXED, packing=False, **spec)
+    for i, (a, b) in enumerate(zip(packed, plain, strict=True)):
+        assert b.output_ids == reference[i]
+        assert b.accepted_per_step == a.accepted_per_step
+        assert b.num_drafted == 16 * len(b.accepted_per_step) > a.num_drafted

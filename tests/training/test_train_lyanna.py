@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file
 
 from model_defs.llama import LlamaForCausalLM
-from model_defs.lyanna import LyannaDrafter
+from model_defs.lyanna import LyannaConfig, LyannaDrafter
 from tests.device import TEST_DEVICE
 from training.model_card import write_lyanna_card
-from training.train_lyanna import LyannaTrainConfig, train
+from training.train_lyanna import ChainBatch, LyannaTrainConfig, draft_logits, train
 
 REPO = Path(__file__).resolve().parents[2]
 TARGET = REPO / "models" / "demo-target"
@@ -80,3 +80,26 @@ def test_train_ablations(tmp_path: Path) -> None:
     assert drafter.token_info is None and drafter.config.num_hot_tokens == 0
     assert drafter.fuse.weight.shape == (384, 384)
     assert not any("token_info" in n for n in load_file(str(tmp_path / "model.safetensors")))
+
+
+@torch.no_grad()
+def test_sparse_training_bias_is_the_inference_table() -> None:
+    """Sparse-aware training (`sparse=True`) adds E' exactly where the hot-token table adds it
+    at inference; the dense training bias (the variant inference never applies) differs."""
+    target = LlamaForCausalLM.from_pretrained(TARGET).eval()
+    torch.manual_seed(0)
+    drafter = LyannaDrafter(LyannaConfig.from_target(target.config, num_hot_tokens=256)).eval()
+    drafter.hot_token_ids.copy_(torch.randperm(8192)[:256])
+    assert drafter.token_info is not None
+    for w in drafter.token_info.parameters():
+        w.normal_()  # E' starts at zero; a trained one is not
+    windows = torch.randint(0, 8192, (2, 12))
+    windows[:, 3:7] = drafter.hot_token_ids[:8].view(2, 4)  # some hot previous tokens, the rest mostly cold
+    batch = ChainBatch(target, windows, torch.arange(8).expand(2, -1), 3, autocast=False)
+    hidden, sparse = draft_logits(drafter, target, batch, 3, sparse=True)
+    _, dense = draft_logits(drafter, target, batch, 3, sparse=False)
+    base = drafter.head_logits(hidden, target.lm_head)
+    table = drafter.hot_table(target.model.embed_tokens, torch.float32)
+    inference = table.bias(batch.prev.flatten(), base.flatten(0, 1)).view_as(base)
+    torch.testing.assert_close(sparse, inference, rtol=1e-5, atol=1e-5)
+    assert (dense - inference).abs().max() > 1e-2
