@@ -17,10 +17,10 @@ DEMO_PROMPTS := --prompt "def fibonacci(n):" \
 	--prompt "$$(printf 'class Stack:\n    def __init__(self):')" \
 	--prompt "$$(printf 'import os\n\n\ndef list_python_files(path):')"
 
-.PHONY: help setup mpi perf-analyzer-install perf-tools genai-perf perf-analyzer engine demo serve test test-slow lint format model drafter draft-lm lyanna bench-redrafter bench-redrafter-kd bench-batch bench-rsd bench-ngram profile bench-lyanna bench-drafter-tp loadtest loadtest-openai soak bench-table2 export-trtllm clean
+.PHONY: help setup mpi perf-analyzer-install perf-tools genai-perf perf-analyzer engine demo serve test test-slow lint format model drafter draft-lm lyanna bench-redrafter bench-redrafter-kd bench-redrafter-grid bench-lyanna-throughput bench-batch bench-rsd bench-ngram profile bench-lyanna bench-drafter-tp loadtest loadtest-openai soak bench-table2 export-trtllm clean
 
 help:  ## list targets
-	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 18
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 25
 
 setup: $(STAMP) mpi  ## create .venv and install pinned requirements (once), and OpenMPI
 
@@ -155,6 +155,12 @@ REDRAFTER_KDS := $(foreach kd,greedy sampled soft ground-truth,work_dirs/redraft
 
 bench-redrafter-kd: setup $(REDRAFTER_KDS)  ## ReDrafter Table 6: drafters trained with --kd greedy|sampled|soft|ground-truth at matched budgets, tau + speedup at T=0/1 -> benchmarks/results/
 	$(BIN)/python -m benchmarks.redrafter_kd
+
+bench-redrafter-grid: engine  ## ReDrafter Table 5 / Fig. 6: beam width x batch size, with and without tree attention (packing) -> benchmarks/results/
+	$(BIN)/python -m benchmarks.redrafter_grid --engine $(SPEC_ENGINE)
+
+bench-lyanna-throughput: engine  ## Lyanna Figs. 8-11: speedup vs batch size 1-16 of lyanna, sd (draft LM), ngram, redrafter -> benchmarks/results/
+	$(BIN)/python -m benchmarks.lyanna_throughput
 
 bench-rsd: engine  ## RSD Exp1/Exp2: tau + speedup vs AR for sd, rsd-c, rsd-s, redrafter on both drafters -> benchmarks/results/
 	$(BIN)/python -m benchmarks.rsd_sweep
