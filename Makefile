@@ -17,7 +17,7 @@ DEMO_PROMPTS := --prompt "def fibonacci(n):" \
 	--prompt "$$(printf 'class Stack:\n    def __init__(self):')" \
 	--prompt "$$(printf 'import os\n\n\ndef list_python_files(path):')"
 
-.PHONY: help setup mpi perf-analyzer-install perf-tools genai-perf perf-analyzer engine demo serve test test-slow lint format model drafter draft-lm lyanna bench-redrafter bench-redrafter-kd bench-redrafter-grid bench-lyanna-throughput bench-batch bench-rsd bench-ngram profile bench-lyanna bench-drafter-tp loadtest loadtest-openai soak bench-table2 export-trtllm clean
+.PHONY: help setup mpi perf-analyzer-install perf-tools genai-perf perf-analyzer engine demo serve test test-slow lint format model drafter drafter-soft draft-lm lyanna bench-redrafter bench-redrafter-kd bench-redrafter-grid bench-lyanna-throughput bench-batch bench-rsd bench-ngram profile bench-lyanna bench-drafter-tp loadtest loadtest-openai soak bench-table2 export-trtllm clean
 
 help:  ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 25
@@ -134,6 +134,10 @@ model: setup  ## re-train the bundled demo target (~30 min on 2 CPU cores)
 
 drafter: setup  ## re-train the demo ReDrafter drafter by distillation from $(MODEL)
 	$(BIN)/python -m training.train_redrafter --target $(MODEL) --out $(DRAFTER)
+
+DRAFTER_SOFT ?= models/demo-redrafter-soft
+drafter-soft: setup  ## re-train the soft-label ReDrafter drafter (for sampling; rsd-s/rsd-c on the RNN) from $(MODEL)
+	$(BIN)/python -m training.train_redrafter --target $(MODEL) --out $(DRAFTER_SOFT) --kd soft --train-sequences 1024 --epochs 2
 
 draft-lm: setup  ## re-train the demo draft LM by distillation from $(MODEL)
 	$(BIN)/python -m training.train_draft_lm --target $(MODEL) --out $(DRAFT_LM)

@@ -8,7 +8,8 @@ distillation from the target and reports tau and speedup. Here one drafter per
 same data size and epochs (the Makefile's REDRAFTER_KD), goes into a batch-1 engine with
 the demo target, and the same held-out prompts run with ReDrafter (W=4, L=4, fixed) and
 auto-regressively, alternating prompt by prompt on the same engine, at T=0 and T=1
-(`benchmarks.redrafter_sweep.run_setting`). Reported per drafter: its held-out top-1
+(`benchmarks.redrafter_sweep.run_setting`), and rsd-s (the same W x L, beams *sampled*
+without replacement and verified against the drafter's law) at T=1. Reported per drafter: its held-out top-1
 agreement (greedy continuations) and expected T=1 acceptance (sampled ones) from its
 training log, tau, acceptance@k and speedup vs AR measured in the same run.
 Writes `<out>.json` and `<out>.md`.
@@ -49,7 +50,9 @@ class KDRow:
     heldout_t1_acceptance: list[float]
     """Per draft position, E[sum_x min(p, q)] at T=1 on sampled held-out continuations (training log)."""
     runs: list[SweepRow]
-    """T=0 and T=1."""
+    """redrafter at T=0 and T=1."""
+    rsd_s: SweepRow
+    """rsd-s (sampled beams, which verify against the drafter's law) on the same drafter at T=1."""
 
 
 def drafters(values: list[str] | None) -> dict[str, Path]:
@@ -75,18 +78,20 @@ def markdown(rows: list[KDRow], meta: dict[str, object]) -> str:
         f"{meta['max_tokens']} tokens, batch 1, W={meta['beam_width']}, L={meta['beam_length']} fixed, "
         f"{m['cpu']} ({m['torch_threads']} threads). Held-out top-1 agreement (T=0's acceptance per position) and "  # type: ignore[index]
         "expected T=1 acceptance per position come from the training logs; tau and speedup (AR ms/token / "
-        "ReDrafter ms/token, alternating prompt by prompt on one engine) are measured here.",
+        "method ms/token, alternating prompt by prompt on one engine) are measured here, for redrafter (deterministic "
+        "beams, verified as point masses) and for rsd-s (sampled beams, verified against the drafter's law).",
         "",
         "| --kd | held-out top-1 (pos 1..5) | held-out T=1 acceptance (pos 1..5) | T=0 tau | T=0 speedup "
-        "| T=1 tau | T=1 speedup |",
-        "|---|---|---|---|---|---|---|",
+        "| T=1 tau | T=1 speedup | rsd-s T=1 tau | rsd-s T=1 speedup |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         t0, t1 = r.runs
         agree = " / ".join(f"{a:.3f}" for a in r.heldout_top1_agreement)
         accept = " / ".join(f"{a:.3f}" for a in r.heldout_t1_acceptance)
         lines.append(
-            f"| {r.kd} | {agree} | {accept} | {t0.tau:.2f} | {t0.speedup:.2f}x | {t1.tau:.2f} | {t1.speedup:.2f}x |"
+            f"| {r.kd} | {agree} | {accept or '-'} | {t0.tau:.2f} | {t0.speedup:.2f}x | {t1.tau:.2f} "
+            f"| {t1.speedup:.2f}x | {r.rsd_s.tau:.2f} | {r.rsd_s.speedup:.2f}x |"
         )
     return "\n".join(lines) + "\n"
 
@@ -119,6 +124,7 @@ def main() -> None:
         prompts = [loaded.encode(t) for t in heldout_prompts(args.prompts)]
         run_setting(engine, prompts[:2], ReDrafterParams(2, 2), 0.0, 8)  # warm-up
         runs = [run_setting(engine, prompts, spec, t, args.max_tokens) for t in (0.0, 1.0)]
+        rsd_s = run_setting(engine, prompts, spec, 1.0, args.max_tokens, method="rsd-s")
         rows.append(
             KDRow(
                 cfg.get("kd", "greedy"),
@@ -128,6 +134,7 @@ def main() -> None:
                 metrics["heldout_top1_agreement"],
                 metrics.get("heldout_t1_acceptance", []),
                 runs,
+                rsd_s,
             )
         )
         tqdm.write(json.dumps({"kd": name, "tau": [r.tau for r in runs], "speedup": [r.speedup for r in runs]}))

@@ -47,21 +47,27 @@ class SweepRow:
 
 
 def run_setting(
-    engine: LLMEngine, prompts: list[list[int]], spec: ReDrafterParams, temperature: float, max_tokens: int
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    spec: ReDrafterParams,
+    temperature: float,
+    max_tokens: int,
+    method: str = "redrafter",
 ) -> SweepRow:
+    """`method` (W x L beams: redrafter, or rsd-s) against AR, alternating prompt by prompt."""
     shape = {"beam_width": spec.beam_width, "beam_length": spec.beam_length}
     params = sampling_params(len(prompts), max_tokens, temperature)
     timings = alternate(  # prompt by prompt: machine noise hits both methods alike
         (
             {
-                "redrafter": functools.partial(timed, engine, [prompt], [p], "redrafter", **shape),
+                method: functools.partial(timed, engine, [prompt], [p], method, **shape),
                 "ar": functools.partial(timed, engine, [prompt], [p], "ar"),
             }
             for prompt, p in zip(prompts, params, strict=True)
         ),
         "ar",
     )
-    ar, spec_runs = timings["ar"], timings["redrafter"]
+    ar, spec_runs = timings["ar"], timings[method]
     steps = [a for r in spec_runs.results for a in r.accepted_per_step]
     nodes = sum(r.num_drafted for r in spec_runs.results) / len(steps) + 1  # + root
     return SweepRow(

@@ -53,6 +53,7 @@ def run(
         "beam_width": args.beam_width,
         "beam_length": args.beam_length,
         "branching": args.branching,
+        "packing": args.packing,
         "depth": args.lyanna_depth,
         "width": args.lyanna_width,
         "budget": args.lyanna_budget,
@@ -122,6 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--beam-width", type=int, help="beams per step W of redrafter / rsd-s (default: the engine's)")
     ap.add_argument(
         "--beam-length", type=int, help="draft tokens per beam L of redrafter / rsd-s / sd (default: the engine's)"
+    )
+    ap.add_argument(
+        "--packing",
+        action=argparse.BooleanOptionalAction,
+        help="redrafter on the RNN: verify the prefixes beams share once (default), or every beam apart "
+        "(--no-packing: the paper's run without dynamic tree attention)",
     )
     ap.add_argument(
         "--branching",

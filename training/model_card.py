@@ -120,12 +120,16 @@ def write_drafter_card(drafter_dir: Path, command: str) -> Path:
         ("held-out top-1 agreement per draft position (greedy continuations)", agreement),
         (
             "held-out expected acceptance at T=1 per draft position (sampled continuations)",
-            ", ".join(f"{a:.3f}" for a in t1) if t1 else "-",
+            ", ".join(f"{a:.3f}" for a in t1 or []),
+        ),
+        (
+            "held-out target mass on the drafter's top token at T=1 (a beam's acceptance)",
+            ", ".join(f"{a:.3f}" for a in m.get("heldout_t1_top1_mass", [])),
         ),
         ("time", f"{m['data_minutes']:.1f} min data generation + {m['train_minutes']:.1f} min training on 2 CPU cores"),
     ]
-    table = "\n".join(f"| {k} | {v} |" for k, v in rows)
-    text = f"""# specpipe demo ReDrafter drafter
+    table = "\n".join(f"| {k} | {v} |" for k, v in rows if v)  # metrics older logs lack are left out
+    text = f"""# specpipe demo ReDrafter drafter{" (soft-label KD, for sampling)" if kd == "soft" else ""}
 
 Distilled from the demo target by `training/train_redrafter.py`; saved with Apple's
 `ml-recurrent-drafter` config keys and tensor names.
@@ -134,7 +138,7 @@ Distilled from the demo target by `training/train_redrafter.py`; saved with Appl
 |---|---|
 {table}
 
-Reproduce (`make drafter` runs exactly this):
+Reproduce (`{"make drafter-soft" if kd == "soft" else "make drafter"}` runs exactly this):
 
 ```
 {command}

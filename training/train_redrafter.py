@@ -123,13 +123,13 @@ def evaluate(
 ) -> dict[str, object]:
     """Held-out metrics, example-weighted over chunks: on greedy continuations the
     cross-entropy and top-1 agreement with the target's token per position; on sampled ones
-    the expected acceptance sum_x min(p, q) at T=1 per position."""
+    per position the expected acceptance sum_x min(p, q) of a token *drawn* from the drafter
+    at T=1 (sampled trees: rsd-c / rsd-s / sd on this drafter) and the target's mass
+    q(argmax p) on the drafter's top token (what a deterministic candidate, ReDrafter's
+    first beam, is accepted with at T=1)."""
     drafter.eval()
-    loss_sum, agree_sum, accept_sum = (
-        0.0,
-        torch.zeros(greedy.tokens.shape[1] - 1),
-        torch.zeros(sampled.tokens.shape[1] - 1),
-    )
+    loss_sum, agree_sum = 0.0, torch.zeros(greedy.tokens.shape[1] - 1)
+    accept_sum, mass_sum = torch.zeros(sampled.tokens.shape[1] - 1), torch.zeros(sampled.tokens.shape[1] - 1)
     for i in range(0, len(greedy.hidden), 1024):
         chunk = greedy.rows(slice(i, i + 1024))
         logits, labels = draft_logits(drafter, embed, chunk), chunk.tokens[:, 1:]
@@ -137,13 +137,16 @@ def evaluate(
         agree_sum += (logits.argmax(-1) == labels).float().sum(0)
     for i in range(0, len(sampled.hidden), 1024):
         chunk = sampled.rows(slice(i, i + 1024))
-        p = F.softmax(draft_logits(drafter, embed, chunk), dim=-1)
-        accept_sum += torch.minimum(p, F.softmax(teacher_logits(lm_head, chunk), dim=-1)).sum(-1).sum(0)
+        logits = draft_logits(drafter, embed, chunk)
+        q = F.softmax(teacher_logits(lm_head, chunk), dim=-1)
+        accept_sum += torch.minimum(F.softmax(logits, dim=-1), q).sum(-1).sum(0)
+        mass_sum += q.gather(-1, logits.argmax(-1, keepdim=True))[..., 0].sum(0)
     drafter.train()
     return {
         "heldout_loss": loss_sum / len(greedy.hidden),
         "heldout_top1_agreement": (agree_sum / len(greedy.hidden)).tolist(),
         "heldout_t1_acceptance": (accept_sum / len(sampled.hidden)).tolist(),
+        "heldout_t1_top1_mass": (mass_sum / len(sampled.hidden)).tolist(),
     }
 
 
@@ -212,6 +215,7 @@ def train(cfg: DrafterTrainConfig, target_dir: Path, out: Path) -> dict[str, obj
         "heldout_loss": log[-1]["heldout_loss"],
         "heldout_top1_agreement": log[-1]["heldout_top1_agreement"],
         "heldout_t1_acceptance": log[-1]["heldout_t1_acceptance"],
+        "heldout_t1_top1_mass": log[-1]["heldout_t1_top1_mass"],
         "train_examples": n,
         "heldout_examples": len(data["test"].hidden),
         "data_minutes": data_minutes,

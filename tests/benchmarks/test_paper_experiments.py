@@ -57,6 +57,7 @@ def test_redrafter_kd_table(engines: dict[str, Path], tmp_path: Path, monkeypatc
     (row,) = json.loads(out.with_suffix(".json").read_text())["rows"]
     assert row["kd"] == "greedy" and len(row["heldout_top1_agreement"]) == 5
     assert [r["temperature"] for r in row["runs"]] == [0.0, 1.0] and all(r["tau"] >= 1 for r in row["runs"])
+    assert row["rsd_s"]["temperature"] == 1.0 and row["rsd_s"]["tau"] >= 1
     with pytest.raises(SystemExit, match="no trained drafter"):
         redrafter_kd.drafters([f"x={tmp_path}"])
 
