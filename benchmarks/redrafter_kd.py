@@ -25,7 +25,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from benchmarks.redrafter_sweep import SweepRow, run_setting
-from benchmarks.report import machine, write_report
+from benchmarks.report import machine, named_dirs, write_report
 from benchmarks.timing import ONE_AT_A_TIME
 from build.engine import build_engine
 from runtime.engine_dir import BuildConfig
@@ -56,15 +56,11 @@ class KDRow:
 
 
 def drafters(values: list[str] | None) -> dict[str, Path]:
-    """`--drafter NAME=DIR` values (DEFAULT_DRAFTERS when None) -> {NAME: DIR}."""
-    out = {}
-    for text in values if values is not None else list(DEFAULT_DRAFTERS):
-        name, sep, path = text.partition("=")
-        if not sep or not name or not path:
-            raise SystemExit(f"error: --drafter {text!r}: expected NAME=DIR")
-        if not (Path(path) / "training_log.json").exists():
+    """`--drafter NAME=DIR` values (DEFAULT_DRAFTERS when None) -> {NAME: DIR}, each trained."""
+    out = named_dirs(values, DEFAULT_DRAFTERS, "--drafter")
+    for path in out.values():
+        if not (path / "training_log.json").exists():
             raise SystemExit(f"error: {path} holds no trained drafter; make {path}/model.safetensors")
-        out[name] = Path(path)
     return out
 
 

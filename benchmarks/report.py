@@ -34,6 +34,18 @@ def machine() -> dict[str, object]:
     return info
 
 
+def named_dirs(values: list[str] | None, defaults: tuple[str, ...], flag: str) -> dict[str, Path]:
+    """Repeatable `--flag NAME=DIR` values (`defaults` when None) -> {NAME: DIR}; a malformed
+    one exits naming the flag."""
+    out = {}
+    for text in values if values is not None else list(defaults):
+        name, sep, path = text.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"error: {flag} {text!r}: expected NAME=DIR")
+        out[name] = Path(path)
+    return out
+
+
 def write_report(
     out: Path, meta: dict[str, Any], rows: list[dict[str, Any]], markdown: str, summary: dict[str, Any] | None = None
 ) -> None:

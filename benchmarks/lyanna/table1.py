@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from benchmarks.lyanna.common import DEPTH, WIDTH, build, drafted_per_step, steps_of
 from benchmarks.prompts import bundled
-from benchmarks.report import write_report
+from benchmarks.report import named_dirs, write_report
 from benchmarks.timing import ONE_AT_A_TIME, sampling_params
 from runtime.llm_engine import LLMEngine
 from runtime.loaded_engine import LoadedEngine
@@ -57,13 +57,7 @@ def conditional_acceptance(steps: list[int], depth: int) -> list[float]:
 
 def ablations(values: list[str] | None) -> dict[str, Path]:
     """`--ablation NAME=DIR` values (DEFAULT_ABLATIONS when None) -> {NAME: DIR}."""
-    out = {}
-    for text in values if values is not None else list(DEFAULT_ABLATIONS):
-        name, sep, path = text.partition("=")
-        if not sep or not name or not path:
-            raise SystemExit(f"error: --ablation {text!r}: expected NAME=DIR")
-        out[name] = Path(path)
-    return out
+    return named_dirs(values, DEFAULT_ABLATIONS, "--ablation")
 
 
 def run(llms: dict[str, tuple[str, LLMEngine]], prompts: list[list[int]], max_tokens: int) -> list[Table1Row]:
