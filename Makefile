@@ -142,8 +142,9 @@ drafter-soft: setup  ## re-train the soft-label ReDrafter drafter (for sampling;
 draft-lm: setup  ## re-train the demo draft LM by distillation from $(MODEL)
 	$(BIN)/python -m training.train_draft_lm --target $(MODEL) --out $(DRAFT_LM)
 
-lyanna: setup  ## re-train the demo Lyanna drafter (one-layer chain + token-info bias) from $(MODEL)
-	$(BIN)/python -m training.train_lyanna --target $(MODEL) --out $(LYANNA)
+lyanna: setup work_dirs/lyanna-dense/model.safetensors  ## re-train the demo Lyanna drafter: dense 1200 steps, then 150 sparse-aware steps from it
+	$(BIN)/python -m training.train_lyanna --target $(MODEL) --out $(LYANNA) --init-from work_dirs/lyanna-dense \
+		--steps 150 --lr 5e-4 --warmup-steps 10 --eval-every 50 --no-autocast
 
 bench-redrafter: engine  ## W x L x T sweep: tau, acceptance, compression, speedup -> benchmarks/results/
 	$(BIN)/python -m benchmarks.redrafter_sweep --engine $(SPEC_ENGINE)
@@ -169,8 +170,8 @@ bench-lyanna-throughput: engine  ## Lyanna Figs. 8-11: speedup vs batch size 1-1
 bench-rsd: engine  ## RSD Exp1/Exp2: tau + speedup vs AR for sd, rsd-c, rsd-s, redrafter on both drafters -> benchmarks/results/
 	$(BIN)/python -m benchmarks.rsd_sweep
 
-# Table 1's ablations: matched training runs (300 steps each, ~5 min alone), made once
-LYANNA_ABLATION := --steps 300 --warmup-steps 15
+# Table 1's ablations: matched training runs (400 steps of 4 windows each, fp32, ~6 min alone), made once
+LYANNA_ABLATION := --steps 400 --warmup-steps 15 --batch-size 4 --eval-every 100 --no-autocast
 work_dirs/lyanna-full/model.safetensors: | $(STAMP)
 	$(BIN)/python -m training.train_lyanna --target $(MODEL) --out work_dirs/lyanna-full $(LYANNA_ABLATION)
 work_dirs/lyanna-no-token-info/model.safetensors: | $(STAMP)
@@ -178,11 +179,17 @@ work_dirs/lyanna-no-token-info/model.safetensors: | $(STAMP)
 work_dirs/lyanna-no-fusion/model.safetensors: | $(STAMP)
 	$(BIN)/python -m training.train_lyanna --target $(MODEL) --out work_dirs/lyanna-no-fusion $(LYANNA_ABLATION) --no-first-token-fusion
 
-# Table 2's dense model: the committed drafter's recipe with the token-info bias trained dense (~16 min), made once
+# The dense-trained base of models/demo-lyanna and Table 2's dense model (1200 steps: ~16 min with native
+# bf16, ~80 min on a CPU without it), made once
 work_dirs/lyanna-dense/model.safetensors: | $(STAMP)
 	$(BIN)/python -m training.train_lyanna --target $(MODEL) --out work_dirs/lyanna-dense --no-sparse-token-info
 
-LYANNA_ABLATIONS := work_dirs/lyanna-full/model.safetensors work_dirs/lyanna-no-token-info/model.safetensors work_dirs/lyanna-no-fusion/model.safetensors work_dirs/lyanna-dense/model.safetensors
+# Table 2's dense model at the committed model's budget: the same 150 fine-tuning steps, the bias kept dense
+work_dirs/lyanna-dense-ft/model.safetensors: work_dirs/lyanna-dense/model.safetensors | $(STAMP)
+	$(BIN)/python -m training.train_lyanna --target $(MODEL) --out work_dirs/lyanna-dense-ft --init-from work_dirs/lyanna-dense \
+		--steps 150 --lr 5e-4 --warmup-steps 10 --eval-every 50 --no-autocast --no-sparse-token-info
+
+LYANNA_ABLATIONS := work_dirs/lyanna-full/model.safetensors work_dirs/lyanna-no-token-info/model.safetensors work_dirs/lyanna-no-fusion/model.safetensors work_dirs/lyanna-dense-ft/model.safetensors
 profile: engine  ## where a step's time goes: ms per phase for AR and every method at batch 1/8/32 -> benchmarks/results/step_profile.{json,md}
 	$(BIN)/python -m benchmarks.step_profile
 

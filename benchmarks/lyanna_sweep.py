@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--windows", type=int, default=16, help="table2 held-out windows (default: %(default)s)")
     ap.add_argument("--seq-len", type=int, default=128, help="table2 positions per window (default: %(default)s)")
     ap.add_argument(
-        "--dense-drafter", type=Path, default=Path("work_dirs/lyanna-dense"),
+        "--dense-drafter", type=Path, default=Path("work_dirs/lyanna-dense-ft"),
         help="table2: a drafter trained with --no-sparse-token-info, compared with --lyanna (default: %(default)s)",
     )  # fmt: skip
     ap.add_argument("--ks", default="3,5,8", help="fig13a chain lengths k (default: %(default)s)")

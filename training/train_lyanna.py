@@ -89,6 +89,12 @@ class LyannaTrainConfig:
     (--no-sparse-token-info: dense over all V columns, as inference would not use it)."""
     init_from_target: bool = True
     """Initialise the drafter layer and norm from the target's last layer and final norm."""
+    init_from: str = ""
+    """Start from this trained drafter directory instead (fine-tuning, e.g. a dense-trained
+    drafter made sparse-aware); its shape options must match these."""
+    autocast: bool = True
+    """bf16 autocast of the target and drafter forwards. On CPUs without native bf16 matmul
+    (no AVX512-BF16 / AMX) it is ~10x slower than fp32: pass --no-autocast there."""
     alpha: float = 1.0
     """Weight of the hidden-state MSE per chain step."""
     beta: float = 0.1
@@ -264,10 +270,17 @@ def train(cfg: LyannaTrainConfig, target_dir: Path, out: Path) -> dict[str, Any]
         num_hot_tokens=hot_count,
         hot_token_coverage=None if coverage is None else round(coverage, 5),
     )
+    if cfg.autocast and not torch.cpu._is_avx512_bf16_supported():
+        tqdm.write("warning: this CPU has no native bf16 matmul; bf16 autocast is ~10x slower here (--no-autocast)")
     drafter = LyannaDrafter(dcfg)
-    drafter.hot_token_ids.copy_(hot_ids)
-    if cfg.init_from_target:
+    if cfg.init_from:
+        start_from = LyannaDrafter.from_pretrained(cfg.init_from)
+        if start_from.config != dcfg:
+            raise ValueError(f"--init-from {cfg.init_from}: its config {start_from.config} differs from {dcfg}")
+        drafter.load_state_dict(start_from.state_dict())
+    elif cfg.init_from_target:
         init_from_target(drafter, target)
+    drafter.hot_token_ids.copy_(hot_ids)
     drafter.train()
     decay = [p for n, p in drafter.named_parameters() if p.ndim == 2]
     no_decay = [p for n, p in drafter.named_parameters() if p.ndim < 2]
@@ -289,10 +302,10 @@ def train(cfg: LyannaTrainConfig, target_dir: Path, out: Path) -> dict[str, Any]
         first = torch.randint(0, len(train_ids) - w, (cfg.batch_size,), generator=gen)
         windows = train_ids[first[:, None] + offsets]  # [B, seq_len + k]
         starts = torch.rand(cfg.batch_size, cfg.seq_len, generator=gen).argsort(-1)[:, : cfg.starts_per_window]
-        batch = ChainBatch(target, windows, starts, k, autocast=True)
+        batch = ChainBatch(target, windows, starts, k, autocast=cfg.autocast)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast):
             hidden, logits = draft_logits(drafter, target, batch, k, sparse=cfg.sparse_token_info and hot_count > 0)
         mse, ce = chain_losses(hidden, logits, batch)
         loss = (cfg.alpha * mse + cfg.beta * ce).sum()

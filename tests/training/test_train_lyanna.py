@@ -6,8 +6,10 @@ the trained drafter is run on the test device."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -61,6 +63,16 @@ def test_train_tiny_lyanna(tmp_path: Path) -> None:
 
     card = write_lyanna_card(tmp_path, "python -m training.train_lyanna --steps 8").read_text()
     assert f"{metrics['heldout_top1'][0]:.3f}" in card and "--steps 8" in card
+
+    # --init-from: fine-tuning starts from these (bf16-saved) weights, so its step-0 loss is the
+    # end's, not a fresh start's; a drafter of another shape is refused
+    tuned = train(replace(cfg, steps=1, eval_every=1, init_from=str(tmp_path), autocast=False), TARGET, tmp_path / "ft")
+    start = json.loads((tmp_path / "ft" / "training_log.json").read_text())["log"][0]
+    assert abs(sum(start["heldout_ce"]) - sum(last["heldout_ce"])) < 0.05 * sum(last["heldout_ce"])
+    assert sum(first["heldout_ce"]) - sum(last["heldout_ce"]) > 0.1 * sum(last["heldout_ce"])
+    assert len(tuned["heldout_top1"]) == 2
+    with pytest.raises(ValueError, match="differs"):
+        train(replace(cfg, token_info_rank=8, init_from=str(tmp_path)), TARGET, tmp_path / "bad")
 
 
 def test_train_ablations(tmp_path: Path) -> None:
