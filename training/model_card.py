@@ -39,7 +39,8 @@ def write_model_card(model_dir: Path, command: str) -> Path:
         (
             "optimiser",
             f"AdamW (lr {cfg['lr']}, cosine to {cfg['min_lr_ratio']}x, warm-up {cfg['warmup_steps']}, "
-            f"wd {cfg['weight_decay']}), bf16 autocast, seed {cfg['seed']}",
+            f"wd {cfg['weight_decay']}), {'bf16 autocast' if cfg.get('autocast', True) else 'fp32'}, seed {cfg['seed']}"
+            + (f", fine-tuned from `{cfg['init_from']}`" if cfg.get("init_from") else ""),
         ),
         ("held-out loss", f"{m['heldout_loss']:.3f} nats/token (perplexity {m['heldout_perplexity']:.1f})"),
         ("training time", f"{m['train_minutes']:.1f} min on 2 CPU cores"),
@@ -182,7 +183,8 @@ def write_draft_lm_card(model_dir: Path, command: str) -> Path:
         (
             "optimiser",
             f"AdamW (lr {cfg['lr']}, cosine to {cfg['min_lr_ratio']}x, warm-up {cfg['warmup_steps']}, "
-            f"wd {cfg['weight_decay']}), bf16 autocast, seed {cfg['seed']}",
+            f"wd {cfg['weight_decay']}), {'bf16 autocast' if cfg.get('autocast', True) else 'fp32'}, seed {cfg['seed']}"
+            + (f", fine-tuned from `{cfg['init_from']}`" if cfg.get("init_from") else ""),
         ),
         (
             "held-out expected acceptance",
@@ -276,7 +278,8 @@ def write_lyanna_card(drafter_dir: Path, command: str) -> Path:
         (
             "optimiser",
             f"AdamW (lr {cfg['lr']}, cosine to {cfg['min_lr_ratio']}x, warm-up {cfg['warmup_steps']}, "
-            f"wd {cfg['weight_decay']}), bf16 autocast, seed {cfg['seed']}",
+            f"wd {cfg['weight_decay']}), {'bf16 autocast' if cfg.get('autocast', True) else 'fp32'}, seed {cfg['seed']}"
+            + (f", fine-tuned from `{cfg['init_from']}`" if cfg.get("init_from") else ""),
         ),
         (
             "held-out top-1 agreement per chain step",
