@@ -18,6 +18,7 @@ per request). Writes `<out>.json` and `<out>.md`.
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,7 @@ def markdown(cells: list[Cell], meta: dict[str, Any]) -> str:
                 speed = f"**{c.speedup:.2f}x**" if c.speedup == best[b] else f"{c.speedup:.2f}x"
                 row.append(f"{speed} / {c.tau:.2f}")
             lines.append(f"| {method} | " + " | ".join(row) + " |")
+    lines += ["", f"Command: `{meta.get('command', '')}`"]
     return "\n".join(lines) + "\n"
 
 
@@ -145,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         for path, methods in engines.items():
             cells += run_engine(path, methods, args, bar)
     meta = {
+        "command": "python -m benchmarks.lyanna_throughput " + " ".join(sys.argv[1:] if argv is None else argv),
         "engines": engines,
         "min_prompts": args.min_prompts,
         "max_tokens": args.max_tokens,

@@ -19,6 +19,7 @@ Writes `<out>.json` and `<out>.md`.
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,7 @@ def markdown(cells: list[Cell], meta: dict[str, Any]) -> str:
         )
         + "."
     )
+    lines += ["", f"Command: `{meta.get('command', '')}`"]
     return "\n".join(lines) + "\n"
 
 
@@ -166,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
         for c in cells[-len(cfgs) :]:
             tqdm.write(f"B={batch} W={c.beam_width} packing={c.packing}: {c.speedup:.2f}x tau {c.tau:.2f}")
     meta = {
+        "command": "python -m benchmarks.redrafter_grid " + " ".join(sys.argv[1:] if argv is None else argv),
         "engine": str(args.engine),
         "min_prompts": args.min_prompts,
         "max_tokens": args.max_tokens,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -69,8 +70,16 @@ def markdown(rows: list[KDRow], meta: dict[str, object]) -> str:
     lines = [
         "# ReDrafter Table 6 analogue: training labels (`--kd`)",
         "",
-        f"Target `{meta['target']}`; every drafter trained with the same budget ({rows[0].train_examples:,} "
-        f"examples x {rows[0].epochs} epochs, `{meta['train_flags']}`). {meta['prompts']} held-out prompts x "
+        f"Target `{meta['target']}`; "
+        + (
+            f"every drafter trained with the same budget ({rows[0].train_examples:,} examples x {rows[0].epochs} "
+            f"epochs, `{meta['train_flags']}`). "
+            if len({(r.train_examples, r.epochs) for r in rows}) == 1
+            else "budgets differ: "
+            + ", ".join(f"{r.kd} {r.train_examples:,} examples x {r.epochs} epochs" for r in rows)
+            + ". "
+        )
+        + f"{meta['prompts']} held-out prompts x "
         f"{meta['max_tokens']} tokens, batch 1, W={meta['beam_width']}, L={meta['beam_length']} fixed, "
         f"{m['cpu']} ({m['torch_threads']} threads). Held-out top-1 agreement (T=0's acceptance per position) and "  # type: ignore[index]
         "expected T=1 acceptance per position come from the training logs; tau and speedup (AR ms/token / "
@@ -89,6 +98,7 @@ def markdown(rows: list[KDRow], meta: dict[str, object]) -> str:
             f"| {r.kd} | {agree} | {accept or '-'} | {t0.tau:.2f} | {t0.speedup:.2f}x | {t1.tau:.2f} "
             f"| {t1.speedup:.2f}x | {r.rsd_s.tau:.2f} | {r.rsd_s.speedup:.2f}x |"
         )
+    lines += ["", f"Command: `{meta.get('command', '')}`"]
     return "\n".join(lines) + "\n"
 
 
@@ -137,6 +147,7 @@ def main() -> None:
     if len(flags) > 1:
         tqdm.write(f"warning: the drafters were trained with different budgets: {sorted(flags)}")
     meta = {
+        "command": "python -m benchmarks.redrafter_kd " + " ".join(sys.argv[1:]),
         "target": str(args.target),
         "prompts": args.prompts,
         "max_tokens": args.max_tokens,
