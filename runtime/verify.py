@@ -22,7 +22,8 @@ were proposed, as long as p is the law they were really drawn from:
   distribution, and siblings are draws *without replacement* from it;
 - *deterministic* candidates (ReDrafter's beam search, an auto-regressive root) are point
   masses, p = delta_x: acceptance q(x), residual = q with x removed. Siblings are distinct
-  tokens (dedup_prefix guarantees it).
+  tokens (dedup_prefix guarantees it), except in ReDrafter's no-packing ablation, where a
+  duplicate of a rejected sibling meets residual mass 0 and is rejected: still exact.
 Apple's ReDrafter instead flips independent coins per beam and keeps the longest beam; its
 README notes that "might not give the exact distribution match", so it is not used.
 """
