@@ -163,15 +163,15 @@ def train(cfg: DrafterTrainConfig, target_dir: Path, out: Path) -> dict[str, obj
     test_prompts = corpus_windows(streams["test"], cfg.heldout_sequences, 16, 128, cfg.seed + 1)
     start = time.time()
 
-    def distill(prompts: list[list[int]], continuation: Continuation, seed: int) -> DistillData:
+    def distill(prompts: list[list[int]], continuation: Continuation, seed: int, temperature: float) -> DistillData:
         return make_distill_data(
-            target, tokenizer, prompts, cfg.gen_tokens, cfg.draft_len, continuation, cfg.kd_temperature, seed
+            target, tokenizer, prompts, cfg.gen_tokens, cfg.draft_len, continuation, temperature, seed
         )
 
     data = {
-        "train": distill(train_prompts, cfg.continuation, cfg.seed),
-        "test": distill(test_prompts, "greedy", 0),
-        "test_sampled": distill(test_prompts, "sampled", 10**6),  # T=1 acceptance is scored at temperature 1
+        "train": distill(train_prompts, cfg.continuation, cfg.seed, cfg.kd_temperature),
+        "test": distill(test_prompts, "greedy", 0, 1.0),
+        "test_sampled": distill(test_prompts, "sampled", 10**6, 1.0),  # T=1 acceptance is scored at temperature 1
     }
     data_minutes = (time.time() - start) / 60
     print(f"distillation data: {len(data['train'].hidden):,} train / {len(data['test'].hidden):,} held-out examples")
