@@ -26,9 +26,7 @@ from typing import Any
 from tqdm import tqdm
 
 from benchmarks.report import machine, write_report
-from benchmarks.timing import Timings, bracketed_round, sampling_params, warm_up
-from runtime.config import RuntimeConfig
-from runtime.llm_engine import LLMEngine
+from benchmarks.timing import batch_rounds
 from runtime.loaded_engine import LoadedEngine
 from runtime.results import tokens_per_step
 from training.corpus import heldout_prompts
@@ -66,16 +64,10 @@ def run_engine(path: str, methods: tuple[str, ...], args: Any, bar: tqdm) -> lis
     for batch in args.batch_sizes:
         if batch > loaded.config.build.max_batch_size:
             raise SystemExit(f"error: batch {batch} > {path}'s max_batch_size {loaded.config.build.max_batch_size}")
-        llm = LLMEngine(loaded, RuntimeConfig(max_batch_size=batch, speculation="fixed"))
         prompts = [loaded.encode(t) for t in texts[: max(batch, args.min_prompts)]]
         cfgs = [Config(m) for m in methods]
-        for c in [Config("ar"), *cfgs]:
-            warm_up(llm, prompts[0], c.method)
-        for temperature in args.temperatures:
-            params = sampling_params(len(prompts), args.max_tokens, temperature)
-            timings, ar = {c: Timings() for c in cfgs}, Timings()
-            for _ in range(args.rounds):
-                bracketed_round(llm, prompts, params, [cfgs], timings, ar, bar.update)
+        runs = batch_rounds(loaded, batch, prompts, cfgs, args.max_tokens, args.temperatures, args.rounds, bar.update)
+        for temperature, (timings, ar) in runs.items():
             for c, t in timings.items():
                 cells.append(
                     Cell(path, c.method, batch, temperature, t.tokens_per_s, ar.tokens_per_s, t.speedup,

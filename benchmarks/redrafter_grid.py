@@ -27,9 +27,7 @@ from typing import Any
 from tqdm import tqdm
 
 from benchmarks.report import machine, write_report
-from benchmarks.timing import Timings, bracketed_round, sampling_params, warm_up
-from runtime.config import RuntimeConfig
-from runtime.llm_engine import LLMEngine
+from benchmarks.timing import batch_rounds
 from runtime.loaded_engine import LoadedEngine
 from runtime.results import tokens_per_step
 from training.corpus import heldout_prompts
@@ -72,13 +70,7 @@ def configs(widths: list[int]) -> list[Config]:
 
 
 def run_batch(loaded: LoadedEngine, batch: int, prompts: list[list[int]], cfgs: list[Config], args: Any) -> list[Cell]:
-    llm = LLMEngine(loaded, RuntimeConfig(max_batch_size=batch, speculation="fixed"))
-    params = sampling_params(len(prompts), args.max_tokens, 0.0)
-    for c in cfgs:
-        warm_up(llm, prompts[0], c.method, 0.0, **c.overrides())
-    timings, ar = {c: Timings() for c in cfgs}, Timings()
-    for _ in range(args.rounds):
-        bracketed_round(llm, prompts, params, [cfgs], timings, ar)
+    timings, ar = batch_rounds(loaded, batch, prompts, cfgs, args.max_tokens, [0.0], args.rounds)[0.0]
     cells = []
     for c, t in timings.items():
         results = t.results

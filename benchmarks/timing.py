@@ -21,6 +21,7 @@ import torch
 
 from runtime.config import RuntimeConfig
 from runtime.llm_engine import LLMEngine
+from runtime.loaded_engine import LoadedEngine
 from runtime.results import GenerationResult
 from runtime.sampling import SamplingParams
 
@@ -184,6 +185,33 @@ def bracketed_round(
         for c, run in runs.items():
             timings[c].add(run, (before + after) / 2)
         before = after
+
+
+def batch_rounds(
+    loaded: LoadedEngine,
+    batch: int,
+    prompts: list[list[int]],
+    cfgs: Sequence[M],
+    max_tokens: int,
+    temperatures: Sequence[float],
+    rounds: int,
+    tick: Callable[[], object] = lambda: None,
+) -> dict[float, tuple[dict[M, Timings], Timings]]:
+    """`cfgs` against AR with at most `batch` requests running (in-flight batching, fixed
+    speculation): warm-up of AR and every configuration, then at each temperature `rounds`
+    bracketed rounds (`bracketed_round`). {temperature: (timings per configuration, AR)}."""
+    llm = LLMEngine(loaded, RuntimeConfig(max_batch_size=batch, speculation="fixed"))
+    warm_up(llm, prompts[0], "ar")
+    for c in cfgs:
+        warm_up(llm, prompts[0], c.method, **c.overrides())
+    out = {}
+    for temperature in temperatures:
+        params = sampling_params(len(prompts), max_tokens, temperature)
+        timings, ar = {c: Timings() for c in cfgs}, Timings()
+        for _ in range(rounds):
+            bracketed_round(llm, prompts, params, [cfgs], timings, ar, tick)
+        out[temperature] = (timings, ar)
+    return out
 
 
 def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
