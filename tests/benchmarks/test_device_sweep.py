@@ -12,12 +12,11 @@ import pytest
 import torch
 
 from benchmarks.device_sweep import cast, main
-from build.engine import build_engine
 from runtime.engine_dir import BuildConfig
 from runtime.loaded_engine import LoadedEngine
 from runtime.proposers.registry import METHODS
+from tests.demo_engines import demo_engines
 
-MODELS = Path(__file__).resolve().parents[2] / "models"
 BUILD = BuildConfig(max_batch_size=2, max_input_len=512, max_seq_len=1024)
 EXPECTED = {  # drafter kind -> methods its engine runs (ngram needs no drafter: every engine)
     "redrafter": {"ar", "redrafter", "rsd-c", "rsd-s", "sd", "ngram"},
@@ -28,13 +27,7 @@ EXPECTED = {  # drafter kind -> methods its engine runs (ngram needs no drafter:
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    out = tmp_path_factory.mktemp("engines")
-    target = MODELS / "demo-target"
-    return {
-        "redrafter": build_engine(target, out / "rnn", BUILD, drafter=MODELS / "demo-redrafter"),
-        "draft-lm": build_engine(target, out / "lm", BUILD, draft_model=MODELS / "demo-draft-lm"),
-        "lyanna": build_engine(target, out / "lyanna", BUILD, lyanna=MODELS / "demo-lyanna"),
-    }
+    return demo_engines(tmp_path_factory, BUILD)
 
 
 def test_greedy_sweep_every_engine(engines: dict[str, Path], tmp_path: Path) -> None:

@@ -13,21 +13,15 @@ from pathlib import Path
 import pytest
 
 from benchmarks import lyanna_throughput, redrafter_grid, redrafter_kd
-from build.engine import build_engine
 from runtime.engine_dir import BuildConfig
+from tests.demo_engines import MODELS, demo_engines
 
-MODELS = Path(__file__).resolve().parents[2] / "models"
 BUILD = BuildConfig(max_batch_size=2, max_input_len=512, max_seq_len=1024)
 
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    out, target = tmp_path_factory.mktemp("engines"), MODELS / "demo-target"
-    return {
-        "redrafter": build_engine(target, out / "rnn", BUILD, drafter=MODELS / "demo-redrafter"),
-        "draft-lm": build_engine(target, out / "lm", BUILD, draft_model=MODELS / "demo-draft-lm"),
-        "lyanna": build_engine(target, out / "lyanna", BUILD, lyanna=MODELS / "demo-lyanna"),
-    }
+    return demo_engines(tmp_path_factory, BUILD)
 
 
 def test_redrafter_grid(engines: dict[str, Path], tmp_path: Path) -> None:
