@@ -12,7 +12,10 @@ rounds on the same engine so machine noise hits them alike. Reported per B:
   ratio to auto-regressive decoding: the median over rounds of the ratio measured within
   one round (robust to bursts of load on a shared machine);
 - tau: tokens emitted per decoding step per request (bonus included; 1 for AR);
-- the tree sizes (nodes, root included) load-aware speculation chose, as a histogram over request-steps.
+- the tree sizes (nodes, root included) load-aware speculation chose, as a histogram over request-steps;
+- no-draft step / AR step: the mean time of load-aware's decoding steps in which no request
+  drafted over the mean time of AR's decoding steps, same rounds (`StepClock.count_plain`):
+  what speculation costs while it is switched off (probing steps are not in it).
 Writes `<out>.json` and `<out>.md`.
 """
 
@@ -50,12 +53,18 @@ class Row:
     ratio_to_ar: dict[str, float]
     tau: dict[str, float]
     load_aware_budgets: dict[int, int] = field(default_factory=dict)
+    plain_step_ratio: float | None = None
+    """Load-aware's no-draft decoding step over AR's decoding step (None: it always drafted)."""
+    plain_steps: int = 0
+    """Load-aware's no-draft decoding steps that ratio averages."""
 
 
 def run_batch(
     engines: dict[str, LLMEngine], prompts: list[list[int]], max_tokens: int, rounds: int, temperature: float
 ) -> tuple[dict[str, float], dict[str, float], dict[str, float], Counter[int]]:
     """tokens/s over all rounds, median per-round ratio to AR, tau, load-aware budget histogram."""
+    for llm in engines.values():
+        llm.clock.reset()
     params = sampling_params(len(prompts), max_tokens, temperature)
     runs = {
         name: functools.partial(timed, engine, prompts, params, CONFIGS[name][0]) for name, engine in engines.items()
@@ -86,16 +95,17 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
         f"Command: `{meta['command']}`",
         "",
         "| batch | " + " | ".join(f"{n} tok/s" for n in names) + " | fixed / AR | load-aware / AR | "
-        "tau fixed | tau load-aware | load-aware tree sizes (request-steps) |",
-        "|---|" + "---|" * (len(names) + 5),
+        "tau fixed | tau load-aware | load-aware tree sizes (request-steps) | no-draft step / AR step (steps) |",
+        "|---|" + "---|" * (len(names) + 6),
     ]
     for r in rows:
         widths = ", ".join(f"{b} nodes: {n}" for b, n in sorted(r.load_aware_budgets.items()))
+        plain = f"{r.plain_step_ratio:.3f} ({r.plain_steps})" if r.plain_step_ratio is not None else "-"
         lines.append(
             f"| {r.batch_size} | "
             + " | ".join(f"{r.tokens_per_s[n]:.0f}" for n in names)
             + f" | {r.ratio_to_ar['redrafter-fixed']:.2f}x | {r.ratio_to_ar['redrafter-load-aware']:.2f}x"
-            f" | {r.tau['redrafter-fixed']:.2f} | {r.tau['redrafter-load-aware']:.2f} | {widths} |"
+            f" | {r.tau['redrafter-fixed']:.2f} | {r.tau['redrafter-load-aware']:.2f} | {widths} | {plain} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -133,7 +143,10 @@ def main() -> None:
             warm_up(llm, prompts[0], CONFIGS[name][0], args.temperature)
         engines["redrafter-load-aware"].policy.chosen.clear()
         rate, ratio, taus, widths = run_batch(engines, prompts, args.max_tokens, args.rounds, args.temperature)
-        rows.append(Row(size, rate, ratio, taus, dict(widths)))
+        plain, ar = engines["redrafter-load-aware"].clock, engines["ar"].clock
+        plain_ms, ar_ms = plain.plain_ms(), ar.plain_ms()
+        plain_ratio = plain_ms / ar_ms if plain_ms and ar_ms else None
+        rows.append(Row(size, rate, ratio, taus, dict(widths), plain_ratio, plain.plain_steps))
         tqdm.write(str(asdict(rows[-1])))
     meta = {
         "engine": str(args.engine),

@@ -58,6 +58,10 @@ class Row:
     tokens_per_s: float
     sizes: dict[int, int]
     """Tree size (root included) -> request-steps drafted at it (load-aware choices)."""
+    plain_ms: float | None = None
+    """Milliseconds per decoding step that drafted nothing (speculation switched off for
+    every request; for AR, every decoding step), None if there was none."""
+    plain_steps: int = 0
 
 
 def profile(llm: LLMEngine, method: str, prompts: list[list[int]], max_tokens: int, temperature: float) -> Row:
@@ -85,6 +89,8 @@ def profile(llm: LLMEngine, method: str, prompts: list[list[int]], max_tokens: i
             tau=tokens_per_step(results),
             tokens_per_s=sum(len(r.output_ids) for r in results) / seconds,
             sizes=sizes,
+            plain_ms=llm.clock.plain_ms(),
+            plain_steps=llm.clock.plain_steps,
         )
         if best is None or row.tokens_per_s > best.tokens_per_s:
             best = row
@@ -98,20 +104,25 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
         "",
         f"Held-out prompts, {meta['max_tokens']} tokens per request (EOS ignored), default (load-aware) "
         f"speculation; the faster of two runs. Phases as in `runtime/step_clock.py` (prefill steps included). "
+        f"No-draft step: the mean of the decoding steps in which no request drafted (for AR, every decoding "
+        f"step), and its ratio to AR's: what speculation costs while it is switched off. "
         f"Command: `{meta['command']}`",
         "",
-        "| method | batch | T | ms/step | " + " | ".join(PHASES) + " | tokens/step/request | tok/s | vs AR | sizes |",
-        "|---|---|---|---|" + "---|" * len(PHASES) + "---|---|---|---|",
+        "| method | batch | T | ms/step | " + " | ".join(PHASES) + " | tokens/step/request | tok/s | vs AR "
+        "| no-draft ms/step (steps) | no-draft / AR | sizes |",
+        "|---|---|---|---|" + "---|" * len(PHASES) + "---|---|---|---|---|---|",
     ]
-    ar = {(r.batch, r.temperature): r.tokens_per_s for r in rows if r.method == "ar"}
+    ar = {(r.batch, r.temperature): r for r in rows if r.method == "ar"}
     for r in rows:
         base = ar.get((r.batch, r.temperature))
-        ratio = f"{r.tokens_per_s / base:.2f}x" if base else "-"
+        ratio = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base else "-"
+        plain = f"{r.plain_ms:.2f} ({r.plain_steps})" if r.plain_ms is not None else "-"
+        plain_ratio = f"{r.plain_ms / base.plain_ms:.3f}" if base and base.plain_ms and r.plain_ms else "-"
         sizes = ", ".join(f"{s}: {n}" for s, n in r.sizes.items())
         phases = " | ".join(f"{r.phases_ms[p]:.2f}" for p in PHASES)
         lines.append(
             f"| {r.method} | {r.batch} | {r.temperature:g} | {r.ms_per_step:.2f} | {phases} | {r.tau:.2f} "
-            f"| {r.tokens_per_s:.0f} | {ratio} | {sizes} |"
+            f"| {r.tokens_per_s:.0f} | {ratio} | {plain} | {plain_ratio} | {sizes} |"
         )
     return "\n".join(lines) + "\n"
 

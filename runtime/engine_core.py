@@ -173,6 +173,8 @@ class EngineCore:
             if request.finished:
                 finished.append(self._finish(request, request.result.finish_reason))
         clock.lap("commit")
+        if not drafting and not stats.prefill:
+            clock.count_plain()
         self.policy.observe(stats)
         return finished
 

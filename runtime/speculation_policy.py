@@ -38,6 +38,12 @@ measured longest ago: nested sizes are all measured by it), at most once per
 bad drafts it re-probes every few dozen steps, at batch 32 every few steps, and throughput
 lost to probing stays near 2% even when no probe pays.
 
+A settled decision (every request at size 1, no probe due) stands for up to
+`RECHOOSE_EVERY` steps while the requests and their options are the same and nothing was
+drafted: a step without drafting brings no acceptance evidence, only a drifting forward
+time, so re-solving it would cost ~0.2 ms a step (2% of a one-token CPU forward) to reach
+the same answer. Exploration credit still accrues, and a probe that comes due ends it.
+
 Whatever the sizes, acceptance is lossless; the policy only moves speed.
 """
 
@@ -73,6 +79,8 @@ PROBE_EVERY = 32
 """Fewest steps between probes of one kind of request (while its largest size is measured
 no more often than this)."""
 DINKELBACH_ROUNDS = 3
+RECHOOSE_EVERY = 8
+"""Steps a settled all-auto-regressive decision stands while nothing is drafted."""
 Row = tuple[tuple[int, float, float, int], ...]
 """One request's options: (size, tau, nodes, levels) per size."""
 CALIBRATION_SIZES = (1, 2, 3, 5, 8, 12, 17, 24, 33, 48, 64, 128)
@@ -272,6 +280,24 @@ class _Choice:
         return self.tokens / max(self.seconds, 1e-12)
 
 
+@dataclass(frozen=True)
+class _Settled:
+    """An all-auto-regressive decision and what it was made for (`SpeculationPolicy._settled`)."""
+
+    signature: tuple[object, ...]
+    """The offers (request, kind, sizes, levels) and the other requests' count."""
+    step: int
+    """The step it was made at."""
+    seconds: float
+    """Predicted seconds of such a step (what earns exploration credit)."""
+    probe_loss: float
+    """Expected loss in seconds of the probe that would come next."""
+
+
+def _signature(offers: list[Offer], others: int) -> tuple[object, ...]:
+    return (others, *((o.key, o.kind, tuple(o.sizes), tuple(o.levels)) for o in offers))
+
+
 @dataclass
 class SpeculationPolicy:
     adaptive: bool = True
@@ -292,6 +318,10 @@ class SpeculationPolicy:
     steps: int = 0
     _measured: dict[Hashable, int] = field(default_factory=dict)
     """request (and kind of request) -> step its largest size was last measured or probed."""
+    _settled: _Settled | None = None
+    """The standing all-auto-regressive decision, if any (module docstring)."""
+    reused: int = 0
+    """Steps that reused a settled decision instead of solving again (for tests and reports)."""
 
     # ---- estimates ----------------------------------------------------------------------
 
@@ -335,6 +365,8 @@ class SpeculationPolicy:
         others += len(fixed)  # their one token each is in the forward
         if not self.adaptive:
             chosen = {o.key: o.sizes[-1] for o in offers}
+        elif self._stands(signature := _signature(offers, others), offers):
+            chosen = {o.key: 1 for o in offers}
         else:
             # requests with the same options and beliefs (most of a batch) are decided together
             groups: dict[tuple[str, Row], list[Offer]] = {}
@@ -349,6 +381,11 @@ class SpeculationPolicy:
             probe = self._explore(list(groups.values()), batch, others, best)
             if probe is not None:
                 chosen[probe.key] = probe.sizes[-1]
+            self._settled = None
+            if max(best.sizes) == 1 and probe is None:
+                next_probe = self._probe(list(groups.values()), batch, others, best, stale_only=False)
+                if next_probe is not None:
+                    self._settled = _Settled(signature, self.steps, best.seconds, next_probe[1])
         for o in offers:
             self.chosen[(o.method, chosen[o.key])] += 1
         return fixed | chosen
@@ -383,22 +420,11 @@ class SpeculationPolicy:
     def _explore(self, members: list[list[Offer]], batch: list[_Group], others: int, best: _Choice) -> Offer | None:
         """Spend the exploration credit on one request's largest tree when it covers the
         expected loss; returns the request to probe (or None)."""
-        stale = self.steps - PROBE_EVERY
-        candidates = [
-            (i, o)
-            for i, (group, size) in enumerate(zip(members, best.sizes, strict=True))
-            for o in group
-            if size < o.sizes[-1] and self._measured.get(o.kind, -1) <= stale
-        ]
-        if not candidates:
+        candidate = self._probe(members, batch, others, best)
+        if candidate is None:
             self.credit = min(self.credit + PROBE_SHARE * best.seconds, best.seconds)
             return None
-        i, offer = min(candidates, key=lambda c: self._measured.get(c[1].key, -1))
-        g = batch[i]
-        probing = [*batch, _Group(g.method, g.row, 1)]
-        probing[i] = _Group(g.method, g.row, g.count - 1)
-        probe = self._evaluate(probing, [*best.sizes, offer.sizes[-1]], others)
-        loss = probe.seconds - probe.tokens / max(best.rate, 1e-12)
+        offer, loss = candidate
         self.credit = min(self.credit + PROBE_SHARE * best.seconds, max(best.seconds, loss))
         if loss > self.credit:
             return None
@@ -406,6 +432,43 @@ class SpeculationPolicy:
         self.credit -= max(loss, 0.0)
         self.probes += 1
         return offer
+
+    def _probe(
+        self, members: list[list[Offer]], batch: list[_Group], others: int, best: _Choice, stale_only: bool = True
+    ) -> tuple[Offer, float] | None:
+        """The request a probe would draft its largest tree for (the one measured longest
+        ago, among kinds not measured for `PROBE_EVERY` steps unless `stale_only` is False)
+        and the probe's expected loss in seconds; None if no request can probe."""
+        stale = self.steps - PROBE_EVERY
+        candidates = [
+            (i, o)
+            for i, (group, size) in enumerate(zip(members, best.sizes, strict=True))
+            for o in group
+            if size < o.sizes[-1] and (not stale_only or self._measured.get(o.kind, -1) <= stale)
+        ]
+        if not candidates:
+            return None
+        i, offer = min(candidates, key=lambda c: self._measured.get(c[1].key, -1))
+        g = batch[i]
+        probing = [*batch, _Group(g.method, g.row, 1)]
+        probing[i] = _Group(g.method, g.row, g.count - 1)
+        probe = self._evaluate(probing, [*best.sizes, offer.sizes[-1]], others)
+        return offer, probe.seconds - probe.tokens / max(best.rate, 1e-12)
+
+    def _stands(self, signature: tuple[object, ...], offers: list[Offer]) -> bool:
+        """Whether the settled decision holds for this step (module docstring); if it does,
+        the step earns its exploration credit here."""
+        s = self._settled
+        if s is None or s.signature != signature or self.steps - s.step >= RECHOOSE_EVERY:
+            return False
+        stale = self.steps - PROBE_EVERY
+        can_probe = any(self._measured.get(o.kind, -1) <= stale for o in offers)
+        credit = min(self.credit + PROBE_SHARE * s.seconds, max(s.seconds, s.probe_loss) if can_probe else s.seconds)
+        if can_probe and credit >= s.probe_loss:
+            return False  # a probe is due: solve this step in full
+        self.credit = credit
+        self.reused += 1
+        return True
 
     def _evaluate(self, batch: list[_Group], sizes: list[int], others: int) -> _Choice:
         tokens, nodes, requests = 0.0, float(others), others
@@ -455,6 +518,8 @@ class SpeculationPolicy:
             self.draft_cost.setdefault(method, LinearCost()).add((levels, drafted), seconds)
 
     def observe(self, stats: StepStats) -> None:
+        if stats.outcomes or any(drafted for _, drafted, _ in stats.drafting.values()):
+            self._settled = None  # new evidence: decide afresh
         if not stats.prefill:
             self.forward_cost.observe(stats.num_tokens, stats.num_requests, stats.forward_seconds)
         for method, (levels, drafted, seconds) in stats.drafting.items():

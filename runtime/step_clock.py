@@ -33,10 +33,24 @@ class StepClock:
         self._nested = 0.0
         self.step = dict.fromkeys(PHASES, 0.0)
         """Seconds per phase of the current (or last) step."""
+        self.plain_steps = 0
+        self.plain_seconds = 0.0
+        """Decoding steps that drafted nothing (`count_plain`), and their seconds: what a
+        step costs when speculation is off, to set beside an auto-regressive step."""
 
     def reset(self) -> None:
         self.totals = dict.fromkeys(PHASES, 0.0)
         self.steps = 0
+        self.plain_steps, self.plain_seconds = 0, 0.0
+
+    def count_plain(self) -> None:
+        """The step just timed decoded without drafting and without prefill."""
+        self.plain_steps += 1
+        self.plain_seconds += sum(self.step.values())
+
+    def plain_ms(self) -> float | None:
+        """Milliseconds per step of the steps `count_plain` counted (None: there were none)."""
+        return 1e3 * self.plain_seconds / self.plain_steps if self.plain_steps else None
 
     def start(self) -> None:
         """A step begins."""

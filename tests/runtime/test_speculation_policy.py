@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from runtime import speculation_policy
 from runtime.speculation_policy import PROBE_SHARE, Offer, Outcome, SpeculationPolicy, StepStats
 
 L = 4
@@ -220,3 +221,23 @@ def test_per_request_forward_cost_is_not_mistaken_for_cheap_tokens() -> None:
     for n in (8, 12, 40, 72):
         assert p.forward_cost(n, 8) == pytest.approx(CPU_BATCH.forward(n, 8), rel=0.05)
     assert p.forward_cost(8, 8) < p.forward_cost(40, 8)
+
+
+def test_a_settled_decision_is_reused_and_changes_no_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While drafting does not pay, the all-auto-regressive decision stands for a few steps
+    instead of being solved again every step (its cost is what a step without drafting pays
+    over plain auto-regression); it must choose exactly what solving every step chooses,
+    probes included, and a new request or new evidence must end it."""
+    p = calibrated(POOR)
+    _, history = run(p, [POOR] * 400 + [GOOD] * 200, batch=1, steps=600)
+    monkeypatch.setattr(speculation_policy, "RECHOOSE_EVERY", 0)
+    q = calibrated(POOR)
+    _, solved = run(q, [POOR] * 400 + [GOOD] * 200, batch=1, steps=600)
+    assert q.reused == 0 and p.reused > 250, p.reused
+    assert history == solved and p.probes == q.probes > 0
+    monkeypatch.setattr(speculation_policy, "RECHOOSE_EVERY", 8)
+    r = calibrated(POOR)
+    run(r, POOR, batch=2, steps=100)
+    assert r._settled is not None
+    reused = r.reused
+    assert r.choose(offers(3)) and r.reused == reused  # another request: solved afresh
