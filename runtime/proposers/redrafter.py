@@ -78,7 +78,7 @@ def draft_trees(
 ) -> list[DraftTree]:
     """One packed tree per request (`packing=False`: beams unmerged); `with_dists` attaches
     the per-node draft distributions (sampling requests' verification may use them)."""
-    drafts = beam_search(drafter, embed, hidden, torch.tensor(bonus, device=hidden.device), width, length)
+    drafts = beam_search(drafter, embed, hidden, torch.tensor(bonus, device=hidden.device), width, length, with_dists)
     tree = pack(drafts.beams) if packing else unpacked(drafts.beams)
     b, w, d = tree.unpack_index.shape
     beam = torch.arange(w, device=hidden.device)[None, :, None].expand(b, w, d).reshape(b, w * d)
@@ -93,7 +93,9 @@ def draft_trees(
     ).tolist()
     masks = tree.tree_mask.cpu()
     sizes = [c[0] for c in counts]
-    dists = node_log_probs(drafts.step_log_probs, tree.unpack_index, max(sizes)) if with_dists else None
+    dists = (
+        None if drafts.step_log_probs is None else node_log_probs(drafts.step_log_probs, tree.unpack_index, max(sizes))
+    )
     return [
         DraftTree(
             tokens[b][:num],

@@ -122,3 +122,23 @@ def test_rejects_bad_inputs() -> None:
         beam_search(drafter, nn.Embedding(11, D).to(TEST_DEVICE), h, bonus, 2, 2)
     with pytest.raises(ValueError, match="width and length"):
         beam_search(drafter, embed, h, bonus, 2, 0)
+
+
+@pytest.mark.parametrize("width", [1, 3, 4])
+@torch.no_grad()
+def test_without_dists_ranks_the_warp_support_alone(width: int) -> None:
+    """`with_dists=False` (greedy verification) ranks only each beam's top WARP_TOP_K
+    extensions: the same beams, scores and log-probs as the full search over the vocabulary
+    (here 300 > K tokens), and no `[B, W, L, V]` distributions."""
+    vocab, length = 300, 3
+    drafter, embed = setup(vocab)
+    h, bonus = inputs(3, [0, 7, 299])
+    full = beam_search(drafter, embed, h, bonus, width, length)
+    fast = beam_search(drafter, embed, h, bonus, width, length, with_dists=False)
+    assert fast.step_log_probs is None and full.step_log_probs is not None
+    assert torch.equal(fast.beams, full.beams)
+    torch.testing.assert_close(fast.scores, full.scores)
+    torch.testing.assert_close(fast.log_probs, full.log_probs)
+    for w in range(width):  # the drafter's own warped log-probs, one token at a time
+        ref = sequence_log_probs(drafter, embed, h[1], 7, fast.beams[1, w, 1:].tolist())
+        torch.testing.assert_close(fast.log_probs[1, w].cpu(), torch.tensor(ref))
