@@ -23,7 +23,8 @@ with bounded exploration so it never settles on a stale estimate for good.
   a table refreshed by live steps alone mixes batch shapes, so that forward(8 tokens of 8
   requests) came out dearer than forward(40 tokens) and drafting looked free;
 - draft_m: per method, intercept + per level + per drafted node (`LinearCost` over the
-  method's recent drafting calls; levels are its sequential drafter calls).
+  method's recent drafting calls of every shape it drafted; levels are its sequential
+  drafter calls).
 
 Choice (`choose`): a few Dinkelbach iterations (maximising a ratio: at the current rate
 lambda each request independently picks argmax_s tau_r(s) - lambda * marginal_cost_r(s)),
@@ -57,8 +58,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-WINDOW = 64
-"""Recent drafting calls the draft-cost fits use: enough to average noise, few enough to follow drift."""
+PER_SHAPE = 16
+"""Recent drafting calls per shape (levels, drafted nodes) the draft-cost fits keep: enough
+to average noise, few enough to follow drift. Per shape, so that a run of one shape cannot
+push every other shape out of the fit (a single shape leaves the per-node slope undetermined,
+and a fit that believes drafting 4 nodes costs what 16 did never leaves the 16)."""
 GROUP_EMA = 0.05
 """Least weight of a step's mean observation in an estimate shared by a kind of request (1/n before)."""
 REQUEST_EMA = 0.2
@@ -216,23 +220,33 @@ class ForwardCost:
 
 
 class LinearCost:
-    """seconds = c0 + c . x (non-negative coefficients), least squares over a window of
-    (features, seconds) samples; refitted once per new sample, not per query."""
+    """seconds = c0 + c . x (non-negative coefficients), least squares over the latest
+    `PER_SHAPE` (features, seconds) samples of every feature vector seen; refitted once per
+    new sample, not per query."""
 
     def __init__(self) -> None:
-        self.samples: deque[tuple[tuple[float, ...], float]] = deque(maxlen=WINDOW)
+        self._shapes: dict[tuple[float, ...], deque[float]] = {}
         self._coef: np.ndarray | None = None
 
+    @property
+    def samples(self) -> list[tuple[tuple[float, ...], float]]:
+        """The (features, seconds) samples the fit uses."""
+        return [(x, seconds) for x, times in self._shapes.items() for seconds in times]
+
+    def __len__(self) -> int:
+        return sum(len(times) for times in self._shapes.values())
+
     def add(self, x: tuple[float, ...], seconds: float) -> None:
-        self.samples.append((x, seconds))
+        self._shapes.setdefault(tuple(x), deque(maxlen=PER_SHAPE)).append(seconds)
         self._coef = None
 
     def __call__(self, *x: float) -> float:
-        if not self.samples:
+        if not self._shapes:
             return 0.0
         if self._coef is None:
-            a = np.array([(1.0, *f) for f, _ in self.samples])
-            t = np.array([s for _, s in self.samples])
+            samples = self.samples
+            a = np.array([(1.0, *f) for f, _ in samples])
+            t = np.array([s for _, s in samples])
             ridge = 1e-6 * np.eye(a.shape[1])  # features without spread: shrink their coefficient, not blow up
             coef = np.linalg.solve(a.T @ a + ridge, a.T @ t)
             if coef.min() < 0:  # a negative intercept/slope: refit without it (costs never shrink with work)
@@ -246,7 +260,7 @@ class LinearCost:
         return float(self._coef[0] + np.dot(self._coef[1:], x))
 
     def slopes(self) -> np.ndarray:
-        self(*([0.0] * (len(self.samples[0][0]) if self.samples else 0)))
+        self(*([0.0] * len(next(iter(self._shapes), ()))))
         return self._coef[1:] if self._coef is not None else np.zeros(0)
 
 
@@ -493,7 +507,7 @@ class SpeculationPolicy:
     def _draft_slopes(self, method: str, requests: int) -> tuple[float, float]:
         """(seconds per level per request sharing it, seconds per drafted node) of `method`."""
         cost = self.draft_cost.get(method)
-        if cost is None or not cost.samples:
+        if cost is None or not cost:
             return 0.0, 0.0
         per_level, per_node = cost.slopes()
         return float(per_level) / requests, float(per_node)
@@ -502,15 +516,20 @@ class SpeculationPolicy:
 
     def calibrate(self, forward: Callable[[int], None], most: int) -> None:
         """Seed the forward-cost table: `forward(n)` runs a target forward of n tokens (timed
-        twice per small size, the faster kept: the first may pay one-off set-up; larger
-        sizes are extrapolated from the two largest until live steps measure them)."""
+        three times per small size, the fastest kept: the first may pay one-off set-up, and
+        a burst of load on a shared machine can hit any one; larger sizes are extrapolated
+        from the two largest until live steps measure them). A forward of more tokens never
+        costs less: where noise says otherwise, the larger size takes the smaller's time
+        (live steps only correct the per-request residual, so a dip would stay for good)."""
+        slowest = 0.0
         for n in sorted({min(n, most) for n in CALIBRATION_SIZES}):
             times = []
-            for _ in range(2 if n <= 64 else 1):
+            for _ in range(3 if n <= 64 else 1):
                 start = time.perf_counter()
                 forward(n)
                 times.append(time.perf_counter() - start)
-            self.forward_cost.calibrate(n, min(times))
+            slowest = max(slowest, min(times))
+            self.forward_cost.calibrate(n, slowest)
 
     def add_draft_samples(self, method: str, samples: Iterable[tuple[int, int, float]]) -> None:
         """(levels, drafted nodes, seconds) of drafting calls timed at engine start."""

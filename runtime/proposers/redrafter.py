@@ -132,20 +132,24 @@ class ReDrafterProposer(Proposer):
         return [0 if s == 1 else params.beam_length for s in self.sizes(params)]
 
     def draft_cost_samples(self) -> list[tuple[int, int, float]]:
-        """Beam searches of one beam for 1, 8 and 32 requests, twice each, from zero states."""
+        """Beam searches from zero states, twice each: every width load-aware speculation may
+        pick for one request, and one beam for 8 and 32 requests (so the fit sees nodes
+        drafted by wider beams as well as by more requests)."""
         drafter, model = self.engine.redrafter, self.engine.model
         assert drafter is not None
         spec = self.engine.config.drafter
-        length = spec.settings.get("beam_length", ReDrafterParams.beam_length) if spec else ReDrafterParams.beam_length
+        settings = spec.settings if spec else {}
+        length = settings.get("beam_length", ReDrafterParams.beam_length)
+        widths = beam_widths(settings.get("beam_width", ReDrafterParams.beam_width))
         samples = []
-        for rows in (1, 8, 32):
+        for rows, width in [(1, w) for w in widths] + [(8, 1), (32, 1)]:
             hidden = torch.zeros(
                 rows, model.config.hidden_size, dtype=model.lm_head.weight.dtype, device=self.engine.device
             )
             for _ in range(2):
                 start = time.perf_counter()
-                draft_trees(drafter, model.model.embed_tokens, hidden, [0] * rows, 1, length, False)
-                samples.append((length, rows * length, time.perf_counter() - start))
+                draft_trees(drafter, model.model.embed_tokens, hidden, [0] * rows, width, length, False)
+                samples.append((length, rows * width * length, time.perf_counter() - start))
         return samples
 
     def propose(self, requests: list[Request], budgets: list[int]) -> list[DraftTree]:

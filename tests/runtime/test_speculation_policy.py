@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from runtime import speculation_policy
-from runtime.speculation_policy import PROBE_SHARE, Offer, Outcome, SpeculationPolicy, StepStats
+from runtime.speculation_policy import PROBE_SHARE, LinearCost, Offer, Outcome, SpeculationPolicy, StepStats
 
 L = 4
 """Draft length: a ReDrafter tree of w beams has at most 1 + w * L nodes."""
@@ -241,3 +241,39 @@ def test_a_settled_decision_is_reused_and_changes_no_choice(monkeypatch: pytest.
     assert r._settled is not None
     reused = r.reused
     assert r.choose(offers(3)) and r.reused == reused  # another request: solved afresh
+
+
+def test_draft_cost_fit_keeps_every_shape_it_saw() -> None:
+    """A long run of one drafting shape must not push the others out of the fit: with only
+    16-node drafts left, the per-node slope is undetermined and a 4-node draft looks as dear
+    as a 16-node one, so the policy would never leave the larger tree (seen at batch 1)."""
+    cost = LinearCost()
+    for _ in range(3):
+        cost.add((L, 4), 0.005)
+    for _ in range(200):
+        cost.add((L, 16), 0.008)
+    assert cost(L, 4) == pytest.approx(0.005, abs=2e-4)
+    assert cost(L, 16) == pytest.approx(0.008, abs=2e-4)
+    assert len(cost) == 3 + speculation_policy.PER_SHAPE
+
+
+def test_calibrated_forward_cost_never_decreases_with_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A burst of load while timing the smaller size (a dip at the larger one) must not make
+    more tokens look cheaper: each size is timed three times, the fastest kept, and the
+    table made non-decreasing."""
+    clock = [0.0]
+    noisy = {5: [0.020, 0.019, 0.021], 8: [0.012, 0.013, 0.012]}  # 8 tokens timed during a lull
+    calls: dict[int, int] = {}
+
+    def forward(n: int) -> None:
+        k = calls.get(n, 0)
+        calls[n] = k + 1
+        clock[0] += noisy[n][k] if n in noisy else 0.010 + 0.001 * n
+
+    monkeypatch.setattr(speculation_policy.time, "perf_counter", lambda: clock[0])
+    p = SpeculationPolicy()
+    p.calibrate(forward, 12)
+    points = p.forward_cost.tokens.points
+    assert calls == dict.fromkeys([1, 2, 3, 5, 8, 12], 3)
+    assert points[5] == pytest.approx(0.019) and points[8] == pytest.approx(0.019)
+    assert all(points[a] <= points[b] for a, b in zip(sorted(points), sorted(points)[1:], strict=False))
