@@ -88,8 +88,13 @@ BUILDER := build/engine.py runtime/engine_dir.py $(MODEL)/tokenizer_config.json
 $(ENGINE)/config.json: $(STAMP) $(BUILDER) $(MODEL)/config.json $(MODEL)/model.safetensors $(MODEL)/tokenizer.json
 	$(BIN)/python -m build.engine --checkpoint $(MODEL) --output $(ENGINE) --force
 
-$(SPEC_ENGINE)/config.json: $(STAMP) $(BUILDER) $(MODEL)/model.safetensors $(DRAFTER)/config.json $(DRAFTER)/model.safetensors
-	$(BIN)/python -m build.engine --checkpoint $(MODEL) --drafter $(DRAFTER) --output $(SPEC_ENGINE) --max-batch-size 32 --force
+# Beams of 5 tokens: with greedy beam search ranking only the warp's support, a draft level
+# costs ~1.2 ms at batch 1 and L=5 beats L=4 (held-out prompts, load-aware: batch 1 1.89x vs
+# 1.78x AR, batch 8 1.21x vs 1.18x, batch 32 the same); load-aware picks the width.
+SPEC_BEAMS := --beam-width 4 --beam-length 5
+
+$(SPEC_ENGINE)/config.json: $(STAMP) $(BUILDER) $(MODEL)/model.safetensors $(DRAFTER)/config.json $(DRAFTER)/model.safetensors Makefile
+	$(BIN)/python -m build.engine --checkpoint $(MODEL) --drafter $(DRAFTER) --output $(SPEC_ENGINE) --max-batch-size 32 $(SPEC_BEAMS) --force
 
 $(DRAFT_ENGINE)/config.json: $(STAMP) $(BUILDER) $(MODEL)/model.safetensors $(DRAFT_LM)/config.json $(DRAFT_LM)/model.safetensors
 	$(BIN)/python -m build.engine --checkpoint $(MODEL) --draft-model $(DRAFT_LM) --output $(DRAFT_ENGINE) --max-batch-size 32 --force
