@@ -48,6 +48,8 @@ class Row:
     mean_first_response_ms: float
     mean_response_gap_ms: float
     """Mean time between two streamed responses of one request (one engine step)."""
+    tokens: tuple[int, int]
+    """Output tokens of one round, in-process and through Triton (the same when EOS is ignored)."""
 
 
 @dataclass
@@ -174,6 +176,7 @@ def main(argv: list[str] | None = None) -> None:
                 ratios=[round(r, 3) for r in ratios],
                 mean_first_response_ms=statistics.mean(x for t in served[method] for x in t.first_ms),
                 mean_response_gap_ms=statistics.mean(x for t in served[method] for x in t.gaps_ms),
+                tokens=(local[method][0].tokens, served[method][0].tokens),
             )
         )
     meta = {

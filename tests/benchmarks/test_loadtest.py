@@ -16,6 +16,7 @@ pytest.importorskip("tritonclient.grpc", reason="needs the Triton client: pip in
 from benchmarks.arrivals import ArrivalProcess
 from benchmarks.loadtest import RequestSettings, main, run_load, summarize
 from benchmarks.prompts import Prompt, load_prompts
+from benchmarks.triton_overhead import main as overhead_main
 from build.engine import build_engine
 from runtime.engine_dir import BuildConfig
 from tests.host_tools import skip_without_tritonserver
@@ -115,3 +116,19 @@ def test_the_openai_backend_writes_the_same_report(server: TritonServer, tmp_pat
         assert row["output_tokens"] == sum(t for _, t in row["chunks"]) == MAX_TOKENS and row["input_tokens"] > 0
     assert doc["total_draft_tokens"] >= doc["total_accepted_tokens"] > 0
     assert records[0].ok and records[1].error is not None and "max_input_len 256" in records[1].error
+
+
+def test_triton_overhead_report_times_the_same_requests_both_ways(server: TritonServer, tmp_path: Path) -> None:
+    """`benchmarks/triton_overhead.py` against the running server: each method decodes the
+    same fixed-length requests in-process and through Triton, and the report says so."""
+    out = tmp_path / "overhead"
+    overhead_main(
+        ["--engine", str(server.cfg.engine_dir), "--url", server.grpc_url, "--num-prompts", "2",
+         "--max-tokens", "6", "--rounds", "1", "--out", str(out)]
+    )  # fmt: skip
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [r["method"] for r in rows] == ["ar", "redrafter"]
+    for r in rows:
+        assert r["tokens"] == [12, 12]
+        assert r["ratio"] > 0 and r["mean_response_gap_ms"] > 0 and r["mean_first_response_ms"] > 0
+    assert "python -m benchmarks.triton_overhead --engine" in out.with_suffix(".md").read_text()
