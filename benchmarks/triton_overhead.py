@@ -15,6 +15,7 @@ streamed responses (one per engine step). Writes `<out>.json` and `<out>.md`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import queue
 import statistics
@@ -146,23 +147,22 @@ def main(argv: list[str] | None = None) -> None:
     llm = LLMEngine(loaded, RuntimeConfig())
     texts = heldout_prompts(args.num_prompts)
     prompts = [loaded.encode(t) for t in texts]
-    with tempfile.TemporaryDirectory() as run_dir:
-        server = None if args.url else TritonServer(ServingConfig(args.engine), Path(run_dir)).__enter__()
-        try:
-            client = TritonClient(args.url or server.grpc_url)  # type: ignore[union-attr]
-            for method in args.methods:  # warm-up both ways
-                warm_up(llm, prompts[0], method, 0.0)
-                client.run(texts[:1], 8, method)
-            local: dict[str, list[Timed]] = {m: [] for m in args.methods}
-            served: dict[str, list[Timed]] = {m: [] for m in args.methods}
-            for _ in tqdm(range(args.rounds), desc="rounds"):
-                for method in args.methods:
-                    local[method].append(in_process(llm, prompts, args.max_tokens, method))
-                    served[method].append(client.run(texts, args.max_tokens, method))
-            client.close()
-        finally:
-            if server is not None:
-                server.__exit__(None, None, None)
+    local: dict[str, list[Timed]] = {m: [] for m in args.methods}
+    served: dict[str, list[Timed]] = {m: [] for m in args.methods}
+    with contextlib.ExitStack() as stack:
+        url = args.url
+        if url is None:
+            run_dir = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            url = stack.enter_context(TritonServer(ServingConfig(args.engine), run_dir)).grpc_url
+        client = TritonClient(url)
+        stack.callback(client.close)
+        for method in args.methods:  # warm-up both ways
+            warm_up(llm, prompts[0], method, 0.0)
+            client.run(texts[:1], 8, method)
+        for _ in tqdm(range(args.rounds), desc="rounds"):
+            for method in args.methods:
+                local[method].append(in_process(llm, prompts, args.max_tokens, method))
+                served[method].append(client.run(texts, args.max_tokens, method))
     rows = []
     for method in args.methods:
         pairs = zip(local[method], served[method], strict=True)
