@@ -6,8 +6,20 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from training import corpus
+
+
+def optimiser(cfg: dict[str, Any]) -> str:
+    """The optimiser row of a model card from a training config (AdamW, the schedule, the
+    precision, and the drafter it was fine-tuned from, if any)."""
+    precision = "bf16 autocast" if cfg.get("autocast", True) else "fp32"
+    line = (
+        f"AdamW (lr {cfg['lr']}, cosine to {cfg['min_lr_ratio']}x, warm-up {cfg['warmup_steps']}, "
+        f"wd {cfg['weight_decay']}), {precision}, seed {cfg['seed']}"
+    )
+    return line + (f", fine-tuned from `{cfg['init_from']}`" if cfg.get("init_from") else "")
 
 
 def write_model_card(model_dir: Path, command: str) -> Path:
@@ -38,9 +50,7 @@ def write_model_card(model_dir: Path, command: str) -> Path:
         ),
         (
             "optimiser",
-            f"AdamW (lr {cfg['lr']}, cosine to {cfg['min_lr_ratio']}x, warm-up {cfg['warmup_steps']}, "
-            f"wd {cfg['weight_decay']}), {'bf16 autocast' if cfg.get('autocast', True) else 'fp32'}, seed {cfg['seed']}"
-            + (f", fine-tuned from `{cfg['init_from']}`" if cfg.get("init_from") else ""),
+            optimiser(cfg),
         ),
         ("held-out loss", f"{m['heldout_loss']:.3f} nats/token (perplexity {m['heldout_perplexity']:.1f})"),
         ("training time", f"{m['train_minutes']:.1f} min on 2 CPU cores"),
@@ -182,9 +192,7 @@ def write_draft_lm_card(model_dir: Path, command: str) -> Path:
         ("loss", loss + (f"; {init}" if init else "")),
         (
             "optimiser",
-            f"AdamW (lr {cfg['lr']}, cosine to {cfg['min_lr_ratio']}x, warm-up {cfg['warmup_steps']}, "
-            f"wd {cfg['weight_decay']}), {'bf16 autocast' if cfg.get('autocast', True) else 'fp32'}, seed {cfg['seed']}"
-            + (f", fine-tuned from `{cfg['init_from']}`" if cfg.get("init_from") else ""),
+            optimiser(cfg),
         ),
         (
             "held-out expected acceptance",
@@ -277,9 +285,7 @@ def write_lyanna_card(drafter_dir: Path, command: str) -> Path:
         ),
         (
             "optimiser",
-            f"AdamW (lr {cfg['lr']}, cosine to {cfg['min_lr_ratio']}x, warm-up {cfg['warmup_steps']}, "
-            f"wd {cfg['weight_decay']}), {'bf16 autocast' if cfg.get('autocast', True) else 'fp32'}, seed {cfg['seed']}"
-            + (f", fine-tuned from `{cfg['init_from']}`" if cfg.get("init_from") else ""),
+            optimiser(cfg),
         ),
         (
             "held-out top-1 agreement per chain step",
