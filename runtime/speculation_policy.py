@@ -436,10 +436,10 @@ class SpeculationPolicy:
         expected loss; returns the request to probe (or None)."""
         candidate = self._probe(members, batch, others, best)
         if candidate is None:
-            self.credit = min(self.credit + PROBE_SHARE * best.seconds, best.seconds)
+            self.credit = self._earned(best.seconds, None)
             return None
         offer, loss = candidate
-        self.credit = min(self.credit + PROBE_SHARE * best.seconds, max(best.seconds, loss))
+        self.credit = self._earned(best.seconds, loss)
         if loss > self.credit:
             return None
         self._measured[offer.kind] = self.steps
@@ -477,12 +477,18 @@ class SpeculationPolicy:
             return False
         stale = self.steps - PROBE_EVERY
         can_probe = any(self._measured.get(o.kind, -1) <= stale for o in offers)
-        credit = min(self.credit + PROBE_SHARE * s.seconds, max(s.seconds, s.probe_loss) if can_probe else s.seconds)
+        credit = self._earned(s.seconds, s.probe_loss if can_probe else None)
         if can_probe and credit >= s.probe_loss:
             return False  # a probe is due: solve this step in full
         self.credit = credit
         self.reused += 1
         return True
+
+    def _earned(self, seconds: float, probe_loss: float | None) -> float:
+        """The exploration credit after a step of `seconds`: it earns `PROBE_SHARE` of them,
+        capped at one step, or at the loss of the probe it saves for (None: no probe can run)."""
+        cap = seconds if probe_loss is None else max(seconds, probe_loss)
+        return min(self.credit + PROBE_SHARE * seconds, cap)
 
     def _evaluate(self, batch: list[_Group], sizes: list[int], others: int) -> _Choice:
         tokens, nodes, requests = 0.0, float(others), others
