@@ -17,7 +17,7 @@ DEMO_PROMPTS := --prompt "def fibonacci(n):" \
 	--prompt "$$(printf 'class Stack:\n    def __init__(self):')" \
 	--prompt "$$(printf 'import os\n\n\ndef list_python_files(path):')"
 
-.PHONY: help setup mpi perf-analyzer-install perf-tools genai-perf perf-analyzer engine demo serve test test-slow lint format model drafter drafter-soft draft-lm lyanna bench-redrafter bench-redrafter-kd bench-redrafter-grid bench-lyanna-throughput bench-batch bench-triton-overhead bench-rsd bench-ngram profile bench-lyanna bench-drafter-tp loadtest loadtest-openai soak bench-table2 export-trtllm clean
+.PHONY: help setup mpi perf-analyzer-install perf-tools genai-perf perf-analyzer engine demo serve test test-slow lint format model drafter drafter-soft draft-lm lyanna bench-redrafter bench-redrafter-kd bench-redrafter-grid bench-lyanna-throughput bench-batch bench-batch-methods bench-triton-overhead bench-rsd bench-ngram profile bench-lyanna bench-drafter-tp loadtest loadtest-openai soak bench-table2 export-trtllm clean
 
 help:  ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 25
@@ -156,6 +156,14 @@ bench-redrafter: engine  ## W x L x T sweep: tau, acceptance, compression, speed
 
 bench-batch: engine  ## throughput + tau vs batch size: AR, fixed and load-aware ReDrafter -> benchmarks/results/
 	$(BIN)/python -m benchmarks.batch_sweep --engine $(SPEC_ENGINE)
+
+bench-batch-methods: engine  ## the same at batch 1 and 8, T=0 and T=1, for sd, rsd-c, rsd-s (draft LM) and lyanna (~25 min) -> benchmarks/results/batch_sweep_<method>[_t1].*
+	for m in sd rsd-c rsd-s; do for t in 0 1; do \
+	  $(BIN)/python -m benchmarks.batch_sweep --engine $(DRAFT_ENGINE) --method $$m --batch-sizes 1,8 --temperature $$t \
+	    --out benchmarks/results/batch_sweep_$$m$$([ $$t = 0 ] || echo _t1) || exit 1; done; done
+	for t in 0 1; do \
+	  $(BIN)/python -m benchmarks.batch_sweep --engine $(LYANNA_ENGINE) --method lyanna --batch-sizes 1,8 --temperature $$t \
+	    --out benchmarks/results/batch_sweep_lyanna$$([ $$t = 0 ] || echo _t1) || exit 1; done
 
 bench-triton-overhead: engine  ## batch-1 tokens/s through Triton (gRPC streaming) vs in-process, AR and ReDrafter -> benchmarks/results/triton_overhead.*
 	$(BIN)/python -m benchmarks.triton_overhead --engine $(SPEC_ENGINE) --rounds 5

@@ -1,7 +1,9 @@
-"""Throughput vs batch size: auto-regressive, ReDrafter with a fixed tree, and ReDrafter
-with load-aware speculation, on the in-flight batching engine.
+"""Throughput vs batch size: auto-regressive, a method with a fixed tree (its largest), and
+the same method with load-aware speculation, on the in-flight batching engine.
 
     python -m benchmarks.batch_sweep --engine engines/demo-redrafter
+    python -m benchmarks.batch_sweep --engine engines/demo-draft-lm --method rsd-c --batch-sizes 1,8 \
+        --out benchmarks/results/batch_sweep_rsd-c
 
 For each batch size B, max(B, --min-prompts) held-out prompts are decoded with at most B
 running at once (in-flight batching: a finished request's place goes to the next; so
@@ -36,14 +38,14 @@ from benchmarks.timing import alternate, sampling_params, timed, warm_up
 from runtime.config import RuntimeConfig
 from runtime.llm_engine import LLMEngine
 from runtime.loaded_engine import LoadedEngine
+from runtime.proposers.registry import DEFAULT_METHOD, methods_for
 from runtime.results import tokens_per_step
 from training.corpus import heldout_prompts
 
-CONFIGS = {  # name -> (method, speculation mode)
-    "ar": ("ar", "fixed"),
-    "redrafter-fixed": ("redrafter", "fixed"),
-    "redrafter-load-aware": ("redrafter", "load-aware"),
-}
+
+def configs(method: str) -> dict[str, tuple[str, str]]:
+    """Configuration name -> (method, speculation mode): AR, `method` fixed, `method` load-aware."""
+    return {"ar": ("ar", "fixed"), f"{method}-fixed": (method, "fixed"), f"{method}-load-aware": (method, "load-aware")}
 
 
 @dataclass
@@ -60,18 +62,22 @@ class Row:
 
 
 def run_batch(
-    engines: dict[str, LLMEngine], prompts: list[list[int]], max_tokens: int, rounds: int, temperature: float
+    engines: dict[str, LLMEngine],
+    method: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    rounds: int,
+    temperature: float,
 ) -> tuple[dict[str, float], dict[str, float], dict[str, float], Counter[int]]:
     """tokens/s over all rounds, median per-round ratio to AR, tau, load-aware budget histogram."""
     for llm in engines.values():
         llm.clock.reset()
     params = sampling_params(len(prompts), max_tokens, temperature)
-    runs = {
-        name: functools.partial(timed, engine, prompts, params, CONFIGS[name][0]) for name, engine in engines.items()
-    }
+    names = configs(method)
+    runs = {name: functools.partial(timed, engine, prompts, params, names[name][0]) for name, engine in engines.items()}
     timings = alternate([runs] * rounds, "ar")
     widths = Counter[int]()
-    for (_, size), n in engines["redrafter-load-aware"].policy.chosen.items():
+    for (_, size), n in engines[f"{method}-load-aware"].policy.chosen.items():
         widths[size] += n
     taus = {name: [tokens_per_step(run.results) for run in t.runs] for name, t in timings.items()}
     return (
@@ -83,13 +89,14 @@ def run_batch(
 
 
 def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
-    names = list(CONFIGS)
+    method = meta["method"]
+    names = list(configs(method))
     lines = [
         "# Throughput vs batch size",
         "",
-        f"Engine `{meta['engine']}`, temperature {meta['temperature']}, {meta['max_tokens']} output tokens "
-        f"per request, max(batch, {meta['min_prompts']}) prompts from the held-out files with at most `batch` "
-        f"running, {meta['rounds']} alternating rounds; "
+        f"Engine `{meta['engine']}`, method `{method}`, temperature {meta['temperature']}, "
+        f"{meta['max_tokens']} output tokens per request, max(batch, {meta['min_prompts']}) prompts from the "
+        f"held-out files with at most `batch` running, {meta['rounds']} alternating rounds; "
         f"{meta['machine']['cpu']} ({meta['machine']['torch_threads']} threads). Ratios: median over rounds of "
         "the ratio to auto-regressive decoding within a round; tau = tokens per decoding step per request. "
         f"Command: `{meta['command']}`",
@@ -104,26 +111,35 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
         lines.append(
             f"| {r.batch_size} | "
             + " | ".join(f"{r.tokens_per_s[n]:.0f}" for n in names)
-            + f" | {r.ratio_to_ar['redrafter-fixed']:.2f}x | {r.ratio_to_ar['redrafter-load-aware']:.2f}x"
-            f" | {r.tau['redrafter-fixed']:.2f} | {r.tau['redrafter-load-aware']:.2f} | {widths} | {plain} |"
+            + f" | {r.ratio_to_ar[names[1]]:.2f}x | {r.ratio_to_ar[names[2]]:.2f}x"
+            f" | {r.tau[names[1]]:.2f} | {r.tau[names[2]]:.2f} | {widths} | {plain} |"
         )
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", type=Path, default=Path("engines/demo-redrafter"), help="engine with a drafter")
+    ap.add_argument(
+        "--method", default=None, help="method to compare with AR (default: the engine's, e.g. redrafter, sd, lyanna)"
+    )
     ap.add_argument("--batch-sizes", default="1,2,4,8,16,32", help="batch sizes (default: %(default)s)")
     ap.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default: %(default)s)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per batch size (default: %(default)s)")
     ap.add_argument("--min-prompts", type=int, default=8, help="prompts per batch size at least (default: %(default)s)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/batch_sweep"), help="output path stem")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     loaded = LoadedEngine.load(args.engine)
-    if loaded.redrafter is None:
-        raise SystemExit(f"error: {args.engine} has no ReDrafter RNN drafter; build it with --drafter")
+    kind = loaded.config.drafter.kind if loaded.config.drafter else None
+    method = args.method or DEFAULT_METHOD[kind]
+    if method == "ar" or method not in methods_for(kind):
+        raise SystemExit(
+            f"error: --method {method} does not speculate on {args.engine}; choose one of "
+            f"{[m for m in methods_for(kind) if m != 'ar']} or an engine built with its drafter"
+        )
+    names = configs(method)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     if max(sizes) > loaded.config.build.max_batch_size:
         raise SystemExit(
@@ -136,25 +152,26 @@ def main() -> None:
         # one engine per configuration: each keeps its own cost and acceptance measurements
         engines = {
             name: LLMEngine(loaded, RuntimeConfig(max_batch_size=size, max_num_tokens=2048, speculation=mode))
-            for name, (_, mode) in CONFIGS.items()
+            for name, (_, mode) in names.items()
         }
         prompts = [loaded.encode(t) for t in texts[: max(size, args.min_prompts)]]
         for name, llm in engines.items():  # warm-up (allocator growth, first-step measurements)
-            warm_up(llm, prompts[0], CONFIGS[name][0], args.temperature)
-        engines["redrafter-load-aware"].policy.chosen.clear()
-        rate, ratio, taus, widths = run_batch(engines, prompts, args.max_tokens, args.rounds, args.temperature)
-        plain, ar = engines["redrafter-load-aware"].clock, engines["ar"].clock
+            warm_up(llm, prompts[0], names[name][0], args.temperature)
+        engines[f"{method}-load-aware"].policy.chosen.clear()
+        rate, ratio, taus, widths = run_batch(engines, method, prompts, args.max_tokens, args.rounds, args.temperature)
+        plain, ar = engines[f"{method}-load-aware"].clock, engines["ar"].clock
         plain_ms, ar_ms = plain.plain_ms(), ar.plain_ms()
         plain_ratio = plain_ms / ar_ms if plain_ms and ar_ms else None
         rows.append(Row(size, rate, ratio, taus, dict(widths), plain_ratio, plain.plain_steps))
         tqdm.write(str(asdict(rows[-1])))
     meta = {
         "engine": str(args.engine),
+        "method": method,
         "temperature": args.temperature,
         "max_tokens": args.max_tokens,
         "rounds": args.rounds,
         "min_prompts": args.min_prompts,
-        "command": "python -m benchmarks.batch_sweep " + " ".join(sys.argv[1:]),
+        "command": "python -m benchmarks.batch_sweep " + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": machine(),
     }
     write_report(args.out, meta, [asdict(r) for r in rows], markdown(rows, meta))
