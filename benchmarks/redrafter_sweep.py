@@ -20,7 +20,8 @@ import argparse
 import functools
 import itertools
 import json
-from dataclasses import asdict, dataclass
+import sys
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -89,7 +90,8 @@ def markdown(rows: list[SweepRow], meta: dict[str, object]) -> str:
         "",
         f"Engine `{meta['engine']}`, {meta['prompts']} held-out prompts x {meta['max_tokens']} tokens, batch 1, "
         f"{meta['machine']['cpu']} ({meta['machine']['torch_threads']} threads). Speedup = auto-regressive ms/token "  # type: ignore[index]
-        "/ ReDrafter ms/token, measured alternately in the same run; tau = tokens per target forward.",
+        "/ ReDrafter ms/token, measured alternately in the same run; tau = tokens per target forward. "
+        f"Command: `{meta['command']}`",
         "",
         "| T | W | L | tau | acceptance@1..L | compression | AR ms/tok | ReDrafter ms/tok | speedup |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -106,7 +108,7 @@ def markdown(rows: list[SweepRow], meta: dict[str, object]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--engine", type=Path, default=Path("engines/demo-redrafter"), help="engine with a ReDrafter drafter"
@@ -117,12 +119,11 @@ def main() -> None:
     ap.add_argument("--lengths", default="3,4,5", help="beam lengths L (default: %(default)s)")
     ap.add_argument("--temperatures", default="0,1", help="temperatures T (default: %(default)s)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/redrafter_sweep"), help="output path stem")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     loaded = LoadedEngine.load(args.engine)
     if loaded.redrafter is None:
         raise SystemExit(f"error: {args.engine} has no ReDrafter RNN drafter; build it with --drafter")
-    engine = LLMEngine(loaded, ONE_AT_A_TIME)
     prompts = [loaded.encode(t) for t in heldout_prompts(args.prompts)]
     grid = list(
         itertools.product(
@@ -131,13 +132,22 @@ def main() -> None:
             [int(n) for n in args.lengths.split(",")],
         )
     )
+    largest = max(w * n for _, w, n in grid)  # the widest tree must fit a step (W=16, L=5: 80 drafts)
+    config = replace(ONE_AT_A_TIME, max_draft_tokens=max(largest, ONE_AT_A_TIME.max_draft_tokens))
+    engine = LLMEngine(loaded, config)
     # warm-up: first calls pay for allocator growth and lazy initialisation
     run_setting(engine, prompts[:2], ReDrafterParams(2, 2), 0.0, 8)
     rows = []
     for temperature, width, length in tqdm(grid, desc="redrafter sweep", unit="setting"):
         rows.append(run_setting(engine, prompts, ReDrafterParams(width, length), temperature, args.max_tokens))
         tqdm.write(json.dumps(asdict(rows[-1])))
-    meta = {"engine": str(args.engine), "prompts": args.prompts, "max_tokens": args.max_tokens, "machine": machine()}
+    meta = {
+        "engine": str(args.engine),
+        "prompts": args.prompts,
+        "max_tokens": args.max_tokens,
+        "command": "python -m benchmarks.redrafter_sweep " + " ".join(sys.argv[1:] if argv is None else argv),
+        "machine": machine(),
+    }
     write_report(args.out, meta, [asdict(r) for r in rows], markdown(rows, meta))
 
 
