@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,7 +32,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from benchmarks.report import machine, write_report
+from benchmarks.report import command, machine, write_report
 from benchmarks.timing import alternate, sampling_params, timed, warm_up
 from runtime.config import RuntimeConfig
 from runtime.llm_engine import LLMEngine
@@ -171,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
         "max_tokens": args.max_tokens,
         "rounds": args.rounds,
         "min_prompts": args.min_prompts,
-        "command": "python -m benchmarks.batch_sweep " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": command("benchmarks.batch_sweep", argv),
         "machine": machine(),
     }
     write_report(args.out, meta, [asdict(r) for r in rows], markdown(rows, meta))

@@ -18,14 +18,13 @@ per request). Writes `<out>.json` and `<out>.md`.
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from benchmarks.report import machine, write_report
+from benchmarks.report import command, machine, write_report
 from benchmarks.timing import batch_rounds
 from runtime.loaded_engine import LoadedEngine
 from runtime.results import tokens_per_step
@@ -139,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         for path, methods in engines.items():
             cells += run_engine(path, methods, args, bar)
     meta = {
-        "command": "python -m benchmarks.lyanna_throughput " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": command("benchmarks.lyanna_throughput", argv),
         "engines": engines,
         "min_prompts": args.min_prompts,
         "max_tokens": args.max_tokens,

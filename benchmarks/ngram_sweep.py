@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from benchmarks.report import machine, write_report
+from benchmarks.report import command, machine, write_report
 from benchmarks.timing import alternate, sampling_params, timed, warm_up
 from runtime.config import RuntimeConfig
 from runtime.llm_engine import LLMEngine
@@ -116,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
         "engine": args.engine,
         "prompts": args.prompts,
         "max_tokens": args.max_tokens,
-        "command": "python -m benchmarks.ngram_sweep " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command("benchmarks.ngram_sweep", argv),
         "machine": machine(),
     }
     write_report(args.out, meta, [asdict(r) for r in rows], markdown(rows, meta))

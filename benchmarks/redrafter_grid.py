@@ -19,14 +19,13 @@ Writes `<out>.json` and `<out>.md`.
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from benchmarks.report import machine, write_report
+from benchmarks.report import command, machine, write_report
 from benchmarks.timing import batch_rounds
 from runtime.loaded_engine import LoadedEngine
 from runtime.results import tokens_per_step
@@ -160,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
         for c in cells[-len(cfgs) :]:
             tqdm.write(f"B={batch} W={c.beam_width} packing={c.packing}: {c.speedup:.2f}x tau {c.tau:.2f}")
     meta = {
-        "command": "python -m benchmarks.redrafter_grid " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": command("benchmarks.redrafter_grid", argv),
         "engine": str(args.engine),
         "min_prompts": args.min_prompts,
         "max_tokens": args.max_tokens,

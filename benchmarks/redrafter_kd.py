@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
 from benchmarks.redrafter_sweep import SweepRow, run_setting
-from benchmarks.report import machine, named_dirs, write_report
+from benchmarks.report import command, machine, named_dirs, write_report
 from benchmarks.timing import ONE_AT_A_TIME
 from build.engine import build_engine
 from runtime.engine_dir import BuildConfig
@@ -147,7 +146,7 @@ def main() -> None:
     if len(flags) > 1:
         tqdm.write(f"warning: the drafters were trained with different budgets: {sorted(flags)}")
     meta = {
-        "command": "python -m benchmarks.redrafter_kd " + " ".join(sys.argv[1:]),
+        "command": command("benchmarks.redrafter_kd", None),
         "target": str(args.target),
         "prompts": args.prompts,
         "max_tokens": args.max_tokens,

@@ -20,13 +20,12 @@ import argparse
 import functools
 import itertools
 import json
-import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from tqdm import tqdm
 
-from benchmarks.report import machine, write_report
+from benchmarks.report import command, machine, write_report
 from benchmarks.timing import ONE_AT_A_TIME, alternate, sampling_params, timed
 from runtime.llm_engine import LLMEngine
 from runtime.loaded_engine import LoadedEngine
@@ -145,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
         "engine": str(args.engine),
         "prompts": args.prompts,
         "max_tokens": args.max_tokens,
-        "command": "python -m benchmarks.redrafter_sweep " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": command("benchmarks.redrafter_sweep", argv),
         "machine": machine(),
     }
     write_report(args.out, meta, [asdict(r) for r in rows], markdown(rows, meta))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import platform
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,6 +33,12 @@ def machine() -> dict[str, object]:
         info["gpu"] = torch.cuda.get_device_name()
         info["cuda"] = torch.version.cuda
     return info
+
+
+def command(module: str, argv: list[str] | None) -> str:
+    """The command line that reproduces a benchmark run: `python -m <module>` and its
+    arguments (`argv`, or the process's own when None), for its report's meta."""
+    return f"python -m {module} " + " ".join(sys.argv[1:] if argv is None else argv)
 
 
 def named_dirs(values: list[str] | None, defaults: tuple[str, ...], flag: str) -> dict[str, Path]:

@@ -15,7 +15,6 @@ charged to the phase that launched them. Writes `<out>.json` and `<out>.md`.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from benchmarks.report import machine, write_report
+from benchmarks.report import command, machine, write_report
 from benchmarks.timing import sampling_params, synchronize, warm_up
 from runtime.config import RuntimeConfig
 from runtime.llm_engine import LLMEngine
@@ -155,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
         tqdm.write(f"{method} batch {batch} T={temperature:g}: {rows[-1].ms_per_step:.2f} ms/step {rows[-1].phases_ms}")
     meta = {
         "max_tokens": args.max_tokens,
-        "command": "python -m benchmarks.step_profile " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command("benchmarks.step_profile", argv),
         "machine": machine(),
     }
     write_report(args.out, meta, [asdict(r) for r in rows], markdown(rows, meta))

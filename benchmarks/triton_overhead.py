@@ -19,7 +19,6 @@ import contextlib
 import itertools
 import queue
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -28,7 +27,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from benchmarks.report import machine, write_report
+from benchmarks.report import command, machine, write_report
 from benchmarks.timing import sampling_params, warm_up
 from runtime.config import RuntimeConfig
 from runtime.llm_engine import LLMEngine
@@ -184,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
         "num_prompts": args.num_prompts,
         "max_tokens": args.max_tokens,
         "rounds": args.rounds,
-        "command": "python -m benchmarks.triton_overhead " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command("benchmarks.triton_overhead", argv),
         "machine": machine(),
     }
     write_report(args.out, meta, [asdict(r) for r in rows], markdown(rows, meta))
