@@ -36,6 +36,7 @@ from model_defs.lyanna import LyannaDrafter
 from model_defs.redrafter import ReDrafter
 from runtime.engine_dir import (
     DRAFTER_HEADS,
+    DRAFTER_LAYERS,
     DRAFTER_PREFIX,
     DTYPES,
     TOKENIZER_CONFIG_FILE,
@@ -228,6 +229,9 @@ BUILD_HELP = {
     "drafter_dtype": "drafter dtype; never changes the output, only the proposals (default: %(default)s)",
     "drafter_head": "the drafter's vocabulary projection on the CPU: int8 weights (~5x faster per draft level) "
     "or the drafter dtype; never changes the output, only the proposals (default: %(default)s)",
+    "drafter_layers": "the drafter's other linears on the CPU (layers, RNN, residual blocks): int8 weights "
+    "(a draft level reads a quarter of the bytes) or the drafter dtype; never changes the output, only the "
+    "proposals (default: %(default)s)",
 }
 
 
@@ -242,6 +246,7 @@ def build_config_from_args(args: argparse.Namespace) -> BuildConfig:
         tp_size=args.tp_size,
         drafter_dtype=args.drafter_dtype,
         drafter_head=args.drafter_head,
+        drafter_layers=args.drafter_layers,
     )
 
 
@@ -285,6 +290,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     drafting.add_argument(
         "--drafter-head", choices=DRAFTER_HEADS, default=defaults.drafter_head, help=BUILD_HELP["drafter_head"]
+    )
+    drafting.add_argument(
+        "--drafter-layers",
+        choices=DRAFTER_LAYERS,
+        default=defaults.drafter_layers,
+        help=BUILD_HELP["drafter_layers"],
     )
     spec = ReDrafterParams()
     drafting.add_argument(

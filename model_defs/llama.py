@@ -35,10 +35,16 @@ the row-wise `specpipe::paged_attention` (`RowMetadata`), not with the CPU's gro
 row-parallel all-reduce stays as it is (NCCL may pick its algorithm, hence its summation
 order, by message size). Off, the forward is the normal one: one attribute test per
 linear and norm.
+
+Int8 drafters (`quantize_linears_int8`, `BuildConfig.drafter_layers`): a Llama used as a
+draft LM, or a drafter built from these layers, may run its linears on fbgemm int8 copies
+of the weights, with q/k/v and gate/up each one stacked product (`Int8Stack`). A drafter's
+numerics only change which tokens are proposed; a target never runs in int8.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -240,7 +246,7 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
     """oneDNN-layout copy of `weight` (`pack_cpu_weights`), or None."""
     int8: Any = None
-    """fbgemm int8 copy of `weight` (`quantize_int8`; drafter vocabulary heads only), or None."""
+    """fbgemm int8 copy of `weight` (`quantize_int8`; drafters only), or None."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x, self.bias)
@@ -250,7 +256,7 @@ class Linear(nn.Linear):
         or `F.linear` (the copies only for fp32 CPU rows without autograd)."""
         if self.batch_invariant:
             return bi_linear_nd(x, self.weight, bias)
-        if self.int8 is not None and x.dtype == torch.float32 and x.device.type == "cpu" and not x.requires_grad:
+        if self.int8 is not None and runs_int8(x):
             return int8_linear(x, self.int8, bias)
         if self.packed is not None and packed_pays(x, self.weight) and not x.requires_grad:
             return cpu_packed_linear(x, self.packed, bias)
@@ -261,13 +267,66 @@ class Linear(nn.Linear):
         self.packed = pack_cpu_weight(self.weight.detach())
 
     def quantize_int8(self) -> bool:
-        """Keep an int8 copy of the weight for inference (a drafter's vocabulary head:
-        `plugins/cpu_linear.py`); False where it does not apply (not fp32 on the CPU). The
+        """Keep an int8 copy of the weight for inference (a drafter's: `plugins/cpu_linear.py`);
+        False where it does not apply (not fp32 on the CPU). The
         int8 copy serves every input the blocked copy would, so that one is dropped."""
         self.int8 = quantize_int8(self.weight)
         if self.int8 is not None:
             self.packed = None
         return self.int8 is not None
+
+
+def runs_int8(x: torch.Tensor) -> bool:
+    """Whether rows `x` may take an int8 copy of a weight: fp32 on the CPU, no autograd."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and not x.requires_grad
+
+
+class Int8Stack(NamedTuple):
+    """Several `Linear`s that read the same input, as one fbgemm int8 product (`stack_int8`):
+    their int8 rows stacked, their outputs split back apart. Bitwise the same as each
+    `Linear`'s own int8 product (weights are quantized per output row, activations once
+    per call from the shared input, and the int8 dot products are summed exactly in int32),
+    in one call instead of several: q/k/v and gate/up of a drafter's few-row levels."""
+
+    packed: Any
+    """`quantize_int8` of the stacked weights."""
+    bias: torch.Tensor | None
+    """The stacked biases (None: none of them has one)."""
+    sizes: list[int]
+    """Output features of each stacked Linear, in order."""
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return int8_linear(x, self.packed, self.bias).split(self.sizes, -1)
+
+
+def stack_int8(linears: list[Linear]) -> Int8Stack | None:
+    """One int8 product for `linears` (same input width), or None where int8 does not
+    apply (not fp32 on the CPU, or a torch without fbgemm)."""
+    packed = quantize_int8(torch.cat([m.weight.detach() for m in linears]))
+    if packed is None:
+        return None
+    biases = [m.bias for m in linears]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([b.detach() if b is not None else m.weight.new_zeros(m.out_features)
+                          for b, m in zip(biases, linears, strict=True)])  # fmt: skip
+    return Int8Stack(packed, bias, [m.out_features for m in linears])
+
+
+def quantize_linears_int8(module: nn.Module, keep: Collection[nn.Module] = ()) -> int:
+    """Give every `Linear` of `module` but those in `keep` an int8 copy of its weight, and
+    every attention's q/k/v and every MLP's gate/up one stacked int8 product (`Int8Stack`),
+    for a drafter's layers (`BuildConfig.drafter_layers`): only proposals change, so this
+    is for drafters, never for a target. Returns how many Linears were quantized."""
+    count = 0
+    for m in module.modules():
+        if isinstance(m, Linear) and not any(m is k for k in keep):
+            count += m.quantize_int8()
+        elif isinstance(m, Attention):
+            m.qkv_int8 = stack_int8([m.q_proj, m.k_proj, m.v_proj])
+        elif isinstance(m, MLP):
+            m.gate_up_int8 = stack_int8([m.gate_proj, m.up_proj])
+    return count
 
 
 class RowParallelLinear(Linear):
@@ -303,6 +362,9 @@ class Attention(nn.Module):
     """Grouped-query attention over the KV cache plus the new (possibly tree) tokens. Under
     tensor parallelism: this rank's contiguous run of query heads and the KV heads they read."""
 
+    qkv_int8: Int8Stack | None = None
+    """q/k/v as one int8 product (`quantize_linears_int8`; drafters only), or None."""
+
     def __init__(self, cfg: LlamaConfig, layer: int, tp_size: int = 1) -> None:
         super().__init__()
         self.layer = layer
@@ -323,9 +385,13 @@ class Attention(nn.Module):
         attend: Attend,
     ) -> torch.Tensor:  # [B, T, D]
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.qkv_int8 is not None and runs_int8(x) and not self.q_proj.batch_invariant:
+            q, k, v = self.qkv_int8(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.reshape(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.reshape(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attend(self.layer, q, k, v)  # [B, H, T, head_dim]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
@@ -335,6 +401,9 @@ class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)); under tensor parallelism over this rank's
     intermediate_size / tp_size columns."""
 
+    gate_up_int8: Int8Stack | None = None
+    """gate and up as one int8 product (`quantize_linears_int8`; drafters only), or None."""
+
     def __init__(self, cfg: LlamaConfig, tp_size: int = 1) -> None:
         super().__init__()
         bias, inner = cfg.mlp_bias, cfg.intermediate_size // tp_size
@@ -343,7 +412,11 @@ class MLP(nn.Module):
         self.down_proj = output_linear(inner, cfg.hidden_size, bias, tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_int8 is not None and runs_int8(x) and not self.gate_proj.batch_invariant:
+            gate, up = self.gate_up_int8(x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -14,7 +14,14 @@ from tokenizers import Tokenizer
 
 from model_defs import lyanna, redrafter
 from model_defs.checkpoint import validate_tensors
-from model_defs.llama import Linear, LlamaConfig, LlamaForCausalLM, expected_shapes, pack_cpu_weights
+from model_defs.llama import (
+    Linear,
+    LlamaConfig,
+    LlamaForCausalLM,
+    expected_shapes,
+    pack_cpu_weights,
+    quantize_linears_int8,
+)
 from runtime.engine_dir import DRAFTER_PREFIX, DrafterSpec, EngineConfig, rank_file
 
 
@@ -66,9 +73,14 @@ class LoadedEngine:
         for module in (model, *drafter.values()):
             if isinstance(module, torch.nn.Module):
                 pack_cpu_weights(module)  # fp32 on the CPU only: plugins/cpu_linear.py
+        heads = drafter_heads(drafter)
         if config.build.drafter_head == "int8":
-            for head in drafter_heads(drafter):
+            for head in heads:
                 head.quantize_int8()  # fp32 on the CPU only; proposals change, never the output
+        if config.build.drafter_layers == "int8":
+            for module in drafter.values():
+                if isinstance(module, torch.nn.Module):
+                    quantize_linears_int8(module, keep=heads)  # the heads follow drafter_head
         return cls(config, model, tokenizer, **drafter)
 
     @property

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer, models
 
-from model_defs.llama import ARCHITECTURE, LlamaForCausalLM
+from model_defs.llama import ARCHITECTURE, LlamaForCausalLM, quantize_linears_int8
 from model_defs.lyanna import LyannaConfig, LyannaDrafter
 from model_defs.redrafter import ReDrafter, ReDrafterConfig
 from runtime import llm_engine
@@ -29,11 +29,14 @@ TRIALS = 20000
 """Requests per distribution test: ~300 expected per cell of the 64 (x1, x2, x3) cells."""
 
 
-def toy_engine(drafter_kind: str, settings: dict[str, Any], device: str = TEST_DEVICE) -> LoadedEngine:
+def toy_engine(
+    drafter_kind: str, settings: dict[str, Any], device: str = TEST_DEVICE, int8: bool = False
+) -> LoadedEngine:
     """The toy target with a "redrafter" RNN drafter, a "draft-lm" (another random tiny
     Llama) or a "lyanna" drafter (random, token info over every token), all confident and
     often wrong, so acceptance rules are exercised hard. Weights are drawn on the CPU (the
-    same on every device), then moved to `device`."""
+    same on every device), then moved to `device`. `int8`: the draft LM runs on int8
+    copies of its weights, as built engines' drafters do on the CPU (`drafter_layers`)."""
     target = tiny_target(seed=7, vocab_size=V, device=device)
     build = BuildConfig(max_batch_size=TRIALS, max_input_len=8, max_seq_len=16)
     torch.manual_seed(11)
@@ -57,6 +60,8 @@ def toy_engine(drafter_kind: str, settings: dict[str, Any], device: str = TEST_D
         table = lyanna.hot_table(target.model.embed_tokens, torch.float32)
         return LoadedEngine(config, target, Tokenizer(models.BPE()), lyanna_drafter=lyanna, token_table=table)
     draft = tiny_target(seed=5, vocab_size=V, device=device)
+    if int8 and not quantize_linears_int8(draft):
+        raise RuntimeError("int8 drafter layers need fp32 on the CPU and a torch with fbgemm")
     spec = DrafterSpec("draft-lm", draft.config.to_hf(), settings)
     config = EngineConfig(ARCHITECTURE, target.config.to_hf(), build, drafter=spec)
     return LoadedEngine(config, target, Tokenizer(models.BPE()), draft_model=draft)

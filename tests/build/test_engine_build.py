@@ -61,6 +61,7 @@ def test_build_and_load_matches_transformers(tiny_checkpoint: Path, tmp_path: Pa
         "tp_size": 1,
         "drafter_dtype": "float32",
         "drafter_head": "int8",
+        "drafter_layers": "int8",
     }
     assert cfg["drafter"] is None
     engine = LoadedEngine.load(out)
@@ -214,8 +215,12 @@ def test_draft_model_engine_round_trips(tiny_checkpoint: Path, tmp_path: Path) -
     for (name, a), b in zip(engine.model.state_dict().items(), engine.draft_model.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, msg=name)  # same checkpoint, same dtype
     assert LLMEngine(engine).default_method == "rsd-s"
-    # the draft LM's head runs in int8 (the default --drafter-head); the target's never does
+    # the draft LM's head and layers run in int8 (the default --drafter-head, --drafter-layers);
+    # the target's never do
     assert engine.draft_model.lm_head.int8 is not None and engine.model.lm_head.int8 is None
+    draft_layer, target_layer = engine.draft_model.model.layers[0], engine.model.model.layers[0]
+    assert draft_layer.mlp.down_proj.int8 is not None and draft_layer.self_attn.qkv_int8 is not None
+    assert target_layer.mlp.down_proj.int8 is None and target_layer.self_attn.qkv_int8 is None
     ids, positions = torch.tensor([[1, 2, 3]]), torch.arange(3)[None]
     with torch.no_grad():
         draft, target = engine.draft_model(ids, positions).logits, engine.model(ids, positions).logits
@@ -230,8 +235,22 @@ def test_draft_model_engine_round_trips(tiny_checkpoint: Path, tmp_path: Path) -
     )
     plain = LoadedEngine.load(kept)
     assert plain.draft_model is not None and plain.draft_model.lm_head.int8 is None
+    assert plain.draft_model.model.layers[0].mlp.down_proj.int8 is not None  # the layers' own setting
+    fp32 = build_engine(
+        tiny_checkpoint,
+        tmp_path / "eng4",
+        dataclasses.replace(build, drafter_layers="drafter-dtype"),
+        draft_model=tiny_checkpoint,
+    )
+    layers_kept = LoadedEngine.load(fp32).draft_model
+    assert layers_kept is not None and layers_kept.lm_head.int8 is not None
+    assert (
+        layers_kept.model.layers[0].mlp.down_proj.int8 is None and layers_kept.model.layers[0].mlp.gate_up_int8 is None
+    )
     with pytest.raises(ValueError, match="drafter_head 'int4' is not one of"):
         BuildConfig(drafter_head="int4")
+    with pytest.raises(ValueError, match="drafter_layers 'int4' is not one of"):
+        BuildConfig(drafter_layers="int4")
 
 
 def test_draft_model_must_share_the_vocabulary(tiny_checkpoint: Path, tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model_defs.llama import Linear, pack_cpu_weights
+from model_defs.llama import Linear, pack_cpu_weights, quantize_linears_int8, stack_int8
 from plugins.cpu_linear import (
     LARGE_WEIGHT,
     cpu_packed_linear,
@@ -117,3 +117,54 @@ def test_int8_product_is_the_rounded_weights_product(rows: int) -> None:
     assert quantize_int8(weight.bfloat16()) is None
     x.requires_grad_(True)
     torch.testing.assert_close(lin(x), F.linear(x, weight, bias))  # autograd: the fp32 weight
+
+
+@pytest.mark.skipif(not int8_available(), reason="this torch has no fbgemm")
+@pytest.mark.parametrize("rows", [1, 3, 19])
+@pytest.mark.parametrize("bias", [False, True])
+def test_stacked_int8_equals_each_linears_int8_product(rows: int, bias: bool) -> None:
+    """`Int8Stack` (q/k/v or gate/up as one product) gives bitwise what each Linear's own
+    int8 copy gives: weights quantized per output row, activations once from the shared
+    input, int32 sums exact. A stack in another order than it splits fails."""
+    gen = torch.Generator().manual_seed(rows)
+    linears = [Linear(40, n, bias=bias) for n in (48, 16, 16)]
+    with torch.no_grad():
+        for m in linears:
+            m.weight.copy_(torch.randn(m.weight.shape, generator=gen))
+            if bias:
+                m.bias.copy_(torch.randn(m.bias.shape, generator=gen))
+    stack = stack_int8(linears)
+    assert stack is not None and stack.sizes == [48, 16, 16] and (stack.bias is not None) == bias
+    for m in linears:
+        assert m.quantize_int8()
+    x = torch.randn(1, rows, 40, generator=gen)
+    with torch.no_grad():
+        for got, m in zip(stack(x), linears, strict=True):
+            assert torch.equal(got, m(x))
+        swapped = stack_int8([linears[0], linears[2], linears[1]])
+        assert swapped is not None
+        assert not torch.equal(swapped(x)[1], linears[1](x))
+    assert stack_int8([Linear(40, 8).bfloat16()]) is None
+
+
+@pytest.mark.skipif(not int8_available(), reason="this torch has no fbgemm")
+def test_int8_drafter_layers_stay_close_and_keep_what_they_are_told() -> None:
+    """`quantize_linears_int8` on a whole Llama (a draft LM): every Linear but the kept ones
+    gets an int8 copy, every attention and MLP a stack; logits stay within int8 rounding of
+    fp32's and the greedy tokens mostly agree; autograd and batch-invariant mode use fp32."""
+    model = tiny_target(seed=3, vocab_size=64)
+    ids, positions = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0)), torch.arange(12)[None]
+    with torch.no_grad():
+        fp32 = model(ids, positions).logits
+    assert quantize_linears_int8(model, keep=[model.lm_head]) == 2 * 7
+    assert model.lm_head.int8 is None
+    layer = model.model.layers[0]
+    assert layer.self_attn.qkv_int8 is not None and layer.mlp.gate_up_int8 is not None
+    with torch.no_grad():
+        int8 = model(ids, positions).logits
+    assert 0 < (int8 - fp32).abs().max() < 0.05 * fp32.abs().max()
+    assert (int8.argmax(-1) == fp32.argmax(-1)).float().mean() >= 0.75
+    with torch.no_grad():
+        assert torch.equal(model.set_batch_invariant(True)(ids, positions).logits.argmax(-1), fp32.argmax(-1))
+    model.set_batch_invariant(False)
+    torch.testing.assert_close(model(ids, positions).logits, fp32, rtol=1e-4, atol=1e-4)  # autograd: fp32

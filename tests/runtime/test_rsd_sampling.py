@@ -14,9 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from plugins.cpu_linear import int8_available
 from runtime import verify
 from runtime.sampling import SamplingParams
 from tests import toy_sampling
+from tests.device import TEST_DEVICE
 from tests.stats import chi_square, passes_chi_square
 
 SETTINGS = {"beam_width": 3, "beam_length": 2, "branching": (3, 2)}
@@ -31,6 +33,17 @@ PARAMS = SamplingParams(temperature=0.9, top_p=0.9)
 def test_rsd_follows_target_distribution(method: str, drafter: str) -> None:
     engine = toy_sampling.toy_engine(drafter, SETTINGS)
     counts = toy_sampling.emitted_first_three(engine, PARAMS, method)
+    law = toy_sampling.exact_first_three(engine.model, PARAMS)
+    assert passes_chi_square(counts, law), chi_square(counts, law)
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu" or not int8_available(), reason="int8 drafters run on the CPU with fbgemm")
+def test_rsd_with_an_int8_draft_lm_follows_target_distribution() -> None:
+    """Built engines run their drafter's linears in int8 (`BuildConfig.drafter_layers`):
+    the draft law verification divides by is then the int8 drafter's own, and the output
+    is still the target's law."""
+    engine = toy_sampling.toy_engine("draft-lm", SETTINGS, int8=True)
+    counts = toy_sampling.emitted_first_three(engine, PARAMS, "rsd-s")
     law = toy_sampling.exact_first_three(engine.model, PARAMS)
     assert passes_chi_square(counts, law), chi_square(counts, law)
 
