@@ -184,7 +184,8 @@ class EngineCore:
         offers = []
         for r in running:
             if not r.in_prefill:
-                offers.append(Offer(r.request_id, (r.method, r.params.greedy), r.method, *self._offered(r)))
+                lag = self.proposers[r.method].lag(r)
+                offers.append(Offer(r.request_id, (r.method, r.params.greedy), r.method, *self._offered(r), lag))
         if not self._calibrated and self.policy.adaptive and any(len(o.sizes) > 1 for o in offers):
             self._calibrate()
         chosen = self.policy.choose(offers, len(running) - len(offers))
@@ -202,18 +203,19 @@ class EngineCore:
 
     def _propose(
         self, work: list[ScheduledWork]
-    ) -> tuple[dict[Request, DraftTree], list[tuple[Request, str]], dict[str, tuple[int, int, float]]]:
+    ) -> tuple[dict[Request, DraftTree], list[tuple[Request, str]], dict[str, tuple[int, int, int, float]]]:
         """Trees of the decoding requests, one batched call per method, the requests whose
         drafting failed (with what went wrong), and each method's drafting (most levels,
-        drafted nodes, seconds) for load-aware speculation."""
+        drafted nodes, tokens its drafter caught up on, seconds) for load-aware speculation."""
         groups: dict[str, list[ScheduledWork]] = {}
         for item in work:
             groups.setdefault(item.request.method, []).append(item)
         trees: dict[Request, DraftTree] = {}
         failures: list[tuple[Request, str]] = []
-        drafting: dict[str, tuple[int, int, float]] = {}
+        drafting: dict[str, tuple[int, int, int, float]] = {}
         for method, items in groups.items():
             proposer = self.proposers[method]
+            caught_up = sum(proposer.lag(item.request) for item in items if item.budget > 1)
 
             def propose(items: list[ScheduledWork], proposer: Proposer = proposer) -> list[DraftTree]:
                 self.faults.check("draft", (item.request.params for item in items))
@@ -226,7 +228,7 @@ class EngineCore:
             failures += [(item.request, message) for item, message in failed]
             if drafted := sum(len(t.tokens) - 1 for _, t in done):
                 levels = max(self._offered(i.request)[1][i.sizes.index(i.budget)] for i in items)
-                drafting[method] = (levels, drafted, seconds)
+                drafting[method] = (levels, drafted, caught_up, seconds)
         return trees, failures, drafting
 
     def _verify(

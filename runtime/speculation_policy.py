@@ -24,7 +24,13 @@ with bounded exploration so it never settles on a stale estimate for good.
   requests) came out dearer than forward(40 tokens) and drafting looked free;
 - draft_m: per method, intercept + per level + per drafted node (`LinearCost` over the
   method's recent drafting calls of every shape it drafted; levels are its sequential
-  drafter calls).
+  drafter calls) + per token caught up. A draft LM reads every token of a request it has
+  not seen before it drafts (`Proposer.lag`: the whole prompt at a request's first
+  draft, every token decoded since at the first draft after a run without drafting):
+  a one-off cost, fitted apart so that it does not pass for the cost of a level (a fit
+  that took a 150-token catch-up for level cost charged every later level ~3x its
+  price), and charged to probes but not to a steady choice (once caught up, a request
+  stays caught up while it drafts).
 
 Choice (`choose`): a few Dinkelbach iterations (maximising a ratio: at the current rate
 lambda each request independently picks argmax_s tau_r(s) - lambda * marginal_cost_r(s)),
@@ -32,9 +38,10 @@ plus every uniform choice (all requests at size <= c: the fixed settings, AR inc
 the best by the full cost model wins. ~10 evaluations of O(batch) each.
 
 Exploration (`PROBE_SHARE`): each step earns credit, 2% of its predicted time; when the
-credit covers a probe's expected loss (its time minus the time its tokens would take at
-the chosen rate), one request not at its largest size drafts its largest tree (the one
-measured longest ago: nested sizes are all measured by it), at most once per
+credit covers a probe's expected loss (its time, its drafter's catch-up included, minus
+the time its tokens would take at the chosen rate), one request not at its largest size
+drafts its largest tree (the one with the least to catch up, then the one measured
+longest ago: nested sizes are all measured by it), at most once per
 `PROBE_EVERY` steps per kind of request whose largest size is not measured anyway. So at batch 1 after a run of
 bad drafts it re-probes every few dozen steps, at batch 32 every few steps, and throughput
 lost to probing stays near 2% even when no probe pays.
@@ -105,6 +112,8 @@ class Offer:
     """Tree sizes it can draft, ascending, starting at 1 (the root alone)."""
     levels: Sequence[int]
     """Sequential drafter calls of each size (0 for size 1)."""
+    lag: int = 0
+    """Tokens its drafter must read before it drafts (`Proposer.lag`)."""
 
 
 @dataclass
@@ -133,8 +142,8 @@ class StepStats:
 
     num_tokens: int
     forward_seconds: float
-    drafting: dict[str, tuple[int, int, float]] = field(default_factory=dict)
-    """method -> (most levels, drafted nodes, seconds) of its drafting call."""
+    drafting: dict[str, tuple[int, int, int, float]] = field(default_factory=dict)
+    """method -> (most levels, drafted nodes, tokens caught up, seconds) of its drafting call."""
     outcomes: list[Outcome] = field(default_factory=list)
     num_requests: int = 1
     """Requests whose tokens the forward held (prefill chunks included)."""
@@ -221,23 +230,24 @@ class ForwardCost:
 
 class LinearCost:
     """seconds = c0 + c . x (non-negative coefficients), least squares over the latest
-    `PER_SHAPE` (features, seconds) samples of every feature vector seen; refitted once per
-    new sample, not per query."""
+    `PER_SHAPE` (features, seconds) samples of every shape seen (the feature vector, or
+    the coarser `shape` its caller gives); refitted once per new sample, not per query."""
 
     def __init__(self) -> None:
-        self._shapes: dict[tuple[float, ...], deque[float]] = {}
+        self._shapes: dict[tuple[float, ...], deque[tuple[tuple[float, ...], float]]] = {}
         self._coef: np.ndarray | None = None
 
     @property
     def samples(self) -> list[tuple[tuple[float, ...], float]]:
         """The (features, seconds) samples the fit uses."""
-        return [(x, seconds) for x, times in self._shapes.items() for seconds in times]
+        return [sample for samples in self._shapes.values() for sample in samples]
 
     def __len__(self) -> int:
-        return sum(len(times) for times in self._shapes.values())
+        return sum(len(samples) for samples in self._shapes.values())
 
-    def add(self, x: tuple[float, ...], seconds: float) -> None:
-        self._shapes.setdefault(tuple(x), deque(maxlen=PER_SHAPE)).append(seconds)
+    def add(self, x: tuple[float, ...], seconds: float, shape: tuple[float, ...] | None = None) -> None:
+        key = tuple(x) if shape is None else shape
+        self._shapes.setdefault(key, deque(maxlen=PER_SHAPE)).append((tuple(x), seconds))
         self._coef = None
 
     def __call__(self, *x: float) -> float:
@@ -260,7 +270,7 @@ class LinearCost:
         return float(self._coef[0] + np.dot(self._coef[1:], x))
 
     def slopes(self) -> np.ndarray:
-        self(*([0.0] * len(next(iter(self._shapes), ()))))
+        self(*([0.0] * len(self.samples[0][0] if self._shapes else ())))
         return self._coef[1:] if self._coef is not None else np.zeros(0)
 
 
@@ -419,7 +429,7 @@ class SpeculationPolicy:
         per_method: Counter[str] = Counter()
         for g in batch:
             per_method[g.method] += g.count
-        marginal = {m: self._draft_slopes(m, n) for m, n in per_method.items()}
+        marginal = {m: self._draft_slopes(m, n)[:2] for m, n in per_method.items()}
         rate = best.rate
         for _ in range(DINKELBACH_ROUNDS):
             picks = [_pick(g.row, rate, fslope, *marginal[g.method]) for g in batch]
@@ -462,12 +472,13 @@ class SpeculationPolicy:
         ]
         if not candidates:
             return None
-        i, offer = min(candidates, key=lambda c: self._measured.get(c[1].key, -1))
+        i, offer = min(candidates, key=lambda c: (c[1].lag, self._measured.get(c[1].key, -1)))
         g = batch[i]
         probing = [*batch, _Group(g.method, g.row, 1)]
         probing[i] = _Group(g.method, g.row, g.count - 1)
         probe = self._evaluate(probing, [*best.sizes, offer.sizes[-1]], others)
-        return offer, probe.seconds - probe.tokens / max(best.rate, 1e-12)
+        catch_up = self._draft_slopes(offer.method, 1)[2] * offer.lag
+        return offer, probe.seconds + catch_up - probe.tokens / max(best.rate, 1e-12)
 
     def _stands(self, signature: tuple[object, ...], offers: list[Offer]) -> bool:
         """Whether the settled decision holds for this step (module docstring); if it does,
@@ -507,16 +518,17 @@ class SpeculationPolicy:
         seconds = self.forward_cost(nodes, requests)
         for method, (most, drafted) in drafting.items():
             cost = self.draft_cost.get(method)
-            seconds += cost(most, drafted) if cost is not None else 0.0
+            seconds += cost(most, drafted, 0) if cost is not None else 0.0  # steady: nothing to catch up
         return _Choice(sizes, tokens, seconds)
 
-    def _draft_slopes(self, method: str, requests: int) -> tuple[float, float]:
-        """(seconds per level per request sharing it, seconds per drafted node) of `method`."""
+    def _draft_slopes(self, method: str, requests: int) -> tuple[float, float, float]:
+        """(seconds per level per request sharing it, seconds per drafted node, seconds per
+        token caught up) of `method`."""
         cost = self.draft_cost.get(method)
         if cost is None or not cost:
-            return 0.0, 0.0
-        per_level, per_node = cost.slopes()
-        return float(per_level) / requests, float(per_node)
+            return 0.0, 0.0, 0.0
+        per_level, per_node, per_token = cost.slopes()
+        return float(per_level) / requests, float(per_node), float(per_token)
 
     # ---- measurements -------------------------------------------------------------------
 
@@ -538,18 +550,23 @@ class SpeculationPolicy:
             self.forward_cost.calibrate(n, slowest)
 
     def add_draft_samples(self, method: str, samples: Iterable[tuple[int, int, float]]) -> None:
-        """(levels, drafted nodes, seconds) of drafting calls timed at engine start."""
+        """(levels, drafted nodes, seconds) of drafting calls timed at engine start (nothing caught up)."""
         for levels, drafted, seconds in samples:
-            self.draft_cost.setdefault(method, LinearCost()).add((levels, drafted), seconds)
+            self._add_draft_sample(method, levels, drafted, 0, seconds)
+
+    def _add_draft_sample(self, method: str, levels: int, drafted: int, caught_up: int, seconds: float) -> None:
+        # catch-ups come in every length: one shape per power of two keeps the fit's memory bounded
+        shape = (levels, drafted, 1 << caught_up.bit_length() if caught_up else 0)
+        self.draft_cost.setdefault(method, LinearCost()).add((levels, drafted, caught_up), seconds, shape)
 
     def observe(self, stats: StepStats) -> None:
-        if stats.outcomes or any(drafted for _, drafted, _ in stats.drafting.values()):
+        if stats.outcomes or any(drafted for _, drafted, _, _ in stats.drafting.values()):
             self._settled = None  # new evidence: decide afresh
         if not stats.prefill:
             self.forward_cost.observe(stats.num_tokens, stats.num_requests, stats.forward_seconds)
-        for method, (levels, drafted, seconds) in stats.drafting.items():
+        for method, (levels, drafted, caught_up, seconds) in stats.drafting.items():
             if drafted:
-                self.draft_cost.setdefault(method, LinearCost()).add((levels, drafted), seconds)
+                self._add_draft_sample(method, levels, drafted, caught_up, seconds)
         step: dict[tuple[Hashable, int], list[tuple[float, float]]] = {}
         for o in stats.outcomes:
             if o.size == o.sizes[-1]:

@@ -73,6 +73,12 @@ class Proposer(ABC):
         """One tree per request, rooted at its pending token (`request.tokens[-1]`): the
         tree of the largest of its sizes within `budgets[i]` (a budget of 1: the root alone)."""
 
+    def lag(self, request: Request) -> int:
+        """Tokens of `request` its drafter must read before it can draft again (a draft LM's
+        catch-up on what was decoded without it; load-aware speculation charges them to a
+        probe, not to the levels). Default: none (drafters that read the target's state)."""
+        return 0
+
     def draft_cost_samples(self) -> list[tuple[int, int, float]]:
         """(levels, drafted nodes, seconds) of a few timed drafting calls at engine start, to seed
         load-aware speculation's draft-cost fit (vLLM's profiling run). Default: none (the

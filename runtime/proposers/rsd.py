@@ -453,6 +453,13 @@ class LevelTreeProposer(Proposer):
     def levels(self, params: TreeSpec) -> list[int]:
         return list(range(params.length + 1))
 
+    def lag(self, request: Request) -> int:
+        """A draft LM's catch-up: the request's committed tokens its cache does not hold
+        (`DraftLMLevels.first` feeds them with the root)."""
+        if self.draft_cache is None:
+            return 0
+        return max(request.num_computed - (request.draft_state or 0), 0)
+
     def propose(self, requests: list[Request], budgets: list[int]) -> list[DraftTree]:
         trees: dict[Request, DraftTree] = {}
         groups: dict[TreeSpec, list[Request]] = {}
