@@ -44,8 +44,11 @@ class World:
         return (self.c + self.d * drafted) / 1000 if drafted else 0.0
 
 
+KIND = ("redrafter", True)
+
+
 def offers(batch: int) -> list[Offer]:
-    return [Offer(f"r{i}", ("redrafter", True), "redrafter", BEAMS, LEVELS) for i in range(batch)]
+    return [Offer(f"r{i}", KIND, "redrafter", BEAMS, LEVELS) for i in range(batch)]
 
 
 def calibrated(world: World, adaptive: bool = True) -> SpeculationPolicy:
@@ -70,29 +73,58 @@ def outcome(key: str, size: int, rng: np.random.Generator, alpha: float) -> Outc
     return Outcome(key, ("redrafter", True), size, BEAMS, best, node_budget, list(range(best + 1)), nodes)
 
 
-def run(p: SpeculationPolicy, world: World | list[World], batch: int, steps: int, seed: int = 0) -> tuple[float, list]:
+CATCH_UP_MS = 0.1
+"""What a draft LM pays per token it catches up on (a 400-token prompt: 40 ms, a few steps)."""
+PROMPT = 400
+
+
+@dataclass(frozen=True)
+class Lag:
+    """A drafter that must catch up before it drafts (a draft LM): each request starts
+    `start` tokens behind, falls one token further behind per step without drafting, and
+    is caught up by a draft, which costs `CATCH_UP_MS` per token on top of the levels."""
+
+    start: int = PROMPT
+    report: bool = True
+    """False: the engine as it was, blind to the catch-up (offers and stats say 0)."""
+    renew_every: int = 0
+    """Replace the batch by new requests every so many steps (0: never)."""
+
+
+def run(
+    p: SpeculationPolicy, world: World | list[World], batch: int, steps: int, seed: int = 0, lag: Lag | None = None
+) -> tuple[float, list]:
     """Tokens per second over `steps` steps (a list of worlds: one per step), and the sizes chosen per step."""
     rng = np.random.default_rng(seed)
     tokens = seconds = 0.0
     history = []
+    behind = {o.key: lag.start if lag else 0 for o in offers(batch)}  # tokens each drafter must catch up on
+    report = lag is not None and lag.report
     for t in range(steps):
         w = world[t] if isinstance(world, list) else world
-        chosen = p.choose(offers(batch))
+        if lag and lag.renew_every and t and t % lag.renew_every == 0:
+            for key in behind:
+                p.forget(key)
+            behind = {f"r{t}.{i}": lag.start for i in range(batch)}
+        chosen = p.choose([Offer(k, KIND, "redrafter", BEAMS, LEVELS, n if report else 0) for k, n in behind.items()])
         stats = StepStats(0, 0.0)
-        drafted = 0
+        drafted = caught_up = 0
         for key, size in chosen.items():
             if size > 1:
                 o = outcome(key, size, rng, w.alpha)
                 stats.outcomes.append(o)
                 tokens += 1 + o.accepted
                 drafted += WIDTHS[size] * L
+                caught_up, behind[key] = caught_up + behind[key], 0
             else:
                 tokens += 1
+                behind[key] += 1
         stats.num_tokens, stats.num_requests = sum(1 + WIDTHS[s] * L for s in chosen.values()), batch
         stats.forward_seconds = w.forward(stats.num_tokens, batch)
+        draft_seconds = w.draft(drafted) + (CATCH_UP_MS * caught_up / 1000 if lag else 0.0)
         if drafted:
-            stats.drafting["redrafter"] = (L, drafted, 0, w.draft(drafted))
-        seconds += stats.forward_seconds + w.draft(drafted)
+            stats.drafting["redrafter"] = (L, drafted, caught_up if report else 0, draft_seconds)
+        seconds += stats.forward_seconds + draft_seconds
         p.observe(stats)
         history.append(sorted(chosen.values()))
     return tokens / seconds, history
@@ -280,53 +312,6 @@ def test_calibrated_forward_cost_never_decreases_with_tokens(monkeypatch: pytest
     assert all(points[a] <= points[b] for a, b in zip(sorted(points), sorted(points)[1:], strict=False))
 
 
-CATCH_UP_MS = 0.1
-"""What a draft LM pays per token it catches up on (a 400-token prompt: 40 ms, a few steps)."""
-PROMPT = 400
-
-
-def run_lagged(
-    p: SpeculationPolicy, world: World, batch: int, steps: int, report_lag: bool = True, renew_every: int = 0
-) -> float:
-    """`run` with a drafter that must catch up before it drafts: each request starts
-    `PROMPT` tokens behind, falls one token further behind per step without drafting, and
-    is caught up by a draft, which costs `CATCH_UP_MS` per token on top of the levels.
-    `report_lag=False`: the engine as it was, blind to the catch-up (offers and stats say 0).
-    `renew_every`: the batch is replaced by new requests every so many steps."""
-    rng = np.random.default_rng(0)
-    lags = {f"r{i}": PROMPT for i in range(batch)}
-    tokens = seconds = 0.0
-    for t in range(steps):
-        if renew_every and t and t % renew_every == 0:
-            for key in lags:
-                p.forget(key)
-            lags = {f"r{t}.{i}": PROMPT for i in range(batch)}
-        lagged = [Offer(k, ("redrafter", True), "redrafter", BEAMS, LEVELS, lag if report_lag else 0)
-                  for k, lag in lags.items()]  # fmt: skip
-        chosen = p.choose(lagged)
-        stats = StepStats(0, 0.0, num_requests=batch)
-        drafted = caught_up = 0
-        for key, size in chosen.items():
-            if size > 1:
-                o = outcome(key, size, rng, world.alpha)
-                stats.outcomes.append(o)
-                tokens += 1 + o.accepted
-                drafted += WIDTHS[size] * L
-                caught_up += lags[key]
-                lags[key] = 0
-            else:
-                tokens += 1
-                lags[key] += 1
-        stats.num_tokens = sum(1 + WIDTHS[s] * L for s in chosen.values())
-        stats.forward_seconds = world.forward(stats.num_tokens, batch)
-        draft_seconds = world.draft(drafted) + CATCH_UP_MS * caught_up / 1000
-        if drafted:
-            stats.drafting["redrafter"] = (L, drafted, caught_up if report_lag else 0, draft_seconds)
-        seconds += stats.forward_seconds + draft_seconds
-        p.observe(stats)
-    return tokens / seconds
-
-
 def test_a_catch_up_is_not_mistaken_for_the_cost_of_drafting() -> None:
     """A draft LM's first draft after a run without drafting reads every token it missed
     (a small prefill). Fitted apart, the steady cost of a level stays what it is; folded into
@@ -335,9 +320,9 @@ def test_a_catch_up_is_not_mistaken_for_the_cost_of_drafting() -> None:
     catch-ups included."""
     steps = 600
     honest = calibrated(CPU_BATCH)
-    rate = run_lagged(honest, CPU_BATCH, batch=8, steps=steps)
+    rate, _ = run(honest, CPU_BATCH, batch=8, steps=steps, lag=Lag())
     blind = calibrated(CPU_BATCH)
-    run_lagged(blind, CPU_BATCH, batch=8, steps=steps, report_lag=False)
+    run(blind, CPU_BATCH, batch=8, steps=steps, lag=Lag(report=False))
     assert honest.probes > 0 and blind.probes > 0
     steady = CPU_BATCH.draft(8 * L)
     assert honest.draft_cost["redrafter"](L, 8 * L, 0) == pytest.approx(steady, rel=0.1)
@@ -350,7 +335,7 @@ def test_a_catch_up_does_not_stop_a_request_from_drafting_where_drafting_pays() 
     behind would never draft (it only falls further behind). Where drafting pays, a
     request drafts at its first decoding step, though it starts `PROMPT` tokens behind."""
     p = calibrated(GOOD)
-    assert p.choose([Offer("r", ("redrafter", True), "redrafter", BEAMS, LEVELS, PROMPT)])["r"] > 1
-    rate = run_lagged(p, GOOD, batch=1, steps=200, renew_every=20)  # ten requests, each 40 ms behind at first
+    assert p.choose([Offer("r", KIND, "redrafter", BEAMS, LEVELS, PROMPT)])["r"] > 1
+    rate, _ = run(p, GOOD, batch=1, steps=200, lag=Lag(renew_every=20))  # ten requests, each 40 ms behind at first
     assert p.chosen[("redrafter", 1)] < 10
     assert rate > 1.5 * fixed(GOOD, 1, 1, 200)
