@@ -270,8 +270,12 @@ class LinearCost:
         return float(self._coef[0] + np.dot(self._coef[1:], x))
 
     def slopes(self) -> np.ndarray:
-        self(*([0.0] * len(self.samples[0][0] if self._shapes else ())))
-        return self._coef[1:] if self._coef is not None else np.zeros(0)
+        if not self._shapes:
+            return np.zeros(0)
+        features = next(iter(next(iter(self._shapes.values()))))[0]
+        self(*([0.0] * len(features)))
+        assert self._coef is not None
+        return self._coef[1:]
 
 
 @dataclass
