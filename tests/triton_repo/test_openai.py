@@ -261,8 +261,11 @@ def test_a_client_that_goes_away_frees_the_engine(client: Any, served: Served) -
     wait_until_running(served)  # the gauges are published every 0.1 s: the first read may predate the request
     stream.close()  # closes the HTTP response: the server closes its Triton stream
     wait_until_freed(served, before)
-    with pytest.raises(openai.APITimeoutError):  # non-streaming: the client gives up waiting
-        client.with_options(timeout=1.0).completions.create(**long)
+    # non-streaming: the client gives up waiting. Auto-regressive, so that the request takes
+    # ~2 s even on a fast machine (ReDrafter's drafts made it finish inside the timeout there)
+    slow = long | {"extra_body": {"ignore_eos": True, "method": "ar"}}
+    with pytest.raises(openai.APITimeoutError):
+        client.with_options(timeout=0.5).completions.create(**slow)
     wait_until_freed(served, before + 1)
 
 

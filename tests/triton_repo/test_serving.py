@@ -268,9 +268,11 @@ def test_a_cancelled_grpc_infer_stops_its_engine_request(server: TritonServer) -
     cannot cancel; the front forwards the client's cancellation as a control request."""
     before = metrics(server).get('specpipe_requests_total{outcome="cancelled"}', 0.0)
     client = grpcclient.InferenceServerClient(server.grpc_url)
-    inputs = make_inputs(PROMPTS[0], max_tokens=500, ignore_eos=True, stream=False)
+    # auto-regressive, so that 500 tokens take seconds even on a fast machine (with ReDrafter's
+    # drafts they could finish inside the deadline there)
+    inputs = make_inputs(PROMPTS[0], max_tokens=500, ignore_eos=True, stream=False, method="ar")
     with pytest.raises(InferenceServerException, match="Deadline"):
-        client.infer(INFER_MODEL, inputs, client_timeout=2.0)
+        client.infer(INFER_MODEL, inputs, client_timeout=0.5)
     wait_for_cancelled(server, before)
     assert stream_grpc(server.grpc_url, [{"prompt": "x", "max_tokens": 4}])[0]["finals"] == 1
 
