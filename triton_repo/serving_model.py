@@ -96,6 +96,7 @@ class SpecpipeModel:
 
             settings, broadcast = start_leader(self.engine, settings, params.get("tp_master", ""))
         self.llm = LLMEngine(self.engine, settings, broadcast)
+        self.llm.prepare()  # before the model reports ready: the first request does not pay for it
         self.admission = AdmissionCheck(self.engine.config, self.engine.tokenizer)
         self.stall_timeout_s = float(params["stall_timeout_s"])
         self.metrics = ServingMetrics(pb_utils)

@@ -70,3 +70,19 @@ def test_sampled_output_follows_the_target_law_whatever_the_sizes(random_sizes: 
     law = toy_sampling.exact_first_three(engine.model, params)
     assert passes_chi_square(counts, law), chi_square(counts, law)
     assert {1, 4, 7}.issubset(random_sizes)
+
+
+def test_prepare_calibrates_once_before_any_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`prepare()` (servers and the CLI, at start-up) times the forward sizes load-aware
+    speculation chooses by; the first drafting step then has nothing left to calibrate."""
+    llm = llm_engine.LLMEngine(toy_sampling.toy_engine("draft-lm", SETTINGS), RuntimeConfig(max_num_tokens=512))
+    llm.prepare()
+    assert llm.policy.forward_cost.tokens.points and llm.blocks.num_free == llm.blocks.num_blocks
+    calls: list[int] = []
+    monkeypatch.setattr(llm, "_calibrate", lambda: calls.append(1))
+    llm.prepare()
+    llm.generate([[1, 3, 2]], [SamplingParams(max_tokens=6, ignore_eos=True)], "rsd-s")
+    assert not calls
+    fixed = llm_engine.LLMEngine(llm.engine, RuntimeConfig(speculation="fixed"))
+    fixed.prepare()  # nothing to choose, nothing to time
+    assert not fixed.policy.forward_cost.tokens.points
