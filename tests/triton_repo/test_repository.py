@@ -19,8 +19,10 @@ from runtime.config import RuntimeConfig
 from runtime.engine_dir import BuildConfig
 from runtime.kv_budget import KVBudget
 from runtime.runtime_args import runtime_from_parameters
+from triton_repo import serving_model
 from triton_repo.repository import INFER_SOURCE, MODEL_SOURCE, PROJECT_ROOT, ServingConfig, main, write_repository
 from triton_repo.server import backend_directory, find_tritonserver
+from triton_repo.serving_model import serving_threads
 
 T = mc.DataType
 INPUTS = {
@@ -175,6 +177,7 @@ def test_defaults_are_empty_and_settings_round_trip(engine_dir: Path, tmp_path: 
         "batch_invariant": "False",
         "tp_master": "",
         "stall_timeout_s": "120.0",
+        "torch_threads": "0",
     }
     runtime = RuntimeConfig(
         max_batch_size=4,
@@ -219,7 +222,8 @@ def test_missing_engine_dir_fails_before_writing(tmp_path: Path, capsys: pytest.
 
 
 @pytest.mark.parametrize(
-    ("field", "value", "needle"), [("device", "tpu", "device 'tpu'"), ("model_name", "a/b", "model name")]
+    ("field", "value", "needle"),
+    [("device", "tpu", "device 'tpu'"), ("model_name", "a/b", "model name"), ("torch_threads", -1, "torch threads")],
 )
 def test_bad_settings_are_refused(tmp_path: Path, field: str, value: object, needle: str) -> None:
     with pytest.raises(ValueError, match=needle):
@@ -242,3 +246,14 @@ def test_parameter_keys_are_unique(engine_dir: Path, tmp_path: Path) -> None:
     text = (write_repository(ServingConfig(engine_dir), tmp_path / "repo") / "config.pbtxt").read_text()
     keys = re.findall(r'parameters \{ key: "([^"]+)"', text)
     assert len(keys) == len(set(keys)), sorted(k for k in keys if keys.count(k) > 1)
+
+
+def test_the_served_engine_leaves_a_core_to_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`torch_threads` 0 on a CPU: every core but one (Triton's threads need it), at least one;
+    a number given is kept; on a GPU torch's default (0: left alone)."""
+    monkeypatch.setattr(serving_model.os, "cpu_count", lambda: 2)
+    assert serving_threads(0, "cpu") == 1
+    monkeypatch.setattr(serving_model.os, "cpu_count", lambda: 16)
+    assert serving_threads(0, "cpu") == 15 and serving_threads(4, "cpu") == 4
+    monkeypatch.setattr(serving_model.os, "cpu_count", lambda: 1)
+    assert serving_threads(0, "cpu") == 1 and serving_threads(0, "cuda") == 0
