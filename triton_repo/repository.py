@@ -55,7 +55,7 @@ class ServingConfig:
     torch_threads: int = 0
     """Intra-op threads of the served engine; 0 = on a CPU device every core but one, which
     Triton's server, its gRPC threads and the response thread need (the demo ReDrafter at
-    batch 1 on 2 cores: 289 tok/s served with 1 thread, 178 with 2, 410 in-process), on a
+    batch 1 on 2 cores: 322 tok/s served with 1 thread, 234 with 2, 411 in-process), on a
     GPU torch's default."""
 
     def __post_init__(self) -> None:

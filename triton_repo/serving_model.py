@@ -86,7 +86,7 @@ def serving_threads(requested: int, device: str) -> int:
     on a CPU device every core but one. Triton's server, its gRPC threads, the Python
     backend's IPC and the response thread run beside the engine; with every core busy in
     torch's parallel regions they preempt its threads and each region waits for the one
-    descheduled (demo ReDrafter, batch 1, 2 cores: 178 tok/s served with 2 threads, 289 with
+    descheduled (demo ReDrafter, batch 1, 2 cores: 234 tok/s served with 2 threads, 322 with
     1). On a GPU: 0, torch's default."""
     if requested or device != "cpu":
         return requested
