@@ -305,11 +305,9 @@ def stack_int8(linears: list[Linear]) -> Int8Stack | None:
     packed = quantize_int8(torch.cat([m.weight.detach() for m in linears]))
     if packed is None:
         return None
-    biases = [m.bias for m in linears]
     bias = None
-    if any(b is not None for b in biases):
-        bias = torch.cat([b.detach() if b is not None else m.weight.new_zeros(m.out_features)
-                          for b, m in zip(biases, linears, strict=True)])  # fmt: skip
+    if any(m.bias is not None for m in linears):
+        bias = torch.cat([m.weight.new_zeros(m.out_features) if m.bias is None else m.bias.detach() for m in linears])
     return Int8Stack(packed, bias, [m.out_features for m in linears])
 
 
