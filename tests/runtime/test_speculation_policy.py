@@ -255,6 +255,22 @@ def test_per_request_forward_cost_is_not_mistaken_for_cheap_tokens() -> None:
     assert p.forward_cost(8, 8) < p.forward_cost(40, 8)
 
 
+def test_a_negative_residual_is_not_multiplied_by_the_batch() -> None:
+    """A table timed slow at engine start makes live one-request steps cheaper than it says
+    (a negative residual). That is the table's bias, not a per-request saving: scaled by the
+    request count, a warm-up at batch 1 predicted a 32-request forward at -6 ms and the
+    policy drafted at batch 32 as if verification were free."""
+    p = SpeculationPolicy()
+    p.calibrate(lambda n: None, 256)
+    for n in list(p.forward_cost.tokens.points):
+        p.forward_cost.tokens.points[n] = CPU_BATCH.forward(n) + 0.001  # timed 1 ms slow
+    for _ in range(10):
+        p.observe(StepStats(1, CPU_BATCH.forward(1, 1), num_requests=1))
+    assert p.forward_cost(1, 1) == pytest.approx(CPU_BATCH.forward(1, 1))
+    assert p.forward_cost(32, 32) == pytest.approx(CPU_BATCH.forward(32, 1))  # nothing known of 32 requests
+    assert p.forward_cost(32, 32) > p.forward_cost(8, 8) > 0
+
+
 def test_a_settled_decision_is_reused_and_changes_no_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     """While drafting does not pay, the all-auto-regressive decision stands for a few steps
     instead of being solved again every step (its cost is what a step without drafting pays
