@@ -257,6 +257,14 @@ class LinearCost:
     def __call__(self, *x: float) -> float:
         if not self._shapes:
             return 0.0
+        coef = self._fitted()
+        return float(coef[0] + np.dot(coef[1:], x))
+
+    def slopes(self) -> np.ndarray:
+        return self._fitted()[1:] if self._shapes else np.zeros(0)
+
+    def _fitted(self) -> np.ndarray:
+        """[intercept, slopes...], refitted after a new sample (there is at least one)."""
         if self._coef is None:
             samples = self.samples
             a = np.array([(1.0, *f) for f, _ in samples])
@@ -271,15 +279,7 @@ class LinearCost:
                     coef[keep] = np.linalg.solve(sub.T @ sub + ridge[: keep.sum(), : keep.sum()], sub.T @ t)
                 coef = np.maximum(coef, 0.0)
             self._coef = coef
-        return float(self._coef[0] + np.dot(self._coef[1:], x))
-
-    def slopes(self) -> np.ndarray:
-        if not self._shapes:
-            return np.zeros(0)
-        features = next(iter(next(iter(self._shapes.values()))))[0]
-        self(*([0.0] * len(features)))
-        assert self._coef is not None
-        return self._coef[1:]
+        return self._coef
 
 
 @dataclass
