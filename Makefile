@@ -17,12 +17,15 @@ DEMO_PROMPTS := --prompt "def fibonacci(n):" \
 	--prompt "$$(printf 'class Stack:\n    def __init__(self):')" \
 	--prompt "$$(printf 'import os\n\n\ndef list_python_files(path):')"
 
-.PHONY: help setup mpi perf-analyzer-install perf-tools genai-perf perf-analyzer engine demo serve test test-slow lint format model drafter drafter-soft draft-lm lyanna bench-redrafter bench-redrafter-kd bench-redrafter-grid bench-lyanna-throughput bench-batch bench-batch-methods bench-triton-overhead bench-rsd bench-ngram profile bench-lyanna bench-drafter-tp loadtest loadtest-openai soak bench-table2 export-trtllm clean
+.PHONY: help setup cpu-kernels mpi perf-analyzer-install perf-tools genai-perf perf-analyzer engine demo serve test test-slow lint format model drafter drafter-soft draft-lm lyanna bench-redrafter bench-redrafter-kd bench-redrafter-grid bench-lyanna-throughput bench-batch bench-batch-methods bench-triton-overhead bench-rsd bench-ngram profile bench-lyanna bench-drafter-tp loadtest loadtest-openai soak bench-table2 export-trtllm clean
 
 help:  ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 25
 
-setup: $(STAMP) mpi  ## create .venv and install pinned requirements (once), and OpenMPI
+setup: $(STAMP) mpi cpu-kernels  ## create .venv and install pinned requirements (once), OpenMPI, the C++ CPU kernels
+
+cpu-kernels: $(STAMP)  ## build the C++ CPU kernels for this CPU (~10 s once, cached in ~/.cache/specpipe)
+	$(BIN)/python -m plugins.cpu_kernels
 
 # Tensor-parallel engines run under `mpirun`; mpi4py (requirements.txt) loads the MPI library at run time.
 mpi:  ## install OpenMPI (mpirun) if missing: apt-get as root, else print the command

@@ -7,14 +7,30 @@ written) under `mask[g]`: a new token sees the whole context and, among the new 
 its ancestors and itself (a packed draft tree) or the tokens before it (a prefill chunk).
 Rows of different requests never see each other: the batch mask is block-diagonal.
 
-The reference below gathers the slots into padded `[G, H_kv, S, D]` keys and calls
-`scaled_dot_product_attention`; it is the CPU path and the oracle for faster kernels.
+`tree_attention_reference` gathers the slots into padded `[G, H_kv, S, D]` keys and calls
+`scaled_dot_product_attention`: the oracle, and the path for long groups (prefill chunks,
+where SDPA's flash kernel does well) and for what the C++ kernel does not take. Short
+groups (decode tokens and draft trees, T <= `KERNEL_MAX_T`) in fp32 run
+`specpipe_cpu::tree_attention` (`plugins/csrc/tree_attention_cpu.cpp`, built by
+`plugins/cpu_kernels.py`), which reads K/V straight from their slots with no padded copy:
+on the 2-core CI machine, 8 requests of ~370 keys (demo target: 6 query heads, 2 KV heads,
+D = 64) cost ~80 us per layer for one new token each against ~300-700 us for the
+reference, and ~400 us for 6 tree tokens each against ~600-900 us. Both are exact
+attention in fp32; they differ by summation order (~1e-7).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
+
+from plugins import cpu_kernels
+
+KERNEL_MAX_T = 64
+"""New tokens per request up to which a group runs the C++ kernel (the engine's short
+segments: `runtime.attention_batch.SHORT_SEGMENT`); past it SDPA's flash kernel is as fast."""
 
 
 def _check(
@@ -38,6 +54,47 @@ def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0], -1).index_select(0, index.reshape(-1)).view(*index.shape, *x.shape[1:])
 
 
+def tree_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_index: torch.Tensor,
+    key_slots: torch.Tensor,
+    mask: torch.Tensor,
+) -> torch.Tensor:
+    """Plain torch: gather, pad, `scaled_dot_product_attention` (same arguments as the op)."""
+    qg = _rows(q, query_index).transpose(1, 2)  # [G, H, T, D]
+    kg = _rows(k_cache, key_slots).transpose(1, 2)  # [G, H_kv, S, D]
+    vg = _rows(v_cache, key_slots).transpose(1, 2)
+    out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask[:, None], enable_gqa=qg.shape[1] != kg.shape[1])
+    return out.transpose(1, 2).contiguous()
+
+
+@functools.cache
+def _kernel_built() -> bool:
+    """Build and load `specpipe_cpu::tree_attention` (once), and give it the op's fake."""
+    if not cpu_kernels.load():
+        return False
+    torch.library.register_fake("specpipe_cpu::tree_attention")(_fake)
+    return True
+
+
+def kernel_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_index: torch.Tensor) -> bool:
+    """Whether `specpipe_cpu::tree_attention` takes these arguments (and is built): fp32 on
+    the CPU, a head size it is compiled for, T <= `KERNEL_MAX_T`, caches with dense
+    `[H_kv, D]` slots (the paged cache's layers are)."""
+    dense = k_cache.stride(-1) == 1 and k_cache.stride(1) == k_cache.shape[-1] and v_cache.stride() == k_cache.stride()
+    return (
+        q.device.type == "cpu"
+        and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        and q.shape[-1] in (32, 64, 128)
+        and query_index.dtype == torch.long
+        and query_index.shape[1] <= KERNEL_MAX_T
+        and dense
+        and _kernel_built()
+    )
+
+
 @torch.library.custom_op("specpipe::tree_attention", mutates_args=())
 def tree_attention(
     q: torch.Tensor,  # [N, H, D] queries of the whole flat batch
@@ -48,15 +105,14 @@ def tree_attention(
     mask: torch.Tensor,  # [G, T, S] bool, True = attend; every row needs one True
 ) -> torch.Tensor:  # [G, T, H, D]
     _check(q, k_cache, query_index, key_slots, mask)
-    qg = _rows(q, query_index).transpose(1, 2)  # [G, H, T, D]
-    kg = _rows(k_cache, key_slots).transpose(1, 2)  # [G, H_kv, S, D]
-    vg = _rows(v_cache, key_slots).transpose(1, 2)
-    out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask[:, None], enable_gqa=qg.shape[1] != kg.shape[1])
-    return out.transpose(1, 2).contiguous()
+    if kernel_applies(q, k_cache, v_cache, query_index):
+        index, slots, visible = query_index.contiguous(), key_slots.contiguous(), mask.contiguous()
+        return torch.ops.specpipe_cpu.tree_attention(q.contiguous(), k_cache, v_cache, index, slots, visible)
+    return tree_attention_reference(q, k_cache, v_cache, query_index, key_slots, mask)
 
 
 @tree_attention.register_fake
-def _(
+def _fake(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from plugins.beam_packing import pack, unpack
-from plugins.tree_attention import tree_attention
+from plugins.tree_attention import KERNEL_MAX_T, kernel_applies, tree_attention, tree_attention_reference
 from tests.paged import Chunk, PagedModel
 from tests.tiny_models import tiny_target
 
@@ -74,3 +74,74 @@ def test_bad_shapes_are_refused() -> None:
         tree_attention(q, k, k, index, index, torch.ones(1, 2, 2, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"\[G, T, S\]"):
         tree_attention(torch.randn(2, 4, 8), k, k, index, index, torch.ones(1, 2, 3, dtype=torch.bool))
+
+
+def _random_groups(
+    gen: torch.Generator, groups: int, t: int, s: int, heads: int, kv_heads: int, d: int
+) -> tuple[torch.Tensor, ...]:
+    """A launch like the engine's: requests with their own context lengths (padded to S),
+    draft-tree masks over their new tokens, padding queries that see column 0 only."""
+    slots = 4 * groups * s + 8
+    q = torch.randn(groups * t + 3, heads, d, generator=gen)
+    k = torch.randn(slots, kv_heads, d, generator=gen)
+    v = torch.randn(slots, kv_heads, d, generator=gen)
+    query_index = torch.randperm(q.shape[0], generator=gen)[: groups * t].view(groups, t)
+    key_slots = torch.randperm(slots, generator=gen)[: groups * s].view(groups, s)
+    mask = torch.zeros(groups, t, s, dtype=torch.bool)
+    for g in range(groups):
+        n = int(torch.randint(1, t + 1, (1,), generator=gen))  # real new tokens; the rest pad
+        width = int(torch.randint(n, s + 1, (1,), generator=gen))  # context + new tokens
+        tree = (torch.rand(n, n, generator=gen) < 0.5).tril() | torch.eye(n, dtype=torch.bool)
+        mask[g, :n, : width - n] = True
+        mask[g, :n, width - n : width] = tree
+        mask[g, n:, 0] = True
+    return q, k, v, query_index, key_slots, mask
+
+
+@pytest.mark.parametrize(
+    ("groups", "t", "s", "heads", "kv_heads", "d"),
+    [(1, 1, 5, 6, 2, 64), (8, 1, 37, 6, 2, 64), (8, 6, 300, 6, 2, 64), (3, 17, 70, 4, 4, 32), (2, 64, 129, 8, 1, 128)],
+)
+def test_cpu_kernel_equals_the_reference(groups: int, t: int, s: int, heads: int, kv_heads: int, d: int) -> None:
+    """The C++ kernel against the gather + SDPA reference, over tree masks, GQA, padding
+    queries and key counts on either side of its 16-key vectors. A masking slip (one key a
+    row must not see) moves the result by ~1e-1, far past the tolerance."""
+    gen = torch.Generator().manual_seed(groups * 1000 + t * 10 + s)
+    args = _random_groups(gen, groups, t, s, heads, kv_heads, d)
+    assert kernel_applies(*args[:4]), "the C++ CPU kernel must build here (make setup: a compiler and ninja)"
+    ref = tree_attention_reference(*args)
+    out = tree_attention(*args)
+    assert (out - ref).abs().max() <= 2e-6
+    leaky = args[5].clone()
+    leaky[0, 0] = True  # the first row sees every key of its request
+    assert (tree_attention(*args[:5], leaky) - ref).abs().max() > 1e-2
+
+
+def test_cpu_kernel_row_does_not_depend_on_the_rest_of_the_launch() -> None:
+    """A request alone, or padded into a group beside a longer one: bitwise the same rows
+    (the kernel reduces each row over its own keys in a fixed order)."""
+    gen = torch.Generator().manual_seed(7)
+    q, k, v, query_index, key_slots, mask = _random_groups(gen, 2, 5, 90, 6, 2, 64)
+    mask[0] = False  # request 0: 35 keys of context and a 5-node tree; request 1 pads to 90
+    mask[0, :, :35] = True
+    tree = [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]]
+    mask[0, :, 35:40] = torch.tensor(tree, dtype=torch.bool)
+    together = tree_attention(q, k, v, query_index, key_slots, mask)
+    alone = tree_attention(q, k, v, query_index[:1], key_slots[:1, :40], mask[:1, :, :40].contiguous())
+    assert torch.equal(together[:1], alone)
+
+
+def test_opcheck_cpu_kernel() -> None:
+    gen = torch.Generator().manual_seed(1)
+    args = _random_groups(gen, 3, 4, 21, 4, 2, 32)
+    assert kernel_applies(*args[:4])
+    torch.library.opcheck(tree_attention, args)
+    torch.library.opcheck(torch.ops.specpipe_cpu.tree_attention.default, args)
+
+
+def test_long_groups_and_other_dtypes_take_the_reference() -> None:
+    gen = torch.Generator().manual_seed(2)
+    q, k, v, index, _, _ = _random_groups(gen, 1, KERNEL_MAX_T + 1, KERNEL_MAX_T + 10, 4, 2, 32)
+    assert not kernel_applies(q, k, v, index)
+    assert not kernel_applies(q.double(), k.double(), v.double(), index[:, :4])
+    assert not kernel_applies(q[..., :16].contiguous(), k[..., :16].contiguous(), v[..., :16].contiguous(), index)

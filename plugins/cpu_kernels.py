@@ -1,0 +1,106 @@
+"""The C++ CPU kernels in `plugins/csrc/`, compiled on first use for this machine's CPU.
+
+`load()` builds them with torch's extension builder (a C++ compiler and `ninja`, both in
+`make setup`) into `~/.cache/specpipe/cpu_kernels/<hash>`, the hash covering the sources,
+the compiler flags, torch's version and this CPU's instruction sets (the build uses
+`-march=native`), and registers their ops (`torch.ops.specpipe_cpu.*`). A build takes
+~10 s once per machine; later processes load the cached library in well under a second.
+`make setup` builds it (`python -m plugins.cpu_kernels`).
+
+Each kernel has a plain-torch reference it is tested against, and the ops fall back to
+it where the kernel does not apply (another dtype or head size) or cannot be built: with
+no compiler, `load()` warns once with the fix and returns False. `SPECPIPE_CPU_KERNELS=0`
+turns the kernels off (same outputs up to fp32 rounding; for A/B timings).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCES = [Path(__file__).parent / "csrc" / "tree_attention_cpu.cpp"]
+CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
+"""-fopenmp: `at::parallel_for` runs on the OpenMP runtime torch has loaded (libgomp)."""
+ENV = "SPECPIPE_CPU_KERNELS"
+
+
+def _cpu_signature() -> str:
+    """This CPU's model and instruction-set flags (what `-march=native` compiles for)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    lines = [line for line in info.splitlines() if line.startswith(("model name", "flags", "Features"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def build_directory() -> Path:
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    for part in (*CFLAGS, torch.__version__, sys.version, _cpu_signature()):
+        digest.update(part.encode())
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specpipe" / "cpu_kernels"
+    return root / digest.hexdigest()[:16]
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1") not in ("0", "false", "no", "off")
+
+
+@functools.cache
+def load() -> bool:
+    """Build (once per machine) and register the CPU kernels; False where they are off or
+    cannot be built (the ops then run their plain-torch references)."""
+    if not enabled():
+        return False
+    from torch.utils import cpp_extension
+
+    venv_bin = Path(sys.executable).parent  # ninja from PyPI sits beside the venv's python
+    if shutil.which("ninja") is None and (venv_bin / "ninja").exists():
+        os.environ["PATH"] = f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}"
+    directory = build_directory()
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        cpp_extension.load(
+            name="specpipe_cpu_kernels",
+            sources=[str(s) for s in SOURCES],
+            extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            is_python_module=False,
+            verbose=False,
+        )
+    except (RuntimeError, OSError, ImportError) as e:
+        warnings.warn(
+            f"specpipe's C++ CPU kernels could not be built ({str(e).splitlines()[0] if str(e) else e!r}); "
+            "attention runs its slower plain-torch reference. Install a C++ compiler and ninja "
+            f"(`make setup`), or set {ENV}=0 to silence this.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return False
+    return True
+
+
+def main() -> None:
+    start = time.perf_counter()
+    if not enabled():
+        print(f"{ENV}=0: the CPU kernels are off")
+        return
+    if not load():
+        raise SystemExit("the CPU kernels could not be built (see the warning above)")
+    print(f"CPU kernels ready in {build_directory()} ({time.perf_counter() - start:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()

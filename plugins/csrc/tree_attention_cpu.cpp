@@ -1,0 +1,218 @@
+// specpipe_cpu::tree_attention: the CPU kernel of `specpipe::tree_attention` for short
+// groups (decode tokens, draft trees); plugins/tree_attention.py has the contract and the
+// plain-torch reference this is tested against (tests/plugins/test_tree_attention.py).
+//
+// Work items are (request g, KV head kh), spread over ATen's threads. An item's R =
+// T x (H / H_kv) query rows go four at a time: their queries and outputs stay in registers
+// and each key and value is read once from its cache slot for all four (no padded copy of
+// the paged cache). For each row, over the keys j it may see (Vaswani et al. 2017, eq. 1):
+//   s_j = (q . k_j) / sqrt(D)
+//   p_j = exp(s_j - max_i s_i), exactly 0 for masked keys
+//   out = (sum_j p_j v_j) / (sum_j p_j)
+// Accumulation in fp32 in a fixed order (keys ascending), so a row's result depends only on
+// its own query, keys and mask, never on the other rows of the launch.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// 16 fp32 lanes (GCC/Clang vector extension): one AVX-512 register, or four SSE ones.
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+constexpr int64_t kLanes = 16;
+
+inline v16 load(const float* p) {
+  v16 x;
+  __builtin_memcpy(&x, p, sizeof(x));
+  return x;
+}
+
+inline void store(float* p, v16 x) { __builtin_memcpy(p, &x, sizeof(x)); }
+
+inline v16 splat(float x) { return v16{} + x; }
+
+// exp(x) for x <= 0 (scores minus their row max): Cephes' expf, a degree-6 polynomial on
+// x = n ln2 + r, |r| <= ln2 / 2, times 2^n built in the exponent bits; ~2 ulp.
+inline v16 exp_nonpositive(v16 x) {
+  x = x < -87.0f ? splat(-87.0f) : x;
+  const v16 fx = x * 1.44269504088896341f + 0.5f;
+  v16 n = __builtin_convertvector(__builtin_convertvector(fx, i16), v16);  // truncate ...
+  n += __builtin_convertvector(n > fx, v16);                               // ... to floor (true = -1)
+  x = x - n * 0.693359375f + n * 2.12194440e-4f;
+  const v16 z = x * x;
+  v16 y = splat(1.9875691500e-4f);
+  y = y * x + 1.3981999507e-3f;
+  y = y * x + 8.3334519073e-3f;
+  y = y * x + 4.1665795894e-2f;
+  y = y * x + 1.6666665459e-1f;
+  y = y * x + 5.0000001201e-1f;
+  y = y * z + x + 1.0f;
+  const i16 bits = (__builtin_convertvector(n, i16) + 127) << 23;
+  v16 two_n;
+  __builtin_memcpy(&two_n, &bits, sizeof(two_n));
+  return y * two_n;
+}
+
+inline float lane_sum(v16 x) {  // pairwise: lanes 8 apart, then 4, 2, 1
+  x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  x += __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return x[0];
+}
+
+// NR query rows (at most 4: their queries and outputs stay in registers) of one KV head
+// against its S keys; `rows[r]` = (query row of the flat batch, query head), `mask_rows[r]`
+// = that row's S visibility flags. Each key and value is loaded once for the NR rows.
+template <int64_t D, int NR>
+void attend_rows(const float* q, int64_t q_row_stride, const float* k, const float* v, int64_t c_slot_stride,
+                 const int64_t* key_slots, int64_t S, const int64_t (&rows)[4][2], const bool* const (&mask_rows)[4],
+                 float* const (&dst)[4], float* scores) {
+  constexpr int64_t C = D / kLanes;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  v16 qv[NR][C];
+  for (int r = 0; r < NR; ++r)
+    for (int64_t c = 0; c < C; ++c) qv[r][c] = load(q + rows[r][0] * q_row_stride + rows[r][1] * D + c * kLanes);
+  float m[NR];
+  for (int r = 0; r < NR; ++r) m[r] = neg_inf;
+  for (int64_t j = 0; j < S; ++j) {  // s_j = q . k_j / sqrt(D)
+    const float* kj = k + key_slots[j] * c_slot_stride;
+    v16 kv[C];
+    for (int64_t c = 0; c < C; ++c) kv[c] = load(kj + c * kLanes);
+    for (int r = 0; r < NR; ++r) {
+      v16 acc = qv[r][0] * kv[0];
+      for (int64_t c = 1; c < C; ++c) acc += qv[r][c] * kv[c];
+      const float sc = mask_rows[r][j] ? lane_sum(acc) * scale : neg_inf;
+      scores[r * S + j] = sc;
+      m[r] = std::max(m[r], sc);
+    }
+  }
+  float inv[NR];
+  for (int r = 0; r < NR; ++r) {  // p_j = exp(s_j - m), exactly 0 where masked
+    float* s = scores + r * S;
+    v16 total = {};
+    int64_t j = 0;
+    for (; j + kLanes <= S; j += kLanes) {
+      const v16 x = load(s + j);
+      const v16 p = x == neg_inf ? v16{} : exp_nonpositive(x - m[r]);
+      total += p;
+      store(s + j, p);
+    }
+    if (j < S) {  // the tail, through a padded copy
+      float tail[kLanes];
+      for (int64_t l = 0; l < kLanes; ++l) tail[l] = j + l < S ? s[j + l] : neg_inf;
+      const v16 x = load(tail);
+      const v16 p = x == neg_inf ? v16{} : exp_nonpositive(x - m[r]);
+      total += p;
+      store(tail, p);
+      for (int64_t l = 0; j + l < S; ++l) s[j + l] = tail[l];
+    }
+    inv[r] = 1.0f / lane_sum(total);
+  }
+  v16 o[NR][C] = {};
+  for (int64_t j = 0; j < S; ++j) {  // sum_j p_j v_j, keys in order
+    const float* vj = v + key_slots[j] * c_slot_stride;
+    v16 vv[C];
+    for (int64_t c = 0; c < C; ++c) vv[c] = load(vj + c * kLanes);
+    for (int r = 0; r < NR; ++r) {
+      const v16 p = splat(scores[r * S + j]);
+      for (int64_t c = 0; c < C; ++c) o[r][c] += p * vv[c];
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int64_t c = 0; c < C; ++c) store(dst[r] + c * kLanes, o[r][c] * inv[r]);
+}
+
+// One (request, KV head): its R = T x group query rows, four at a time.
+template <int64_t D>
+void attend_item(const float* q, int64_t q_row_stride, const float* k, const float* v, int64_t c_slot_stride,
+                 const int64_t* query_index, const int64_t* key_slots, const bool* mask, float* out,
+                 int64_t out_row_stride, int64_t T, int64_t S, int64_t group, int64_t kh, std::vector<float>& scores) {
+  static_assert(D % kLanes == 0);
+  scores.resize(4 * S);
+  const int64_t R = T * group;
+  for (int64_t r0 = 0; r0 < R; r0 += 4) {
+    const int nr = static_cast<int>(std::min<int64_t>(4, R - r0));
+    int64_t rows[4][2] = {};
+    const bool* mask_rows[4] = {};
+    float* dst[4] = {};
+    for (int r = 0; r < nr; ++r) {
+      const int64_t t = (r0 + r) / group, h = kh * group + (r0 + r) % group;
+      rows[r][0] = query_index[t];
+      rows[r][1] = h;
+      mask_rows[r] = mask + t * S;
+      dst[r] = out + t * out_row_stride + h * D;
+    }
+    const float* kh_k = k + kh * D;
+    const float* kh_v = v + kh * D;
+    switch (nr) {
+      case 4: attend_rows<D, 4>(q, q_row_stride, kh_k, kh_v, c_slot_stride, key_slots, S, rows, mask_rows, dst, scores.data()); break;
+      case 3: attend_rows<D, 3>(q, q_row_stride, kh_k, kh_v, c_slot_stride, key_slots, S, rows, mask_rows, dst, scores.data()); break;
+      case 2: attend_rows<D, 2>(q, q_row_stride, kh_k, kh_v, c_slot_stride, key_slots, S, rows, mask_rows, dst, scores.data()); break;
+      default: attend_rows<D, 1>(q, q_row_stride, kh_k, kh_v, c_slot_stride, key_slots, S, rows, mask_rows, dst, scores.data());
+    }
+  }
+}
+
+template <int64_t D>
+void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                const at::Tensor& query_index, const at::Tensor& key_slots, const at::Tensor& mask, at::Tensor& out) {
+  const int64_t G = query_index.size(0), T = query_index.size(1), S = key_slots.size(1);
+  const int64_t H = q.size(1), H_kv = k_cache.size(1), group = H / H_kv;
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int64_t* qi = query_index.data_ptr<int64_t>();
+  const int64_t* ks = key_slots.data_ptr<int64_t>();
+  const bool* mk = mask.data_ptr<bool>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, G * H_kv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buffer;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t g = item / H_kv, kh = item % H_kv;
+      attend_item<D>(qp, q.stride(0), kp, vp, k_cache.stride(0), qi + g * T, ks + g * S, mk + g * T * S,
+                     op + g * T * H * D, H * D, T, S, group, kh, buffer);
+    }
+  });
+}
+
+at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& query_index, const at::Tensor& key_slots, const at::Tensor& mask) {
+  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat, "specpipe_cpu::tree_attention takes fp32 CPU q");
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat, "fp32 caches only");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), "q [N,H,D], caches [slots,H_kv,D]");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k_cache.stride(2) == 1 &&
+                  k_cache.stride(1) == k_cache.size(2) && v_cache.strides() == k_cache.strides(),
+              "q and the caches need dense [heads, D] rows, and both caches one layout");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(query_index.scalar_type() == at::kLong && key_slots.scalar_type() == at::kLong &&
+                  mask.scalar_type() == at::kBool && query_index.is_contiguous() && key_slots.is_contiguous() &&
+                  mask.is_contiguous(),
+              "contiguous int64 query_index/key_slots and bool mask");
+  const int64_t D = q.size(2);
+  auto out = at::empty({query_index.size(0), query_index.size(1), q.size(1), D}, q.options());
+  switch (D) {
+    case 32: attend_all<32>(q, k_cache, v_cache, query_index, key_slots, mask, out); break;
+    case 64: attend_all<64>(q, k_cache, v_cache, query_index, key_slots, mask, out); break;
+    case 128: attend_all<128>(q, k_cache, v_cache, query_index, key_slots, mask, out); break;
+    default: TORCH_CHECK(false, "specpipe_cpu::tree_attention supports head_dim 32, 64 or 128, got ", D);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(specpipe_cpu, m) {
+  m.def("tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_index, Tensor key_slots, Tensor mask) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specpipe_cpu, CPU, m) { m.impl("tree_attention", &tree_attention); }
