@@ -14,8 +14,8 @@ writes, and which slots each token attends to, in one of two forms:
   row-wise kernel `specpipe::paged_attention`. Fixed-size tensors, no host reads: what a
   CUDA graph replays, and a row's result does not depend on the other rows.
 - `AttentionGroup`s (CPU): requests padded into groups (all short trees together, each
-  long prefill chunk alone) for `specpipe::tree_attention`, whose body is one SDPA per
-  group; within a group the mask is block-diagonal by construction, since every row of
+  long prefill chunk alone) for `specpipe::tree_attention` (a C++ kernel for short
+  groups, one SDPA per long one; `plugins/tree_attention.py`); within a group the mask is block-diagonal by construction, since every row of
   the group is one request.
 """
 
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from plugins.kv_compaction import copy_kv_slots
 from plugins.paged_attention import paged_attention
-from plugins.tree_attention import tree_attention
+from plugins.tree_attention import attend
 
 
 class PagedKVCache:
@@ -139,6 +139,6 @@ class PagedBatch(NamedTuple):
                 res = res.transpose(1, 2).to(out.dtype)
             else:
                 k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
-                res = tree_attention(q_flat, k_cache, v_cache, g.query_index, g.key_slots, g.mask)
+                res = attend(q_flat, k_cache, v_cache, g.query_index, g.key_slots, g.mask)
             out[g.rows] = res[g.valid]
         return out.transpose(0, 1)[None]

@@ -81,8 +81,10 @@ def load() -> bool:
             verbose=False,
         )
     except (RuntimeError, OSError, ImportError) as e:
+        lines = str(e).splitlines() or [repr(e)]
+        reason = next((line.strip() for line in lines if "error" in line.lower() and ".cpp" in line), lines[-1])
         warnings.warn(
-            f"specpipe's C++ CPU kernels could not be built ({str(e).splitlines()[0] if str(e) else e!r}); "
+            f"specpipe's C++ CPU kernels could not be built ({reason}); "
             "attention runs its slower plain-torch reference. Install a C++ compiler and ninja "
             f"(`make setup`), or set {ENV}=0 to silence this.",
             RuntimeWarning,

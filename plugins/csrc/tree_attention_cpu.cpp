@@ -3,9 +3,10 @@
 // plain-torch reference this is tested against (tests/plugins/test_tree_attention.py).
 //
 // Work items are (request g, KV head kh), spread over ATen's threads. An item's R =
-// T x (H / H_kv) query rows go four at a time: their queries and outputs stay in registers
-// and each key and value is read once from its cache slot for all four (no padded copy of
-// the paged cache). For each row, over the keys j it may see (Vaswani et al. 2017, eq. 1):
+// T x (H / H_kv) query rows go four at a time, reading keys and values straight from their
+// cache slots (no padded copy of the paged cache): scores 16 keys at a time (16 partial-dot
+// vectors summed across lanes together, `lane_sums`), outputs with each value loaded once
+// for the four rows. For each row, over the keys j it may see (Vaswani et al. 2017, eq. 1):
 //   s_j = (q . k_j) / sqrt(D)
 //   p_j = exp(s_j - max_i s_i), exactly 0 for masked keys
 //   out = (sum_j p_j v_j) / (sum_j p_j)
@@ -69,52 +70,76 @@ inline float lane_sum(v16 x) {  // pairwise: lanes 8 apart, then 4, 2, 1
   return x[0];
 }
 
-// NR query rows (at most 4: their queries and outputs stay in registers) of one KV head
-// against its S keys; `rows[r]` = (query row of the flat batch, query head), `mask_rows[r]`
-// = that row's S visibility flags. Each key and value is loaded once for the NR rows.
+inline float lane_max(v16 x) {
+  float m = x[0];
+  for (int l = 1; l < kLanes; ++l) m = std::max(m, x[l]);
+  return m;
+}
+
+// Lane i of the result = the sum of x[i]'s 16 lanes: a butterfly of shuffles, each level
+// halving the vectors and doubling the keys per vector (x[i]: key i's 16 partial dots).
+// A key's sum takes the same additions in the same order wherever its chunk is.
+inline v16 lane_sums(const v16 (&x)[kLanes]) {
+  v16 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)  // a[i]: lanes 0-7 key 2i, 8-15 key 2i+1
+    a[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(x[2 * i], x[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)  // b[i]: quarters hold keys 4i, 4i+2, 4i+1, 4i+3
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)  // c[i]: pairs hold keys 8i + 0, 4, 2, 6, 1, 5, 3, 7
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  const v16 d =  // lane L holds key bitreverse4(L)
+      __builtin_shufflevector(c[0], c[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+      __builtin_shufflevector(c[0], c[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  return __builtin_shufflevector(d, d, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+}
+
+// NR query rows (at most 4) of one KV head against its S keys, 16 keys at a time;
+// `rows[r]` = (query row of the flat batch, query head), `mask_rows[r]` = that row's S
+// visibility flags, `scores` room for NR rows of S rounded up to 16. Keys past S (the last
+// chunk's padding) read key 0 and are masked.
 template <int64_t D, int NR>
 void attend_rows(const float* q, int64_t q_row_stride, const float* k, const float* v, int64_t c_slot_stride,
                  const int64_t* key_slots, int64_t S, const int64_t (&rows)[4][2], const bool* const (&mask_rows)[4],
                  float* const (&dst)[4], float* scores) {
   constexpr int64_t C = D / kLanes;
+  typedef uint8_t u8x16 __attribute__((vector_size(16)));
+  const int64_t sp = (S + kLanes - 1) / kLanes * kLanes;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const float neg_inf = -std::numeric_limits<float>::infinity();
   v16 qv[NR][C];
   for (int r = 0; r < NR; ++r)
     for (int64_t c = 0; c < C; ++c) qv[r][c] = load(q + rows[r][0] * q_row_stride + rows[r][1] * D + c * kLanes);
-  float m[NR];
-  for (int r = 0; r < NR; ++r) m[r] = neg_inf;
-  for (int64_t j = 0; j < S; ++j) {  // s_j = q . k_j / sqrt(D)
-    const float* kj = k + key_slots[j] * c_slot_stride;
-    v16 kv[C];
-    for (int64_t c = 0; c < C; ++c) kv[c] = load(kj + c * kLanes);
+  v16 running_max[NR];
+  for (int r = 0; r < NR; ++r) running_max[r] = splat(neg_inf);
+  for (int64_t j0 = 0; j0 < sp; j0 += kLanes) {  // s_j = q . k_j / sqrt(D)
+    const float* kp[kLanes];
+    for (int64_t l = 0; l < kLanes; ++l) kp[l] = k + key_slots[j0 + l < S ? j0 + l : 0] * c_slot_stride;
     for (int r = 0; r < NR; ++r) {
-      v16 acc = qv[r][0] * kv[0];
-      for (int64_t c = 1; c < C; ++c) acc += qv[r][c] * kv[c];
-      const float sc = mask_rows[r][j] ? lane_sum(acc) * scale : neg_inf;
-      scores[r * S + j] = sc;
-      m[r] = std::max(m[r], sc);
+      v16 acc[kLanes];
+      for (int64_t l = 0; l < kLanes; ++l) {
+        acc[l] = qv[r][0] * load(kp[l]);
+        for (int64_t c = 1; c < C; ++c) acc[l] += qv[r][c] * load(kp[l] + c * kLanes);
+      }
+      u8x16 seen = {};
+      __builtin_memcpy(&seen, mask_rows[r] + j0, static_cast<size_t>(std::min<int64_t>(kLanes, S - j0)));
+      const v16 sc = __builtin_convertvector(seen, v16) != 0.0f ? lane_sums(acc) * scale : splat(neg_inf);
+      store(scores + r * sp + j0, sc);
+      running_max[r] = running_max[r] > sc ? running_max[r] : sc;
     }
   }
   float inv[NR];
   for (int r = 0; r < NR; ++r) {  // p_j = exp(s_j - m), exactly 0 where masked
-    float* s = scores + r * S;
+    const float m = lane_max(running_max[r]);
+    float* s = scores + r * sp;
     v16 total = {};
-    int64_t j = 0;
-    for (; j + kLanes <= S; j += kLanes) {
-      const v16 x = load(s + j);
-      const v16 p = x == neg_inf ? v16{} : exp_nonpositive(x - m[r]);
+    for (int64_t j0 = 0; j0 < sp; j0 += kLanes) {
+      const v16 x = load(s + j0);
+      const v16 p = x == neg_inf ? v16{} : exp_nonpositive(x - m);
       total += p;
-      store(s + j, p);
-    }
-    if (j < S) {  // the tail, through a padded copy
-      float tail[kLanes];
-      for (int64_t l = 0; l < kLanes; ++l) tail[l] = j + l < S ? s[j + l] : neg_inf;
-      const v16 x = load(tail);
-      const v16 p = x == neg_inf ? v16{} : exp_nonpositive(x - m[r]);
-      total += p;
-      store(tail, p);
-      for (int64_t l = 0; j + l < S; ++l) s[j + l] = tail[l];
+      store(s + j0, p);
     }
     inv[r] = 1.0f / lane_sum(total);
   }
@@ -124,7 +149,7 @@ void attend_rows(const float* q, int64_t q_row_stride, const float* k, const flo
     v16 vv[C];
     for (int64_t c = 0; c < C; ++c) vv[c] = load(vj + c * kLanes);
     for (int r = 0; r < NR; ++r) {
-      const v16 p = splat(scores[r * S + j]);
+      const v16 p = splat(scores[r * sp + j]);
       for (int64_t c = 0; c < C; ++c) o[r][c] += p * vv[c];
     }
   }
@@ -138,7 +163,7 @@ void attend_item(const float* q, int64_t q_row_stride, const float* k, const flo
                  const int64_t* query_index, const int64_t* key_slots, const bool* mask, float* out,
                  int64_t out_row_stride, int64_t T, int64_t S, int64_t group, int64_t kh, std::vector<float>& scores) {
   static_assert(D % kLanes == 0);
-  scores.resize(4 * S);
+  scores.resize(4 * ((S + kLanes - 1) / kLanes * kLanes));
   const int64_t R = T * group;
   for (int64_t r0 = 0; r0 < R; r0 += 4) {
     const int nr = static_cast<int>(std::min<int64_t>(4, R - r0));
@@ -198,8 +223,18 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_cache, const 
                   mask.scalar_type() == at::kBool && query_index.is_contiguous() && key_slots.is_contiguous() &&
                   mask.is_contiguous(),
               "contiguous int64 query_index/key_slots and bool mask");
+  const int64_t G = query_index.size(0), T = query_index.size(1), S = key_slots.size(1);
+  TORCH_CHECK(query_index.dim() == 2 && key_slots.dim() == 2 && key_slots.size(0) == G && mask.dim() == 3 &&
+                  mask.size(0) == G && mask.size(1) == T && mask.size(2) == S,
+              "query_index [G, T], key_slots [G, S] and mask [G, T, S]");
+  const int64_t* qi = query_index.data_ptr<int64_t>();
+  const int64_t* ks = key_slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < G * T; ++i)  // the kernel reads raw memory: every index must be in range
+    TORCH_CHECK(qi[i] >= 0 && qi[i] < q.size(0), "query_index ", qi[i], " out of range for ", q.size(0), " rows");
+  for (int64_t i = 0; i < G * S; ++i)
+    TORCH_CHECK(ks[i] >= 0 && ks[i] < k_cache.size(0), "key slot ", ks[i], " out of range for ", k_cache.size(0), " slots");
   const int64_t D = q.size(2);
-  auto out = at::empty({query_index.size(0), query_index.size(1), q.size(1), D}, q.options());
+  auto out = at::empty({G, T, q.size(1), D}, q.options());
   switch (D) {
     case 32: attend_all<32>(q, k_cache, v_cache, query_index, key_slots, mask, out); break;
     case 64: attend_all<64>(q, k_cache, v_cache, query_index, key_slots, mask, out); break;

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from plugins.beam_packing import pack, unpack
-from plugins.tree_attention import KERNEL_MAX_T, kernel_applies, tree_attention, tree_attention_reference
+from plugins.tree_attention import KERNEL_MAX_T, attend, kernel_applies, tree_attention, tree_attention_reference
 from tests.paged import Chunk, PagedModel
 from tests.tiny_models import tiny_target
 
@@ -145,3 +145,18 @@ def test_long_groups_and_other_dtypes_take_the_reference() -> None:
     assert not kernel_applies(q, k, v, index)
     assert not kernel_applies(q.double(), k.double(), v.double(), index[:, :4])
     assert not kernel_applies(q[..., :16].contiguous(), k[..., :16].contiguous(), v[..., :16].contiguous(), index)
+
+
+def test_the_layers_route_equals_the_op_and_refuses_bad_indices() -> None:
+    """`attend` (what the model's layers call: the C++ op directly) gives the op's result,
+    and the C++ op refuses out-of-range indices instead of reading past the cache."""
+    gen = torch.Generator().manual_seed(3)
+    args = _random_groups(gen, 4, 3, 50, 6, 2, 64)
+    assert torch.equal(attend(*args), tree_attention(*args))
+    q, k, v, query_index, key_slots, mask = args
+    bad_slots = key_slots.clone()
+    bad_slots[1, 3] = k.shape[0]
+    with pytest.raises(RuntimeError, match="out of range"):
+        attend(q, k, v, query_index, bad_slots, mask)
+    with pytest.raises(RuntimeError, match=r"mask \[G, T, S\]"):
+        torch.ops.specpipe_cpu.tree_attention(q, k, v, query_index, key_slots, mask[:, :, :-1].contiguous())
