@@ -15,8 +15,8 @@ writes, and which slots each token attends to, in one of two forms:
   CUDA graph replays, and a row's result does not depend on the other rows.
 - `AttentionGroup`s (CPU): requests padded into groups (all short trees together, each
   long prefill chunk alone) for `specpipe::tree_attention` (a C++ kernel for short
-  groups, one SDPA per long one; `plugins/tree_attention.py`); within a group the mask is block-diagonal by construction, since every row of
-  the group is one request.
+  groups, one SDPA per long one; `plugins/tree_attention.py`); within a group the mask
+  is block-diagonal by construction, since every row of the group is one request.
 """
 
 from __future__ import annotations
