@@ -14,9 +14,10 @@ groups (decode tokens and draft trees, T <= `KERNEL_MAX_T`) in fp32 run
 `specpipe_cpu::tree_attention` (`plugins/csrc/tree_attention_cpu.cpp`, built by
 `plugins/cpu_kernels.py`), which reads K/V straight from their slots with no padded copy:
 on the 2-core CI machine, 8 requests of ~370 keys (demo target: 6 query heads, 2 KV heads,
-D = 64) cost ~80 us per layer for one new token each against ~300-700 us for the
-reference, and ~400 us for 6 tree tokens each against ~600-900 us. Both are exact
-attention in fp32; they differ by summation order (~1e-7).
+D = 64) cost ~100 us per layer for one new token each against ~300-700 us for the
+reference, ~370 us for 6 tree tokens each against ~600-900 us, and one request ~15 us
+against ~150 us. Both are exact attention in fp32; they differ by summation order (~1e-7).
+The model's layers call it through `attend`.
 """
 
 from __future__ import annotations

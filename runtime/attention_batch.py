@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -52,26 +53,27 @@ def write_slots(segments: list[Segment]) -> torch.Tensor:
 
 
 def group(segments: list[Segment], device: torch.device | str = "cpu") -> AttentionGroup:
-    """One padded attention group over `segments`."""
+    """One padded attention group over `segments`. Filled in numpy (a slice assignment
+    costs ~0.5 us there, ~4 us as a torch op): a draft-LM step at batch 8 builds a group
+    per draft level and one for the target, ~0.25 ms each with torch ops."""
     t = max(s.num_new for s in segments)
     width = max(int(s.slots.shape[0]) for s in segments)
-    query_index = torch.zeros(len(segments), t, dtype=torch.long)
-    key_slots = torch.zeros(len(segments), width, dtype=torch.long)
-    mask = torch.zeros(len(segments), t, width, dtype=torch.bool)
-    valid = torch.zeros(len(segments), t, dtype=torch.bool)
+    query_index = np.zeros((len(segments), t), dtype=np.int64)
+    key_slots = np.zeros((len(segments), width), dtype=np.int64)
+    mask = np.zeros((len(segments), t, width), dtype=np.bool_)
+    valid = np.zeros((len(segments), t), dtype=np.bool_)
     mask[:, :, 0] = True  # padding queries attend slot column 0 (their output is dropped)
     for g, s in enumerate(segments):
         n, c = s.num_new, s.context_len
-        query_index[g, :n] = torch.arange(s.start, s.start + n)
-        key_slots[g, : c + n] = s.slots
-        own = torch.ones(n, n, dtype=torch.bool).tril_() if s.tree_mask is None else s.tree_mask
+        query_index[g, :n] = np.arange(s.start, s.start + n)
+        key_slots[g, : c + n] = s.slots.numpy()
+        own = np.tri(n, dtype=np.bool_) if s.tree_mask is None else s.tree_mask.numpy()
         k = own.shape[1]
         mask[g, :n, : c + n - k] = True
         mask[g, :n, c + n - k : c + n] = own
         valid[g, :n] = True
-    return AttentionGroup(
-        query_index.to(device), key_slots.to(device), mask.to(device), valid.to(device), query_index[valid].to(device)
-    )
+    arrays = (query_index, key_slots, mask, valid, query_index[valid])
+    return AttentionGroup(*(torch.from_numpy(a).to(device) for a in arrays))
 
 
 def build_groups(segments: list[Segment], device: torch.device | str = "cpu") -> list[AttentionGroup]:
