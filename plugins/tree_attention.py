@@ -26,6 +26,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from plugins import cpu_kernels
 
@@ -56,17 +57,12 @@ def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def tree_attention_reference(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    query_index: torch.Tensor,
-    key_slots: torch.Tensor,
-    mask: torch.Tensor,
-) -> torch.Tensor:
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, index: Tensor, slots: Tensor, mask: Tensor
+) -> Tensor:
     """Plain torch: gather, pad, `scaled_dot_product_attention` (same arguments as the op)."""
-    qg = _rows(q, query_index).transpose(1, 2)  # [G, H, T, D]
-    kg = _rows(k_cache, key_slots).transpose(1, 2)  # [G, H_kv, S, D]
-    vg = _rows(v_cache, key_slots).transpose(1, 2)
+    qg = _rows(q, index).transpose(1, 2)  # [G, H, T, D]
+    kg = _rows(k_cache, slots).transpose(1, 2)  # [G, H_kv, S, D]
+    vg = _rows(v_cache, slots).transpose(1, 2)
     out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask[:, None], enable_gqa=qg.shape[1] != kg.shape[1])
     return out.transpose(1, 2).contiguous()
 
@@ -97,14 +93,7 @@ def kernel_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     )
 
 
-def attend(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    query_index: torch.Tensor,
-    key_slots: torch.Tensor,
-    mask: torch.Tensor,
-) -> torch.Tensor:
+def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_index: Tensor, key_slots: Tensor, mask: Tensor) -> Tensor:
     """`tree_attention` by the shortest route, for the model's layers: the C++ op itself
     where it applies (the Python custom op around it costs ~15-25 us a call, and a draft-LM
     step at batch 8 makes 14 such calls), else the custom op. The C++ op checks shapes and
