@@ -114,8 +114,8 @@ def tree_attention(
 ) -> torch.Tensor:  # [G, T, H, D]
     _check(q, k_cache, query_index, key_slots, mask)
     if kernel_applies(q, k_cache, v_cache, query_index):
-        index, slots, visible = query_index.contiguous(), key_slots.contiguous(), mask.contiguous()
-        return torch.ops.specpipe_cpu.tree_attention(q.contiguous(), k_cache, v_cache, index, slots, visible)
+        slots, visible = key_slots.contiguous(), mask.contiguous()  # kernel_applies: query_index is
+        return torch.ops.specpipe_cpu.tree_attention(q.contiguous(), k_cache, v_cache, query_index, slots, visible)
     return tree_attention_reference(q, k_cache, v_cache, query_index, key_slots, mask)
 
 

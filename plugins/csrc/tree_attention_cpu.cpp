@@ -40,6 +40,8 @@ inline void store(float* p, v16 x) { __builtin_memcpy(p, &x, sizeof(x)); }
 
 inline v16 splat(float x) { return v16{} + x; }
 
+inline int64_t padded(int64_t keys) { return (keys + kLanes - 1) / kLanes * kLanes; }  // whole 16-key chunks
+
 // exp(x) for x <= 0 (scores minus their row max): Cephes' expf, a degree-6 polynomial on
 // x = n ln2 + r, |r| <= ln2 / 2, times 2^n built in the exponent bits; ~2 ulp.
 inline v16 exp_nonpositive(v16 x) {
@@ -106,7 +108,7 @@ void attend_rows(const float* q, int64_t q_row_stride, const float* k, const flo
                  float* const (&dst)[4], float* scores) {
   constexpr int64_t C = D / kLanes;
   typedef uint8_t u8x16 __attribute__((vector_size(16)));
-  const int64_t sp = (S + kLanes - 1) / kLanes * kLanes;
+  const int64_t sp = padded(S);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const float neg_inf = -std::numeric_limits<float>::infinity();
   v16 qv[NR][C];
@@ -163,7 +165,7 @@ void attend_item(const float* q, int64_t q_row_stride, const float* k, const flo
                  const int64_t* query_index, const int64_t* key_slots, const bool* mask, float* out,
                  int64_t out_row_stride, int64_t T, int64_t S, int64_t group, int64_t kh, std::vector<float>& scores) {
   static_assert(D % kLanes == 0);
-  scores.resize(4 * ((S + kLanes - 1) / kLanes * kLanes));
+  scores.resize(4 * padded(S));
   const int64_t R = T * group;
   for (int64_t r0 = 0; r0 < R; r0 += 4) {
     const int nr = static_cast<int>(std::min<int64_t>(4, R - r0));
