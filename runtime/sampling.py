@@ -148,10 +148,12 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def target_probs_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """`target_probs` of every row of `logits` `[M, V]` under its own `params[m]`, one call
     per distinct setting (a batch usually shares a few)."""
-    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
     groups: dict[tuple[float, int, float], list[int]] = {}
     for m, prm in enumerate(params):
         groups.setdefault((prm.temperature, prm.top_k, prm.top_p), []).append(m)
+    if len(groups) == 1:  # one setting (the usual batch): no scatter into a copy
+        return target_probs(logits, params[0])
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
     for rows in groups.values():
         index = torch.tensor(rows, device=logits.device)
         out[index] = target_probs(logits[index], params[rows[0]])
@@ -159,9 +161,23 @@ def target_probs_rows(logits: torch.Tensor, params: list[SamplingParams]) -> tor
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """Draw one token from `probs` `[V]` with the request's own generator, so a request's
-    tokens do not depend on which other requests share its batch."""
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """Draw one token from `probs` `[V]` (non-negative, not necessarily normalised) with the
+    request's own generator, so a request's tokens do not depend on which other requests
+    share its batch: `inverse_cdf` at a 53-bit uniform. `torch.multinomial` draws from the
+    same law but costs ~15x as much on the CPU (~180 vs ~12 us over 8192 tokens), and this
+    runs once per sampled request per step (~10% of an auto-regressive step at batch 8)."""
+    return inverse_cdf(probs, torch.rand((), dtype=torch.float64, generator=generator, device=probs.device))
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> int:
+    """The token i with cdf[i-1] <= u * total < cdf[i] (cumulative sums in fp64), for u in
+    [0, 1): P(i) = p_i / total up to fp64 rounding for a uniform u, and a token of
+    probability 0 (an empty interval) is never returned."""
+    cdf = probs.double().cumsum(0)
+    token = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
+    if token == probs.shape[0]:  # u * total rounded up to total: the last token with mass
+        token = int(probs.nonzero().max())
+    return token
 
 
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:

@@ -113,7 +113,32 @@ def accept_sampled_batch(
     Vectorised over the batch: one iteration tries one child in every unfinished tree, so
     the loop runs at most max N_i times. Every uniform comes from the request's own
     generator (one per node: a node is tried at most once), so a request's tokens do not
-    depend on its batch."""
+    depend on its batch.
+
+    A root alone (an auto-regressive step) has no child to try: its token is the bonus
+    drawn from q at the root, as the walk would draw it, without the walk's [B, N, V]
+    tensors (~0.2 ms a step on the CPU)."""
+    alone = [i for i, t in enumerate(trees) if len(t.tokens) == 1]
+    if not alone:
+        return _walk(trees, logits, params, generators)
+    out: list[Acceptance | None] = [None] * len(trees)
+    q_rows = target_probs_rows(torch.cat([logits[i] for i in alone]), [params[i] for i in alone])
+    for i, q in zip(alone, q_rows, strict=True):
+        out[i] = Acceptance([0], [sample(q, generators[i])])
+    if walked := [i for i, t in enumerate(trees) if len(t.tokens) > 1]:
+        pick = [[xs[i] for i in walked] for xs in (trees, logits, params, generators)]
+        for i, acc in zip(walked, _walk(*pick), strict=True):  # type: ignore[arg-type]
+            out[i] = acc
+    return [acc for acc in out if acc is not None]
+
+
+def _walk(
+    trees: list[DraftTree],
+    logits: list[torch.Tensor],
+    params: list[SamplingParams],
+    generators: list[torch.Generator],
+) -> list[Acceptance]:
+    """`accept_sampled_batch`'s walk down trees of two or more nodes."""
     b, n, device = len(trees), max(len(t.tokens) for t in trees), logits[0].device
     v = logits[0].shape[-1]
     kids = [children_lists(t.parents) for t in trees]

@@ -8,12 +8,15 @@ the test device; laws are compared on the CPU.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from runtime.sampling import MIN_TEMPERATURE, SamplingParams, next_token, target_probs
+from runtime.sampling import MIN_TEMPERATURE, SamplingParams, inverse_cdf, next_token, sample, target_probs
 from tests.device import TEST_DEVICE
+from tests.stats import passes_chi_square
 
 
 @pytest.mark.parametrize(
@@ -50,6 +53,44 @@ def test_sampler_follows_target_distribution() -> None:
     assert tv < bound
     wrong = SamplingParams(temperature=1.0, top_k=6, top_p=0.95, seed=3)
     assert 0.5 * (empirical(logits, wrong, n) - probs).abs().sum() > bound
+
+
+def draws(
+    probs: torch.Tensor, n: int, seed: int, draw: Callable[[torch.Tensor, torch.Generator], int] = sample
+) -> torch.Tensor:
+    gen = torch.Generator(probs.device).manual_seed(seed)
+    counts = torch.zeros(probs.shape[-1])
+    for _ in range(n):
+        counts[draw(probs, gen)] += 1
+    return counts
+
+
+def test_sample_draws_unnormalised_weights_in_law_and_never_a_zero() -> None:
+    """`sample` (inverse CDF) against the weights' own law by chi-square, zeros at the
+    start, inside and at the end never drawn (`chi_square` fails on one); the same test
+    rejects an inverse CDF that forgets to scale u by the total (weights summing to 0.6)."""
+    weights = torch.tensor([0.0, 0.05, 0.2, 0.0, 0.25, 0.05, 0.05, 0.0], device=TEST_DEVICE)
+    law = (weights / weights.sum()).cpu()
+    assert passes_chi_square(draws(weights, 20000, seed=0), law)
+
+    def unscaled(probs: torch.Tensor, gen: torch.Generator) -> int:
+        u = torch.rand((), dtype=torch.float64, generator=gen, device=probs.device)
+        token = int(torch.searchsorted(probs.double().cumsum(0), u, right=True))
+        return min(token, int(probs.nonzero().max()))  # past the total: the last token with mass
+
+    assert not passes_chi_square(draws(weights, 20000, seed=0, draw=unscaled), law)
+
+
+def test_inverse_cdf_at_the_ends_of_the_unit_interval() -> None:
+    """u = 0 gives the first token with mass; the largest u below 1 (where u * total may
+    round up to total) gives the last token with mass, never a zero-weight tail."""
+    weights = torch.tensor([0.0, 0.0, 0.3, 0.0, 0.7, 0.0, 0.0], dtype=torch.float64)
+    below_one = torch.tensor(1.0, dtype=torch.float64).nextafter(torch.tensor(0.0, dtype=torch.float64))
+    assert inverse_cdf(weights, torch.tensor(0.0, dtype=torch.float64)) == 2
+    assert inverse_cdf(weights, below_one) == 4
+    assert inverse_cdf(weights * 3.0, below_one) == 4
+    grid = torch.linspace(0, 1, 1001, dtype=torch.float64)[:-1]
+    assert {inverse_cdf(weights, u) for u in grid} == {2, 4}
 
 
 def test_seeded_requests_repeat_and_greedy_is_argmax() -> None:

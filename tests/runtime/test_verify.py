@@ -103,3 +103,28 @@ def test_the_chi_square_test_has_power() -> None:
     params = SamplingParams(temperature=1.0)
     counts = first_two(params, trials=12000, seed=0, rule=accept_without_residual)
     assert not passes_chi_square(counts, exact_first_two(params))
+
+
+def test_a_root_alone_draws_its_bonus_from_the_target_and_ignores_its_batch() -> None:
+    """Auto-regressive steps (a root alone) skip the walk: their token follows q at the
+    root (chi-square), and a batch mixing them with trees gives every request what it gets
+    verified alone with the same generator state (the walk's draws are untouched)."""
+    params = SamplingParams(temperature=0.8)
+    root, q = DraftTree([0], [-1]), target_probs(LOGITS[0], params)
+    logits, root_logits = node_logits(), LOGITS[:1].to(TEST_DEVICE)
+    trials = 8000
+    gens = [torch.Generator(TEST_DEVICE).manual_seed(i) for i in range(trials)]
+    counts = torch.zeros(V)
+    for acc in accept_sampled_batch([root] * trials, [root_logits] * trials, [params] * trials, gens):
+        assert acc.path == [0]
+        counts[acc.tokens[0]] += 1
+    assert passes_chi_square(counts, q)
+
+    trees, rows = [root, TREE, root, TREE], [root_logits, logits, root_logits, logits]
+
+    def gens_() -> list[torch.Generator]:
+        return [torch.Generator(TEST_DEVICE).manual_seed(100 + i) for i in range(len(trees))]
+
+    mixed = accept_sampled_batch(trees, rows, [params] * len(trees), gens_())
+    alone = [accept_sampled_batch([t], [r], [params], [g])[0] for t, r, g in zip(trees, rows, gens_(), strict=True)]
+    assert mixed == alone
