@@ -258,7 +258,7 @@ class Linear(nn.Linear):
             return bi_linear_nd(x, self.weight, bias)
         if self.int8 is not None and runs_int8(x):
             return int8_linear(x, self.int8, bias)
-        if self.packed is not None and packed_pays(x, self.weight) and not x.requires_grad:
+        if self.packed is not None and packed_pays(x) and not x.requires_grad:
             return cpu_packed_linear(x, self.packed, bias)
         return F.linear(x, self.weight, bias)
 

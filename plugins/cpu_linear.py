@@ -13,6 +13,13 @@ The result equals `F.linear`'s up to fp32 rounding (another summation order), li
 other GEMM kernel choice; rows are not batch-invariant (`plugins/batch_invariant.py` is
 the mode for that, and takes precedence in `model_defs.llama.Linear`).
 
+One row too: in a whole forward the weights come from memory, not cache (the demo
+target's 50 MB exceed the L3 of the machines we run on), and there the blocked copy beats
+MKL's GEMV on the plain weight although it loses on hot-cache micro-benchmarks of small
+weights (384 x 384: 23 vs 14 us). A 1-token forward of the demo target: median 6.3 vs
+8.3 ms (six alternating rounds); auto-regressive decoding at batch 1: 125-143 vs
+110-120 tok/s (four).
+
 `BATCH_HINT` is the row count oneDNN blocks for: with a hint of 1 it picks a GEMV layout
 that is 1.6-2x slower from 2 rows on; 32 is as fast as 8 at every size we measured
 (1-64 rows). A blocked weight is a copy: pack after the weights are final (at engine
@@ -35,10 +42,6 @@ from typing import Any
 import torch
 
 BATCH_HINT = 32
-LARGE_WEIGHT = 1 << 21
-"""Elements of a weight from which the blocked copy wins even for one row (an LM head:
-0.89 vs 1.39 ms for 8192 x 384); a one-row product with a smaller weight is a GEMV that
-`F.linear` does faster (e.g. 52 vs 85 us for 1024 x 384)."""
 
 
 def cpu_packing_available() -> bool:
@@ -53,12 +56,10 @@ def pack_cpu_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), BATCH_HINT)
 
 
-def packed_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the blocked weight is the faster way to multiply fp32 CPU rows `x`: from 2
-    rows on, or for a large weight (`LARGE_WEIGHT`)."""
-    if x.dtype != torch.float32 or x.device.type != "cpu":
-        return False
-    return x.numel() >= 2 * x.shape[-1] or weight.numel() >= LARGE_WEIGHT
+def packed_pays(x: torch.Tensor) -> bool:
+    """Whether rows `x` may take a blocked weight: fp32 on the CPU (any number of rows:
+    module docstring)."""
+    return x.dtype == torch.float32 and x.device.type == "cpu"
 
 
 def cpu_packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -96,6 +96,8 @@ Row = tuple[tuple[int, float, float, int], ...]
 """One request's options: (size, tau, nodes, levels) per size."""
 CALIBRATION_SIZES = (1, 2, 3, 5, 8, 12, 17, 24, 33, 48, 64, 128)
 """Forward sizes (tokens) timed at engine start."""
+CALIBRATION_ROUNDS = 3
+"""Timed rounds over the calibration sizes (the fastest of each size is kept)."""
 
 
 @dataclass(frozen=True)
@@ -541,21 +543,27 @@ class SpeculationPolicy:
     # ---- measurements -------------------------------------------------------------------
 
     def calibrate(self, forward: Callable[[int], None], most: int) -> None:
-        """Seed the forward-cost table: `forward(n)` runs a target forward of n tokens (timed
-        three times per small size, the fastest kept: the first may pay one-off set-up, and
-        a burst of load on a shared machine can hit any one; larger sizes are extrapolated
-        from the two largest until live steps measure them). A forward of more tokens never
-        costs less: where noise says otherwise, the larger size takes the smaller's time
-        (live steps only correct the per-request residual, so a dip would stay for good)."""
-        slowest = 0.0
-        for n in sorted({min(n, most) for n in CALIBRATION_SIZES}):
-            times = []
-            for _ in range(3 if n <= 64 else 1):
+        """Seed the forward-cost table: `forward(n)` runs a target forward of n tokens. Every
+        size runs once untimed (a shape's first forward pays one-off set-up: kernel
+        selection, allocator growth), then `CALIBRATION_ROUNDS` timed rounds visit every
+        size in turn, so a burst of load on a shared machine hits one round, not one size,
+        and the fastest time of each size is kept. A forward of more tokens never costs
+        less: the times are made non-decreasing by pooling (`monotone`) rather than by
+        carrying the largest so far upward, which let one slow 1-token timing price every
+        tree up to 17 tokens like a 1-token forward (verification looked free and drafting
+        paid where it did not). Live steps only correct the per-request residual, so the
+        table's shape stays what calibration measured."""
+        sizes = sorted({min(n, most) for n in CALIBRATION_SIZES})
+        for n in sizes:
+            forward(n)
+        best = dict.fromkeys(sizes, float("inf"))
+        for _ in range(CALIBRATION_ROUNDS):
+            for n in sizes:
                 start = time.perf_counter()
                 forward(n)
-                times.append(time.perf_counter() - start)
-            slowest = max(slowest, min(times))
-            self.forward_cost.calibrate(n, slowest)
+                best[n] = min(best[n], time.perf_counter() - start)
+        for n, seconds in zip(sizes, monotone([best[n] for n in sizes]), strict=True):
+            self.forward_cost.calibrate(n, seconds)
 
     def add_draft_samples(self, method: str, samples: Iterable[tuple[int, int, float]]) -> None:
         """(levels, drafted nodes, seconds) of drafting calls timed at engine start (nothing caught up)."""
@@ -628,3 +636,15 @@ def _kind_name(kind: Hashable) -> str:
 def largest_fitting(sizes: Sequence[int], budget: int) -> int:
     """The largest of `sizes` within `budget`, or 1 (the root alone)."""
     return max((s for s in sizes if s <= budget), default=1)
+
+
+def monotone(values: Sequence[float]) -> list[float]:
+    """The non-decreasing sequence closest to `values` in least squares (pool adjacent
+    violators: a run that decreases is replaced by its mean)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, c1), (m2, c2) = blocks.pop(-2), blocks.pop()
+            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
+    return [m for m, c in blocks for _ in range(int(c))]
