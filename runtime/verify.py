@@ -88,7 +88,7 @@ def rejection_step(
     A point-mass candidate is p^(k) = delta_x: acceptance q(x), residual q without x."""
     qx = q.gather(-1, x[..., None]).squeeze(-1)
     px = p.gather(-1, x[..., None]).squeeze(-1)
-    accept_prob = (qx / px.clamp(min=torch.finfo(p.dtype).tiny)).clamp(max=1.0)
+    accept_prob = acceptance(qx, px)
     residual = (q - p).clamp(min=0.0)
     mass = residual.sum(-1, keepdim=True)
     # mass 0 only when q == p, where nothing is ever rejected; keep q rather than divide by 0
@@ -96,6 +96,11 @@ def rejection_step(
     rest = p.scatter(-1, x[..., None], 0.0)
     p_next = rest / rest.sum(-1, keepdim=True).clamp(min=torch.finfo(p.dtype).tiny)
     return accept_prob, q_next, p_next
+
+
+def acceptance(qx: torch.Tensor, px: torch.Tensor) -> torch.Tensor:
+    """min(1, q(x) / p(x)), the probability of keeping candidate x (RSD eq. 3)."""
+    return (qx / px.clamp(min=torch.finfo(px.dtype).tiny)).clamp(max=1.0)
 
 
 def accept_sampled_batch(
@@ -185,14 +190,14 @@ def _walk(
             break
         c = c.clamp(min=0)
         x = tokens_t[rows_, c]
-        p_k = torch.where(sampled[:, None], p, F.one_hot(x, v).to(p.dtype))
-        accept_prob, q_next, p_next = rejection_step(q, p_k, x)
-        accepted = ~done & (uniform[rows_, c] < accept_prob)
+        qx, px = q.gather(1, x[:, None])[:, 0], p.gather(1, x[:, None])[:, 0]
+        accepted = ~done & (uniform[rows_, c] < acceptance(qx, torch.where(sampled, px, 1.0)))  # a point mass: p(x) = 1
         rejected = ~done & ~accepted
         node = torch.where(accepted, c, node)
         tried = torch.where(accepted, 0, tried + rejected.long())
-        q = torch.where(rejected[:, None], q_next, q)
-        p = torch.where(rejected[:, None], p_next, p)
+        if (out := rejected.nonzero().flatten()).numel():  # the residuals, where a child was rejected
+            p_k = torch.where(sampled[out, None], p[out], F.one_hot(x[out], v).to(p.dtype))
+            _, q[out], p[out] = rejection_step(q[out], p_k, x[out])
         if moved := accepted.nonzero().flatten().tolist():
             nodes = [int(c[i]) for i in moved]
             for i, c_i in zip(moved, nodes, strict=True):
