@@ -195,9 +195,9 @@ def _walk(
         rejected = ~done & ~accepted
         node = torch.where(accepted, c, node)
         tried = torch.where(accepted, 0, tried + rejected.long())
-        if (out := rejected.nonzero().flatten()).numel():  # the residuals, where a child was rejected
-            p_k = torch.where(sampled[out, None], p[out], F.one_hot(x[out], v).to(p.dtype))
-            _, q[out], p[out] = rejection_step(q[out], p_k, x[out])
+        if (no := rejected.nonzero().flatten()).numel():  # the residuals, where a child was rejected
+            p_k = torch.where(sampled[no, None], p[no], F.one_hot(x[no], v).to(p.dtype))
+            _, q[no], p[no] = rejection_step(q[no], p_k, x[no])
         if moved := accepted.nonzero().flatten().tolist():
             nodes = [int(c[i]) for i in moved]
             for i, c_i in zip(moved, nodes, strict=True):
