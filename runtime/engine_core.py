@@ -159,7 +159,11 @@ class EngineCore:
         rows = {r: self._processed(r, logits[span.logits_start : span.logits_start + len(trees[r].tokens)], trees[r])
                 for r, span in zip((i.request for i in work), batch.spans, strict=True) if r in trees}  # fmt: skip
         acceptances = self._verify(trees, rows)
-        clock.lap("verify")
+        verify_seconds = clock.lap("verify")
+        if drafting:  # verifying drafts is part of what drafting costs: each method pays its nodes' share
+            nodes = sum(len(t.tokens) for t in trees.values())
+            for method, (levels, drafted, caught_up, seconds) in drafting.items():
+                drafting[method] = (levels, drafted, caught_up, seconds + verify_seconds * drafted / nodes)
         for item, span in zip(work, batch.spans, strict=True):
             request = item.request
             try:

@@ -24,7 +24,9 @@ with bounded exploration so it never settles on a stale estimate for good.
   requests) came out dearer than forward(40 tokens) and drafting looked free;
 - draft_m: per method, intercept + per level + per drafted node (`LinearCost` over the
   method's recent drafting calls of every shape it drafted; levels are its sequential
-  drafter calls) + per token caught up. A draft LM reads every token of a request it has
+  drafter calls; a call's seconds include its drafted nodes' share of the step's
+  verification, which at temperature > 0 walks the trees over full-vocabulary laws) +
+  per token caught up. A draft LM reads every token of a request it has
   not seen before it drafts (`Proposer.lag`: the whole prompt at a request's first
   draft, every token decoded since at the first draft after a run without drafting):
   a one-off cost, fitted apart so that it does not pass for the cost of a level (a fit

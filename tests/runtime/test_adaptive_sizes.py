@@ -7,6 +7,7 @@ step) and greedy output must equal auto-regression, sampled output the target's 
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -86,3 +87,30 @@ def test_prepare_calibrates_once_before_any_request(monkeypatch: pytest.MonkeyPa
     fixed = llm_engine.LLMEngine(llm.engine, RuntimeConfig(speculation="fixed"))
     fixed.prepare()  # nothing to choose, nothing to time
     assert not fixed.policy.forward_cost.tokens.points
+
+
+def test_verifying_drafts_is_charged_to_drafting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The policy's drafting cost includes the drafted nodes' share of verification (which
+    at temperature > 0 walks full-vocabulary laws): with verification made 20 ms slower,
+    every drafting call the policy learns from carries that share of it."""
+    from runtime import engine_core
+
+    real, delay = engine_core.accept_batch, 0.020
+
+    def slow(*args, **kwargs):  # type: ignore[no-untyped-def]
+        time.sleep(delay)
+        return real(*args, **kwargs)
+
+    llm = llm_engine.LLMEngine(toy_sampling.toy_engine("draft-lm", SETTINGS), RuntimeConfig(speculation="fixed"))
+    seen: list[tuple[int, int, int, float]] = []
+    observe = llm.policy.observe
+    monkeypatch.setattr(llm.policy, "observe", lambda stats: (seen.extend(stats.drafting.values()), observe(stats)))
+    prompt, params = [[1, 3, 2]], [SamplingParams(max_tokens=6, ignore_eos=True)]
+    llm.generate(prompt, params, "sd")
+    quick, seen[:] = list(seen), []
+    monkeypatch.setattr(engine_core, "accept_batch", slow)
+    llm.generate(prompt, params, "sd")
+    assert quick and seen
+    assert max(seconds for *_, seconds in quick) < delay / 2
+    for _, drafted, _, seconds in seen:
+        assert seconds >= delay * drafted / (drafted + 1)  # one request: the root and its drafted nodes
