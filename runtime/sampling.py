@@ -172,12 +172,19 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> int:
     """The token i with cdf[i-1] <= u * total < cdf[i] (cumulative sums in fp64), for u in
     [0, 1): P(i) = p_i / total up to fp64 rounding for a uniform u, and a token of
-    probability 0 (an empty interval) is never returned."""
-    cdf = probs.double().cumsum(0)
-    token = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
-    if token == probs.shape[0]:  # u * total rounded up to total: the last token with mass
-        token = int(probs.nonzero().max())
-    return token
+    probability 0 (an empty interval) is never returned. One row of `inverse_cdf_rows`."""
+    return int(inverse_cdf_rows(probs[None], u.reshape(1))[0])
+
+
+def inverse_cdf_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """`inverse_cdf` of every row of `probs` `[M, V]` at its own `u` `[M]`: tokens `[M]`."""
+    cdf = probs.double().cumsum(-1)
+    tokens = torch.searchsorted(cdf, (u.double() * cdf[:, -1])[:, None], right=True)[:, 0]
+    over = tokens == probs.shape[-1]  # u * total rounded up to total: the last token with mass
+    if bool(over.any()):
+        last = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(-1)
+        tokens = torch.where(over, last, tokens)
+    return tokens
 
 
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from runtime.gumbel import gumbel_noise, gumbel_top_k, truncated_gumbel
+from runtime.gumbel import draw_one, gumbel_noise, gumbel_top_k, truncated_gumbel
 from runtime.proposers.rsd import _beam_level, _Growing
 from runtime.sampling import SamplingParams
 from runtime.tree import DraftTree
@@ -149,6 +149,29 @@ def test_gumbel_top_k_draws_without_replacement() -> None:
     law = p[:, None] * p[None, :] / (1 - p[:, None])  # P(x1) P(x2 | x1 removed)
     law.fill_diagonal_(0)
     assert passes_chi_square(counts, law)
+
+
+def test_one_draw_follows_the_law_like_the_gumbel_argmax() -> None:
+    """k = 1 draws by inverse CDF (`draw_one`, what SD and RSD-C's one-child levels use):
+    the same law as the argmax of log p + Gumbel, zeros never drawn, rows batched each
+    with its own generator; the Gumbel argmax itself passes the same test, and a draw
+    from the untempered law (the wrong p) fails it."""
+    p = torch.tensor([0.5, 0.0, 0.25, 0.15, 0.1])
+    log_p = p.log().to(TEST_DEVICE)
+    drawn, argmax, wrong = torch.zeros(5), torch.zeros(5), torch.zeros(5)
+    gen = generator(3)
+    for _ in range(4000):
+        drawn[gumbel_top_k(log_p, 1, gen)] += 1
+        argmax[int((log_p.double() + gumbel_noise((5,), gen, TEST_DEVICE)).argmax())] += 1
+        wrong[int(draw_one((log_p / 2)[None], [gen])[0])] += 1
+    assert passes_chi_square(drawn, p) and passes_chi_square(argmax, p)
+    assert not passes_chi_square(wrong, p)
+    rows = torch.stack([log_p, log_p.flip(0)])
+    a, b = generator(5), generator(5)
+    batched = [draw_one(rows, [a, b]).tolist() for _ in range(50)]
+    a, b = generator(5), generator(5)
+    alone = [[int(draw_one(rows[:1], [a])[0]), int(draw_one(rows[1:], [b])[0])] for _ in range(50)]
+    assert batched == alone
 
 
 def test_gumbel_top_k_never_draws_zero_probability_tokens() -> None:
