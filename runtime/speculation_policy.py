@@ -9,8 +9,9 @@ with bounded exploration so it never settles on a stale estimate for good.
   1 = the root alone, an auto-regressive step). Every method offers 1, so every method can
   be switched off per request and back on;
 - tau_r(s): expected tokens per step (accepted drafts + the bonus) of request r at size s:
-  its own running, decayed estimate (`REQUEST_EMA`), seeded from the estimate of its kind
-  (method x greedy/sampled, `GROUP_EMA`), and for a size never measured an optimistic s
+  its own running mean, decayed after a few trees (`REQUEST_EMA`), shrunk towards the
+  estimate of its kind (method x greedy/sampled, `GROUP_EMA`) by how many trees it has
+  seen (`REQUEST_PRIOR`, `REQUEST_NOISE`), and for a size never measured an optimistic s
   (every node accepted), so unseen sizes get tried. One verified tree measures every
   smaller nested size too: the accepted path stays accepted at size c as long as each of
   its nodes is in the tree of size c (`DraftTree.node_budget` <= c), exactly for greedy
@@ -80,8 +81,9 @@ REQUEST_PRIOR = 4
 """Observations a request's own estimate needs to count half against its kind's (shrinkage:
 a few lucky or unlucky trees must not switch a request off for good)."""
 REQUEST_NOISE = 0.75
-"""Tokens per step by which a request's own estimate may differ from its kind's by chance
-(about the spread of a running mean of a few trees): only the excess counts."""
+"""Tokens per step by which a request's own estimate of `REQUEST_PRIOR` or more trees may
+differ from its kind's by chance (about the spread of their mean): only the excess counts.
+Fewer trees spread more, by sqrt(REQUEST_PRIOR / n): one tree may be 1.5 tokens off."""
 REQUEST_HALF_LIFE = 8
 """Steps after which an unrefreshed own estimate counts half as much (it drifts back to its kind's)."""
 FORWARD_EMA = 0.2
@@ -371,7 +373,8 @@ class SpeculationPolicy:
         if own is None:
             return shared.tau
         tau, n, last = own
-        excess = abs(tau - shared.tau) - REQUEST_NOISE  # only what exceeds the noise of a running mean counts
+        noise = REQUEST_NOISE * max(1.0, (REQUEST_PRIOR / n) ** 0.5)  # the spread of a mean of n trees
+        excess = abs(tau - shared.tau) - noise  # only what exceeds it counts
         if excess <= 0:
             return shared.tau
         weight = n / (n + REQUEST_PRIOR) * 0.5 ** ((self.steps - last) / REQUEST_HALF_LIFE)
@@ -601,7 +604,10 @@ class SpeculationPolicy:
                 tau = 1.0 + accepted
                 step.setdefault((o.kind, size), []).append((tau, nodes))
                 own, n, _ = self.requests.get((o.key, size), (tau, 0, 0))
-                self.requests[(o.key, size)] = (own + REQUEST_EMA * (tau - own), n + 1, self.steps)
+                # a running mean over its first trees, decayed after (one lucky tree must not
+                # stand for five: started at the first tree, the decayed mean did)
+                weight = max(1.0 / (n + 1), REQUEST_EMA)
+                self.requests[(o.key, size)] = (own + weight * (tau - own), n + 1, self.steps)
         for key, values in step.items():  # one update per step: a step of many requests is one noisy sample less
             tau, nodes = np.mean(values, axis=0)
             e = self.kinds.get(key)

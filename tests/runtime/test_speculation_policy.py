@@ -397,3 +397,25 @@ def test_monotone_pools_what_decreases_and_keeps_what_does_not() -> None:
     assert monotone([3.0, 1.0, 2.0]) == [2.0, 2.0, 2.0]
     out = monotone(list(np.random.default_rng(0).normal(size=50)))
     assert out == sorted(out)
+
+
+def test_one_lucky_tree_is_one_tree_in_a_request_estimate() -> None:
+    """A request's own estimate is the mean of its first trees (decayed only later), and
+    the chance spread allowed around its kind's shrinks with the trees it saw: one lucky
+    tree (5 tokens where its kind makes 1.5) lifts it by little, and after four ordinary
+    trees it is one tree in five. Started at the first tree and decayed from there, the
+    estimate still read 2.6 after those four (and the request went on drafting at T=1)."""
+    p = SpeculationPolicy()
+    for i in range(40):  # the kind: 1.5 tokens per tree of 17 nodes
+        p.observe(StepStats(17, 0.01, outcomes=[Outcome(f"k{i}", KIND, 17, BEAMS, i % 2, [], [0], 17)]))
+    shared = p.kinds[(KIND, 17)].tau
+    assert shared == pytest.approx(1.5, abs=0.05)
+    offer = Offer("r", KIND, "redrafter", BEAMS, LEVELS)
+    p.observe(StepStats(17, 0.01, outcomes=[Outcome("r", KIND, 17, BEAMS, 4, [], [0, 1, 2, 3, 4], 17)]))
+    shared = p.kinds[(KIND, 17)].tau  # the lucky tree moved the kind's estimate too
+    lifted = p.tau(offer, 17) - shared
+    assert 0 < lifted <= (5.0 - shared - 2 * speculation_policy.REQUEST_NOISE) / (1 + speculation_policy.REQUEST_PRIOR)
+    for _ in range(4):
+        p.observe(StepStats(17, 0.01, outcomes=[Outcome("r", KIND, 17, BEAMS, 0, [], [0], 17)]))
+    assert p.requests[("r", 17)][:2] == (pytest.approx(1.8), 5)
+    assert p.tau(offer, 17) == pytest.approx(p.kinds[(KIND, 17)].tau)
