@@ -138,11 +138,15 @@ def warm_up(llm: LLMEngine, prompt: list[int], method: str, temperature: float =
 
 
 def alternate(rounds: Iterable[Mapping[K, Callable[[], Run]]], ar: K) -> dict[K, Timings]:
-    """Run every entry of each round once, in order; each run is compared to the rate of
-    the round's `ar` entry (so AR's own ratio is 1)."""
+    """Run every entry of each round once, round i starting at its i-th entry (rotated: no
+    configuration always runs first, or always last, where a machine warming up or slowing
+    down over a round would favour one); each run is compared to the rate of the round's
+    `ar` entry (so AR's own ratio is 1)."""
     timings: dict[K, Timings] = {}
-    for round_ in rounds:
-        runs = {key: run() for key, run in round_.items()}
+    for i, round_ in enumerate(rounds):
+        keys = list(round_)
+        shift = i % len(keys) if keys else 0
+        runs = {key: round_[key]() for key in keys[shift:] + keys[:shift]}
         for key, run in runs.items():
             timings.setdefault(key, Timings()).add(run, runs[ar].rate)
     return timings

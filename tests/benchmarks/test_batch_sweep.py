@@ -6,13 +6,16 @@ them; a method the engine cannot run is refused with the fix."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from benchmarks.batch_sweep import main
+from benchmarks.timing import Run, alternate
 from build.engine import build_engine
 from runtime.engine_dir import BuildConfig
+from runtime.results import GenerationResult
 
 TARGET = Path(__file__).resolve().parents[2] / "models" / "demo-target"
 
@@ -33,3 +36,18 @@ def test_sweep_of_another_method_writes_its_report(tmp_path: Path) -> None:
     assert "method `ngram`" in out.with_suffix(".md").read_text()
     with pytest.raises(SystemExit, match="does not speculate"):
         main(["--engine", str(engine), "--method", "sd", "--out", str(out)])
+
+
+def test_rounds_rotate_which_configuration_runs_first() -> None:
+    """`alternate`: round i starts at its i-th configuration, so a machine that speeds up or
+    slows down within a round favours none of them; every run is still compared to its
+    own round's AR."""
+    order: list[str] = []
+
+    def run(name: str, seconds: float) -> Callable[[], Run]:
+        return lambda: (order.append(name), Run([GenerationResult([1], [2] * 10)], seconds))[1]
+
+    rounds = [{"ar": run("ar", 1.0), "a": run("a", 0.5), "b": run("b", 2.0)}] * 3
+    timings = alternate(rounds, "ar")
+    assert order == ["ar", "a", "b", "a", "b", "ar", "b", "ar", "a"]
+    assert timings["a"].ratios == [2.0] * 3 and timings["b"].ratios == [0.5] * 3
