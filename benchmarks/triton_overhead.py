@@ -142,7 +142,7 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
     lines += [
         "",
         f"The served engine decodes on {meta['served_threads']} intra-op thread(s) (every core but one: "
-        "Triton's threads need one, `serving_threads`) and prefills on every core; in-process uses "
+        "Triton's threads need one, `serving_threads`); in-process uses "
         f"{meta['machine']['torch_threads']}. The last two columns set Triton beside in-process decoding "
         "on the served engine's threads: what serving itself costs, apart from the core it is left.",
     ]

@@ -142,12 +142,6 @@ class LLMEngine(EngineCore):
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
-    def only_prefill(self) -> bool:
-        """The next step prefills and decodes nothing: requests wait or are in prefill, none
-        is decoding (a server then streams nothing while it runs)."""
-        running = self.scheduler.running.values()
-        return self.has_unfinished() and not any(not r.in_prefill for r in running)
-
     def step(self) -> list[Request]:
         """Run one step (`EngineCore`); returns the requests that finished in it.
 

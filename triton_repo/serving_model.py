@@ -7,8 +7,7 @@ Threads:
   once with INVALID_ARG / UNAVAILABLE);
 - the engine thread runs the in-flight batching loop (`LLMEngine.step`), whose per-request
   callbacks only queue events; on a CPU its torch ops use every core but one unless the
-  `torch_threads` parameter says otherwise (`serving_threads`), leaving Triton's threads
-  theirs, and every core for a step that only prefills (`prefill_threads`);
+  `torch_threads` parameter says otherwise (`serving_threads`), leaving Triton's threads theirs;
 - the response thread turns events into responses through each request's output stage
   (`runtime/output.py`: text deltas, stop words, finish reason, statistics, log probs; deltas
   when streaming, one response otherwise, with the prompt in front when the request set
@@ -82,16 +81,6 @@ class Stream:
     """Triton's id of the request (what `cancel_request_id` names)."""
 
 
-def prefill_threads(requested: int, device: str) -> int:
-    """Intra-op threads for a step that only prefills (`LLMEngine.only_prefill`): with
-    `torch_threads` 0 on a CPU every core, since nothing streams while it runs and
-    Triton's threads are idle (a prompt's forward is compute-bound: one core more is
-    nearly twice as fast); otherwise what `serving_threads` gives."""
-    if requested or device != "cpu":
-        return requested
-    return os.cpu_count() or 1
-
-
 def serving_threads(requested: int, device: str) -> int:
     """Intra-op threads for the served engine (`ServingConfig.torch_threads`; 0 = automatic):
     on a CPU device every core but one. Triton's server, its gRPC threads, the Python
@@ -115,9 +104,7 @@ class SpecpipeModel:
         engine_dir = params["engine_dir"]
         device = params.get("device") or "cpu"
         broadcast = None
-        requested = int(params.get("torch_threads") or 0)
-        self.threads = threads = serving_threads(requested, device)
-        self.prefill_threads = prefill_threads(requested, device)
+        threads = serving_threads(int(params.get("torch_threads") or 0), device)
         if threads:
             torch.set_num_threads(threads)
         self.engine = LoadedEngine.load(engine_dir, device=device)
@@ -221,17 +208,12 @@ class SpecpipeModel:
     def _engine_loop(self) -> None:
         """Step while there is work; never dies silently: whatever ends it fails the
         requests in flight and leaves the engine dead (`llm.stats().dead`; the gauge shows it)."""
-        current = self.threads
         try:
             while self.running:
                 if not self.llm.has_unfinished():
                     self.wake.wait(POLL_SECONDS)
                     self.wake.clear()
                     continue
-                if self.prefill_threads != self.threads:  # every core while only prefilling
-                    wanted = self.prefill_threads if self.llm.only_prefill() else self.threads
-                    if wanted != current:
-                        torch.set_num_threads(current := wanted)
                 self.step_started = time.perf_counter()
                 self.llm.step()
                 self.step_started = None

@@ -220,20 +220,3 @@ def test_requests_added_from_another_thread_while_stepping(
     stepper.join(timeout=10)
     assert streamed == solo_outputs
     assert llm.blocks.num_used == 0
-
-
-def test_only_prefill_until_a_request_decodes(engine: LoadedEngine, prompts: list[list[int]]) -> None:
-    """What a server reads to give a prefill-only step every core (`only_prefill`): true
-    while requests wait or prefill and none decodes, false once one decodes (a new
-    arrival beside it included), false when idle."""
-    llm = LLMEngine(engine, RuntimeConfig(max_batch_size=2, max_num_tokens=4096))
-    assert not llm.only_prefill()
-    llm.add_request(prompts[0], SamplingParams(max_tokens=4, ignore_eos=True))
-    assert llm.only_prefill()
-    llm.step()  # the whole prompt fits one step: it decodes from now on
-    assert not llm.only_prefill()
-    llm.add_request(prompts[1], SamplingParams(max_tokens=4, ignore_eos=True))
-    assert not llm.only_prefill()
-    while llm.has_unfinished():
-        llm.step()
-    assert not llm.only_prefill()
