@@ -419,3 +419,24 @@ def test_one_lucky_tree_is_one_tree_in_a_request_estimate() -> None:
         p.observe(StepStats(17, 0.01, outcomes=[Outcome("r", KIND, 17, BEAMS, 0, [], [0], 17)]))
     assert p.requests[("r", 17)][:2] == (pytest.approx(1.8), 5)
     assert p.tau(offer, 17) == pytest.approx(p.kinds[(KIND, 17)].tau)
+
+
+def test_draft_cost_fit_equals_a_refit_from_its_samples() -> None:
+    """The normal equations kept as samples come and go (a shape's oldest leaves after
+    `PER_SHAPE`) give the coefficients a least-squares refit of the kept samples gives,
+    the non-negative fallback included."""
+    rng = np.random.default_rng(0)
+    cost = LinearCost()
+    for k in range(200):
+        x = (float(rng.choice([1, 2, 5])), float(rng.choice([4, 8, 40])), float(rng.choice([0, 150])))
+        cost.add(x, 0.001 * rng.random() + 0.0008 * x[0] + 2e-5 * x[1] * rng.random(), (x[0], x[1], x[2] > 0))
+        if k % 9 == 0:
+            samples = cost.samples
+            a, t = np.array([(1.0, *f) for f, _ in samples]), np.array([s for _, s in samples])
+            refit = LinearCost()
+            for f, s in samples:
+                refit.add(f, s)
+            assert np.allclose(cost.slopes(), refit.slopes(), atol=1e-12)
+            free = np.linalg.lstsq(a, t, rcond=None)[0]
+            if free.min() >= 0:
+                assert np.allclose(cost.slopes(), free[1:], atol=1e-6)
