@@ -121,8 +121,7 @@ def accept_sampled_batch(
     depend on its batch.
 
     A root alone (an auto-regressive step) has no child to try: its token is the bonus
-    drawn from q at the root, as the walk would draw it, without the walk's [B, N, V]
-    tensors (~0.2 ms a step on the CPU)."""
+    drawn from q at the root, as the walk would draw it, without the walk's tables."""
     alone = [i for i, t in enumerate(trees) if len(t.tokens) == 1]
     if not alone:
         return _walk(trees, logits, params, generators)
@@ -144,7 +143,7 @@ def _walk(
     generators: list[torch.Generator],
 ) -> list[Acceptance]:
     """`accept_sampled_batch`'s walk down trees of two or more nodes. The laws are computed
-    where the walk reaches them (`_laws`): q and the children's draft law p at the root,
+    where the walk reaches them (`laws`): q and the children's draft law p at the root,
     then at each accepted node; a rejected child needs neither. The walk visits one path
     and the children tried along it, so a [B, N, V] table of every node's laws cost more
     to fill than the walk itself (softmax and copies of 2 x 4.7 MB at batch 8 x 18 nodes,
