@@ -114,9 +114,14 @@ class TritonClient:
         self.client.close()
 
 
+def tokens_per_s(runs: list[Timed]) -> float:
+    """Output tokens/s over all `runs`."""
+    return sum(t.tokens for t in runs) / sum(t.seconds for t in runs)
+
+
 def rate_ratios(runs: list[Timed], baseline: list[Timed]) -> list[float]:
     """Tokens/s of each run over that of the baseline run of the same round."""
-    return [r.tokens / r.seconds / (b.tokens / b.seconds) for r, b in zip(runs, baseline, strict=True)]
+    return [tokens_per_s([r]) / tokens_per_s([b]) for r, b in zip(runs, baseline, strict=True)]
 
 
 def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
@@ -194,14 +199,14 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(
             Row(
                 method=method,
-                in_process_tokens_per_s=sum(t.tokens for t in local[method]) / sum(t.seconds for t in local[method]),
-                triton_tokens_per_s=sum(t.tokens for t in served[method]) / sum(t.seconds for t in served[method]),
+                in_process_tokens_per_s=tokens_per_s(local[method]),
+                triton_tokens_per_s=tokens_per_s(served[method]),
                 ratio=statistics.median(ratios),
                 ratios=[round(r, 3) for r in ratios],
                 mean_first_response_ms=statistics.mean(x for t in served[method] for x in t.first_ms),
                 mean_response_gap_ms=statistics.mean(x for t in served[method] for x in t.gaps_ms),
                 tokens=(local[method][0].tokens, served[method][0].tokens),
-                same_threads_tokens_per_s=sum(t.tokens for t in same[method]) / sum(t.seconds for t in same[method]),
+                same_threads_tokens_per_s=tokens_per_s(same[method]),
                 same_threads_ratio=statistics.median(same_ratios),
             )
         )

@@ -280,14 +280,17 @@ def _branch_step(
     None: the `b` most likely, the greedy limit). One child (b = 1) is a plain draw
     (`draw_one`, the law of the Gumbel argmax, ~4x cheaper). Per request, its picks (row
     within its frontier, token), parent by parent and within a parent in draw order."""
-    keys = log_probs.double()
     if b == 1:
-        index = top_k_valid_rows(keys, 1)
         drawn = [(m, gen) for m, i in enumerate(_row_owners(counts)) if (gen := gens[i]) is not None]
+        if len(drawn) < len(log_probs):  # ranked rows (greedy requests): the most likely
+            index = top_k_valid_rows(log_probs.double(), 1)
+        else:
+            index = torch.empty((len(log_probs), 1), dtype=torch.long, device=log_probs.device)
         if drawn:
             rows = [m for m, _ in drawn]
             index[rows, 0] = draw_one(log_probs[rows], [gen for _, gen in drawn])
     else:
+        keys = log_probs.double()
         noise = gumbel_noise_rows(counts, gens, log_probs.shape[-1], log_probs.device)
         index = top_k_valid_rows(keys if noise is None else keys + noise, b)
     listed = index.tolist()  # the level's one device-to-host transfer
