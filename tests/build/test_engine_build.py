@@ -219,8 +219,16 @@ def test_draft_model_engine_round_trips(tiny_checkpoint: Path, tmp_path: Path) -
     # the target's never do
     assert engine.draft_model.lm_head.int8 is not None and engine.model.lm_head.int8 is None
     draft_layer, target_layer = engine.draft_model.model.layers[0], engine.model.model.layers[0]
-    assert draft_layer.mlp.down_proj.int8 is not None and draft_layer.self_attn.qkv_int8 is not None
-    assert target_layer.mlp.down_proj.int8 is None and target_layer.self_attn.qkv_int8 is None
+    assert (
+        draft_layer.mlp.down_proj.int8 is not None
+        and draft_layer.self_attn.qkv_stack is not None
+        and draft_layer.self_attn.qkv_stack.int8
+    )
+    assert (
+        target_layer.mlp.down_proj.int8 is None
+        and target_layer.self_attn.qkv_stack is not None
+        and not target_layer.self_attn.qkv_stack.int8
+    )
     ids, positions = torch.tensor([[1, 2, 3]]), torch.arange(3)[None]
     with torch.no_grad():
         draft, target = engine.draft_model(ids, positions).logits, engine.model(ids, positions).logits
@@ -244,9 +252,9 @@ def test_draft_model_engine_round_trips(tiny_checkpoint: Path, tmp_path: Path) -
     )
     layers_kept = LoadedEngine.load(fp32).draft_model
     assert layers_kept is not None and layers_kept.lm_head.int8 is not None
-    assert (
-        layers_kept.model.layers[0].mlp.down_proj.int8 is None and layers_kept.model.layers[0].mlp.gate_up_int8 is None
-    )
+    kept_layer = layers_kept.model.layers[0]
+    assert kept_layer.mlp.down_proj.int8 is None
+    assert kept_layer.mlp.gate_up_stack is not None and not kept_layer.mlp.gate_up_stack.int8  # the blocked fp32 stack
     with pytest.raises(ValueError, match="drafter_head 'int4' is not one of"):
         BuildConfig(drafter_head="int4")
     with pytest.raises(ValueError, match="drafter_layers 'int4' is not one of"):

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model_defs.llama import Linear, pack_cpu_weights, quantize_linears_int8, stack_int8
+from model_defs.llama import Linear, pack_cpu_weights, quantize_linears_int8, stack_linears
 from plugins.cpu_linear import (
     cpu_packed_linear,
     cpu_packing_available,
@@ -121,7 +121,7 @@ def test_int8_product_is_the_rounded_weights_product(rows: int) -> None:
 @pytest.mark.parametrize("rows", [1, 3, 19])
 @pytest.mark.parametrize("bias", [False, True])
 def test_stacked_int8_equals_each_linears_int8_product(rows: int, bias: bool) -> None:
-    """`Int8Stack` (q/k/v or gate/up as one product) gives bitwise what each Linear's own
+    """`LinearStack` (q/k/v or gate/up as one product) gives bitwise what each Linear's own
     int8 copy gives: weights quantized per output row, activations once from the shared
     input, int32 sums exact. A stack in another order than it splits fails."""
     gen = torch.Generator().manual_seed(rows)
@@ -131,7 +131,7 @@ def test_stacked_int8_equals_each_linears_int8_product(rows: int, bias: bool) ->
             m.weight.copy_(torch.randn(m.weight.shape, generator=gen))
             if bias:
                 m.bias.copy_(torch.randn(m.bias.shape, generator=gen))
-    stack = stack_int8(linears)
+    stack = stack_linears(linears, int8=True)
     assert stack is not None and stack.sizes == [48, 16, 16] and (stack.bias is not None) == bias
     for m in linears:
         assert m.quantize_int8()
@@ -139,10 +139,34 @@ def test_stacked_int8_equals_each_linears_int8_product(rows: int, bias: bool) ->
     with torch.no_grad():
         for got, m in zip(stack(x), linears, strict=True):
             assert torch.equal(got, m(x))
-        swapped = stack_int8([linears[0], linears[2], linears[1]])
+        swapped = stack_linears([linears[0], linears[2], linears[1]], int8=True)
         assert swapped is not None
         assert not torch.equal(swapped(x)[1], linears[1](x))
-    assert stack_int8([Linear(40, 8).bfloat16()]) is None
+    assert stack_linears([Linear(40, 8).bfloat16()], int8=True) is None
+
+
+@pytest.mark.parametrize("rows", [1, 5, 17])
+def test_stacked_blocked_product_equals_each_linears_blocked_product(rows: int) -> None:
+    """The fp32 `LinearStack` (`pack_cpu_weights` gives every q/k/v and gate/up one) gives
+    what each Linear's own blocked product gives, to fp32 rounding (on the machines we run
+    on, bitwise: oneDNN keeps the summation order along the input); a stack split in another
+    order than it was stacked fails."""
+    gen = torch.Generator().manual_seed(rows)
+    linears = [Linear(384, n) for n in (384, 128, 128)]
+    with torch.no_grad():
+        for m in linears:
+            m.weight.copy_(0.05 * torch.randn(m.weight.shape, generator=gen))
+            m.pack_cpu_weight()
+    stack = stack_linears(linears, int8=False)
+    assert stack is not None and not stack.int8 and stack.sizes == [384, 128, 128]
+    x = torch.randn(1, rows, 384, generator=gen)
+    with torch.no_grad():
+        for got, m in zip(stack(x), linears, strict=True):
+            torch.testing.assert_close(got, m(x), rtol=1e-6, atol=1e-6)
+        swapped = stack_linears([linears[0], linears[2], linears[1]], int8=False)
+        assert swapped is not None
+        assert not torch.allclose(swapped(x)[1], linears[1](x))
+    assert stack_linears([Linear(40, 8).bfloat16()], int8=False) is None
 
 
 @pytest.mark.skipif(not int8_available(), reason="this torch has no fbgemm")
@@ -157,7 +181,8 @@ def test_int8_drafter_layers_stay_close_and_keep_what_they_are_told() -> None:
     assert quantize_linears_int8(model, keep=[model.lm_head]) == 2 * 7
     assert model.lm_head.int8 is None
     layer = model.model.layers[0]
-    assert layer.self_attn.qkv_int8 is not None and layer.mlp.gate_up_int8 is not None
+    assert layer.self_attn.qkv_stack is not None and layer.mlp.gate_up_stack is not None
+    assert layer.self_attn.qkv_stack.int8 and layer.mlp.gate_up_stack.int8
     with torch.no_grad():
         int8 = model(ids, positions).logits
     assert 0 < (int8 - fp32).abs().max() < 0.05 * fp32.abs().max()
