@@ -303,9 +303,11 @@ class LinearStack(NamedTuple):
     """Output features of each stacked Linear, in order."""
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if self.int8:
-            return int8_linear(x, self.packed, self.bias).split(self.sizes, -1)
-        return cpu_packed_linear(x, self.packed, self.bias).split(self.sizes, -1)
+        return self.product(x).split(self.sizes, -1)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """The stacked outputs `[..., sum(sizes)]`, not split."""
+        return int8_linear(x, self.packed, self.bias) if self.int8 else cpu_packed_linear(x, self.packed, self.bias)
 
 
 def stack_linears(linears: list[Linear], int8: bool) -> LinearStack | None:
@@ -401,6 +403,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [B, T, D]
         b, t, _ = x.shape
         if self.qkv_stack is not None and takes_cpu_copy(x) and not self.q_proj.batch_invariant:
+            if isinstance(attend, PagedBatch):  # fused: no split, no transposes, one RoPE + K/V pass
+                qkv = self.qkv_stack.product(x)[0]
+                out = attend.attend_projected(self.layer, qkv, cos[0], sin[0], self.num_heads)
+                return self.o_proj(out.view(1, t, -1))
             q, k, v = self.qkv_stack(x)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)

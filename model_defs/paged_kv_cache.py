@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from plugins.kv_compaction import copy_kv_slots
+from plugins.kv_write import write_new_tokens
 from plugins.paged_attention import paged_attention
 from plugins.tree_attention import attend
 
@@ -73,7 +74,9 @@ class PagedKVCache:
 
 
 class AttentionGroup(NamedTuple):
-    """G requests whose new tokens attend in one padded call of `specpipe::tree_attention`."""
+    """G requests whose new tokens attend in one padded call of `specpipe::tree_attention`.
+    Requests keep their flat-batch order and their rows are consecutive, so `query_index`
+    lists real rows in ascending order (`runtime.attention_batch.group`)."""
 
     query_index: torch.Tensor  # [G, T] index of each request's new tokens in the flat batch (padding: 0)
     key_slots: torch.Tensor  # [G, S] cache slots each request reads: context, then its new tokens
@@ -115,10 +118,22 @@ class PagedBatch(NamedTuple):
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q `[1, H, N, D]`, k/v `[1, H_kv, N, D]` of the flat batch -> attention output `[1, H, N, D]`."""
         self.cache.write(layer, self.slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
-        q_flat = q[0].transpose(0, 1)  # [N, H, D]
+        return self.attend_written(layer, q[0].transpose(0, 1)).transpose(0, 1)[None]
+
+    def attend_projected(
+        self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int
+    ) -> torch.Tensor:
+        """From a layer's fused q/k/v projection `[N, (H + 2 H_kv) D]` and RoPE tables `[N, D]`
+        to its attention output `[N, H, D]`: RoPE, K/V written (`plugins/kv_write.py`, one C++
+        pass on the CPU), attention. Same values as `__call__` on the split, rotated q/k/v."""
+        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
+        return self.attend_written(layer, write_new_tokens(qkv, cos, sin, k_cache, v_cache, self.slots, num_heads))
+
+    def attend_written(self, layer: int, q_flat: torch.Tensor) -> torch.Tensor:
+        """q `[N, H, D]` of the flat batch, whose K/V are in the cache -> output `[N, H, D]`."""
         if isinstance(self.attention, RowMetadata):
             m = self.attention
-            out = paged_attention(
+            return paged_attention(
                 q_flat.contiguous(),
                 self.cache.k[layer],
                 self.cache.v[layer],
@@ -129,16 +144,21 @@ class PagedBatch(NamedTuple):
                 m.row_len,
                 m.block_size,
             )
-            return out.transpose(0, 1)[None]
+        n = q_flat.shape[0]
+        if len(self.attention) == 1 and self.attention[0].query_index.numel() == n == self.attention[0].rows.shape[0]:
+            # one group of every row, no padding: its rows are 0 .. N-1 in order (AttentionGroup)
+            return self._attend_group(layer, q_flat, self.attention[0]).view(q_flat.shape)
         out = torch.empty_like(q_flat)
         for g in self.attention:
-            if self.fp64:
-                kg, vg = (c[g.key_slots].transpose(1, 2).double() for c in (self.cache.k[layer], self.cache.v[layer]))
-                qg = q_flat[g.query_index].transpose(1, 2).double()
-                res = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask[:, None], enable_gqa=True)
-                res = res.transpose(1, 2).to(out.dtype)
-            else:
-                k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
-                res = attend(q_flat, k_cache, v_cache, g.query_index, g.key_slots, g.mask)
-            out[g.rows] = res[g.valid]
-        return out.transpose(0, 1)[None]
+            out[g.rows] = self._attend_group(layer, q_flat, g)[g.valid]
+        return out
+
+    def _attend_group(self, layer: int, q_flat: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
+        """`[G, T, H, D]`: the group's rows (padding included) attending."""
+        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
+        if not self.fp64:
+            return attend(q_flat, k_cache, v_cache, g.query_index, g.key_slots, g.mask)
+        kg, vg = (c[g.key_slots].transpose(1, 2).double() for c in (k_cache, v_cache))
+        qg = q_flat[g.query_index].transpose(1, 2).double()
+        res = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask[:, None], enable_gqa=True)
+        return res.transpose(1, 2).to(q_flat.dtype)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).parent / "csrc" / "tree_attention_cpu.cpp"]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("tree_attention_cpu.cpp", "rope_kv_write_cpu.cpp")]
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
 """-fopenmp: `at::parallel_for` runs on the OpenMP runtime torch has loaded (libgomp)."""
 ENV = "SPECPIPE_CPU_KERNELS"
