@@ -361,11 +361,11 @@ def pack_cpu_weights(module: nn.Module) -> int:
     linears = [m for m in module.modules() if isinstance(m, Linear)]
     for m in linears:
         m.pack_cpu_weight()
-    for m in module.modules():
-        if isinstance(m, Attention):
-            m.qkv_stack = stack_linears([m.q_proj, m.k_proj, m.v_proj], int8=False)
-        elif isinstance(m, MLP):
-            m.gate_up_stack = stack_linears([m.gate_proj, m.up_proj], int8=False)
+    for layer in module.modules():
+        if isinstance(layer, Attention):
+            layer.qkv_stack = stack_linears([layer.q_proj, layer.k_proj, layer.v_proj], int8=False)
+        elif isinstance(layer, MLP):
+            layer.gate_up_stack = stack_linears([layer.gate_proj, layer.up_proj], int8=False)
     return sum(m.packed is not None for m in linears)
 
 
