@@ -32,10 +32,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from runtime.sampling import SamplingParams, sample, target_probs_rows
+from runtime.sampling import SamplingParams, sample, target_probs, target_probs_rows
 from runtime.tree import DraftTree, children_lists
 
 
@@ -115,10 +116,9 @@ def accept_sampled_batch(
     distribution q and its children's draft law p take over); a node whose children were
     all rejected, or a leaf, ends the walk with the bonus drawn from the residual q.
 
-    Vectorised over the batch: one iteration tries one child in every unfinished tree, so
-    the loop runs at most max N_i times. Every uniform comes from the request's own
-    generator (one per node: a node is tried at most once), so a request's tokens do not
-    depend on its batch.
+    Tree by tree (`_walk_tree`), with one-row laws and the decisions read on the host. Every
+    uniform comes from the request's own generator (one per node: a node is tried at most
+    once), so a request's tokens do not depend on its batch.
 
     A root alone (an auto-regressive step) has no child to try: its token is the bonus
     drawn from q at the root, as the walk would draw it, without the walk's tables."""
@@ -142,71 +142,61 @@ def _walk(
     params: list[SamplingParams],
     generators: list[torch.Generator],
 ) -> list[Acceptance]:
-    """`accept_sampled_batch`'s walk down trees of two or more nodes. The laws are computed
-    where the walk reaches them (`laws`): q and the children's draft law p at the root,
-    then at each accepted node; a rejected child needs neither. The walk visits one path
-    and the children tried along it, so a [B, N, V] table of every node's laws cost more
-    to fill than the walk itself (softmax and copies of 2 x 4.7 MB at batch 8 x 18 nodes,
-    4-9 ms a step on the CPU)."""
-    b, device = len(trees), logits[0].device
-    sizes = [len(t.tokens) for t in trees]
-    n, v = max(sizes), logits[0].shape[-1]
-    kids = [children_lists(t.parents) for t in trees]
-    k_max = max(1, max(len(c) for ks in kids for c in ks))
-    child = [[[*cs, *[-1] * (k_max - len(cs))] for cs in ks] + [[-1] * k_max] * (n - len(ks)) for ks in kids]
-    tokens = [[*t.tokens, *[0] * (n - len(t.tokens))] for t in trees]
-    uniform = torch.ones(b, n, device=device)
-    for i, gen in enumerate(generators):
-        uniform[i, 1 : sizes[i]] = torch.rand(sizes[i] - 1, generator=gen, device=device)
-    child_t = torch.tensor(child, dtype=torch.long, device=device)
-    tokens_t = torch.tensor(tokens, dtype=torch.long, device=device)
-    sampled = torch.tensor([t.sampled for t in trees], device=device)
+    """`accept_sampled_batch`'s walk down trees of two or more nodes, tree by tree
+    (`_walk_tree`)."""
+    return [_walk_tree(*args) for args in zip(trees, logits, params, generators, strict=True)]
 
-    def laws(rows: list[int], nodes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """q at node `nodes[k]` of tree `rows[k]`, and the draft law its children were drawn
-        from (siblings share it; zeros where the tree is not sampled or the node a leaf)."""
-        q = target_probs_rows(torch.stack([logits[i][c] for i, c in zip(rows, nodes, strict=True)]),
-                              [params[i] for i in rows])  # fmt: skip
-        p = torch.zeros_like(q)
-        for k, (i, c) in enumerate(zip(rows, nodes, strict=True)):
-            if trees[i].sampled and kids[i][c]:
-                draft = trees[i].draft_log_probs
-                assert draft is not None
-                p[k] = draft[kids[i][c][0]].exp()
-        return q, p
 
-    rows_ = torch.arange(b, device=device)
-    node = torch.zeros(b, dtype=torch.long, device=device)
-    tried = torch.zeros(b, dtype=torch.long, device=device)  # children of `node` rejected so far
-    done = torch.zeros(b, dtype=torch.bool, device=device)
-    q, p = laws(list(range(b)), [0] * b)
-    paths: list[list[int]] = [[0] for _ in trees]
-    while True:
-        c = child_t[rows_, node, tried.clamp(max=k_max - 1)]
-        c = torch.where(tried < k_max, c, -1)
-        done |= c < 0  # leaf, or every child rejected: the bonus comes from q
-        if bool(done.all()):
-            break
-        c = c.clamp(min=0)
-        x = tokens_t[rows_, c]
-        qx, px = q.gather(1, x[:, None])[:, 0], p.gather(1, x[:, None])[:, 0]
-        accepted = ~done & (uniform[rows_, c] < acceptance(qx, torch.where(sampled, px, 1.0)))  # a point mass: p(x) = 1
-        rejected = ~done & ~accepted
-        node = torch.where(accepted, c, node)
-        tried = torch.where(accepted, 0, tried + rejected.long())
-        if (no := rejected.nonzero().flatten()).numel():  # the residuals, where a child was rejected
-            p_k = torch.where(sampled[no, None], p[no], F.one_hot(x[no], v).to(p.dtype))
-            _, q[no], p[no] = rejection_step(q[no], p_k, x[no])
-        if moved := accepted.nonzero().flatten().tolist():
-            nodes = [int(c[i]) for i in moved]
-            for i, c_i in zip(moved, nodes, strict=True):
-                paths[i].append(c_i)
-            q[moved], p[moved] = laws(moved, nodes)
-    out = []
-    for i, (tree, gen) in enumerate(zip(trees, generators, strict=True)):
-        drafted = [tree.tokens[c] for c in paths[i][1:]]
-        out.append(Acceptance(paths[i], [*drafted, sample(q[i], gen)]))
-    return out
+def _walk_tree(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> Acceptance:
+    """Recursive rejection sampling down one tree. The laws are computed where the walk
+    reaches them: q and the children's draft law p at the root, then at each accepted node;
+    a rejected child changes them to the residuals (`rejection_step`). The tensors are one
+    row each, and the accept/reject decisions are read on the host: a [B, N, V] table of
+    every node's laws cost more to fill than the walk (4-9 ms a step at batch 8 x 18 nodes),
+    and a walk vectorised over the batch paid ~25 small tensor ops per level (~1.4 ms for a
+    5-node chain at batch 1, where this costs ~0.2 ms).
+
+    The uniforms are one per node, drawn up front (`torch.rand`) from the request's own
+    generator, then the bonus (`sample`); the acceptance test u < min(1, q(x)/p(x)) is
+    computed as in fp32 (a correctly rounded fp32 quotient: the fp64 quotient rounded to
+    fp32, which double rounding cannot change for a division)."""
+    kids = children_lists(tree.parents)
+    uniform = torch.rand(len(tree.tokens) - 1, generator=gen, device=logits.device).tolist()  # node c: [c - 1]
+    draft = tree.draft_log_probs if tree.sampled else None
+
+    def laws(node: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """q at `node`, and the draft law its children were drawn from (None: point masses)."""
+        q = target_probs(logits[node : node + 1], params)[0]
+        return q, (draft[kids[node][0]].exp() if draft is not None and kids[node] else None)
+
+    path = [0]
+    q, p = laws(0)
+    tried = 0  # children of the path's last node rejected so far
+    while tried < len(kids[path[-1]]):
+        c = kids[path[-1]][tried]
+        x = tree.tokens[c]
+        qx, px = (q[x].item(), 1.0) if p is None else torch.stack((q[x], p[x])).tolist()
+        if uniform[c - 1] < host_acceptance(qx, px):
+            path.append(c)
+            q, p = laws(c)
+            tried = 0
+            continue
+        p_k = F.one_hot(torch.tensor(x, device=q.device), q.shape[-1]).to(q.dtype) if p is None else p
+        _, q_next, p_next = rejection_step(q[None], p_k[None], torch.tensor([x], device=q.device))
+        q, p = q_next[0], (None if p is None else p_next[0])
+        tried += 1
+    # a leaf, or every child rejected: the bonus comes from q
+    return Acceptance(path, [*(tree.tokens[c] for c in path[1:]), sample(q, gen)])
+
+
+def host_acceptance(qx: float, px: float) -> float:
+    """`acceptance` of fp32 values read to the host, with the same fp32 result: the fp64
+    quotient rounded to fp32 is the correctly rounded fp32 quotient (double rounding cannot
+    change a division when the wider format has more than twice the bits, plus two)."""
+    return min(1.0, float(np.float32(qx / max(px, _TINY))))
+
+
+_TINY = float(torch.finfo(torch.float32).tiny)
 
 
 def accept_sampled(

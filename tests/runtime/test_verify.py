@@ -12,7 +12,7 @@ import torch
 
 from runtime.sampling import SamplingParams, target_probs
 from runtime.tree import DraftTree, children_lists
-from runtime.verify import Acceptance, accept_greedy, accept_sampled_batch
+from runtime.verify import Acceptance, accept_greedy, accept_sampled_batch, acceptance, host_acceptance
 from tests.device import TEST_DEVICE
 from tests.stats import passes_chi_square
 
@@ -128,3 +128,17 @@ def test_a_root_alone_draws_its_bonus_from_the_target_and_ignores_its_batch() ->
     mixed = accept_sampled_batch(trees, rows, [params] * len(trees), gens_())
     alone = [accept_sampled_batch([t], [r], [params], [g])[0] for t, r, g in zip(trees, rows, gens_(), strict=True)]
     assert mixed == alone
+
+
+def test_the_walks_host_acceptance_is_the_fp32_acceptance() -> None:
+    """The per-tree walk decides u < min(1, q(x)/p(x)) on the host (`host_acceptance`); for
+    fp32 q(x), p(x) it must be the fp32 value `acceptance` computes, bit for bit (else a
+    uniform between the two roundings would be accepted by one and rejected by the other),
+    tiny and zero p(x) included. Dividing in fp64 without the fp32 rounding differs."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.rand(20000, generator=gen) ** 3
+    p = torch.cat([torch.rand(19990, generator=gen) ** 3, torch.tensor([0.0, 1e-39, 1e-38] + [1e-30] * 7)])
+    want = acceptance(q, p).tolist()
+    assert [host_acceptance(a, b) for a, b in zip(q.tolist(), p.tolist(), strict=True)] == want
+    unrounded = [min(1.0, a / max(b, 1.1754943508222875e-38)) for a, b in zip(q.tolist(), p.tolist(), strict=True)]
+    assert unrounded != want
