@@ -24,14 +24,13 @@ with bounded exploration so it never settles on a stale estimate for good.
   request), and what a step costs beyond its forward (scheduling, packing, sampling,
   committing: ~1-2 ms on the CPU; left out, auto-regression looked that much cheaper, and
   rsd-s at T=1, batch 1 chose AR on 9 of 10 steps although drafting every step was 1.16x
-  faster). The residual is learned from steps that draft nothing; what a drafting step
-  costs beyond the prediction (bigger trees to pack, attend over and commit; the whole
-  step overhead while no step without drafting has measured it) is its drafting's, added
-  to its drafting calls' seconds by drafted nodes. Learned from every step alike, a
-  drafting step's overhead passed for an auto-regressive one's: in a synthetic world
-  with 0.15 ms per drafted node the policy read 0.91x the best choice at batch 8 and
-  0.56x at batch 32 (it never tried AR again). Keeping the forward table and the
-  residual apart matters:
+  faster). Once a step without drafting has measured the residual of r requests, it is
+  learned from such steps only, and what a drafting step of r requests costs beyond the
+  prediction (bigger trees to pack, attend over and commit) is its drafting's, added to its
+  drafting calls' seconds by drafted nodes (learned from every step alike, a drafting
+  step's overhead passed for an auto-regressive one's, and at batch 8 rsd-c drafted at
+  0.76x AR); until then (a batch that has always drafted) every step teaches the residual.
+  Keeping the forward table and the residual apart matters:
   a table refreshed by live steps alone mixes batch shapes, so that forward(8 tokens of 8
   requests) came out dearer than forward(40 tokens) and drafting looked free;
 - draft_m: per method, intercept + per level + per drafted node (`LinearCost` over the
