@@ -21,16 +21,10 @@ with bounded exploration so it never settles on a stale estimate for good.
   small-M GEMMs are far from linear) of target forwards timed at engine start on one
   request, plus a per-request-count residual learned from every live step: each request's
   attention over its own context (at batch 8, 8 one-token requests cost 1.6x one 8-token
-  request), and what a step costs beyond its forward (scheduling, packing, sampling,
-  committing: ~1-2 ms on the CPU; left out, auto-regression looked that much cheaper, and
-  rsd-s at T=1, batch 1 chose AR on 9 of 10 steps although drafting every step was 1.16x
-  faster). Once a step without drafting has measured the residual of r requests, it is
-  learned from such steps only, and what a drafting step of r requests costs beyond the
-  prediction (bigger trees to pack, attend over and commit) is its drafting's, added to its
-  drafting calls' seconds by drafted nodes (learned from every step alike, a drafting
-  step's overhead passed for an auto-regressive one's, and at batch 8 rsd-c drafted at
-  0.76x AR); until then (a batch that has always drafted) every step teaches the residual.
-  Keeping the forward table and the residual apart matters:
+  request), and what a step costs beyond its forward whether it drafts or not (scheduling,
+  packing, sampling, committing: ~1-2 ms on the CPU, left out of both sides the ratio
+  favoured auto-regression, e.g. rsd-s at T=1, batch 1 chose AR on 9 of 10 steps although
+  drafting every step was 1.16x faster). Keeping the two apart matters:
   a table refreshed by live steps alone mixes batch shapes, so that forward(8 tokens of 8
   requests) came out dearer than forward(40 tokens) and drafting looked free;
 - draft_m: per method, intercept + per level + per drafted node (`LinearCost` over the
@@ -609,20 +603,13 @@ class SpeculationPolicy:
         self.draft_cost.setdefault(method, LinearCost()).add((levels, drafted, caught_up), seconds, shape)
 
     def observe(self, stats: StepStats) -> None:
-        drafted_in_all = sum(drafted for _, drafted, _, _ in stats.drafting.values())
-        if stats.outcomes or drafted_in_all:
+        if stats.outcomes or any(drafted for _, drafted, _, _ in stats.drafting.values()):
             self._settled = None  # new evidence: decide afresh
-        beyond = 0.0  # what a drafting step cost beyond a step of its tokens and requests without drafting
-        if stats.prefill:
-            pass
-        elif not drafted_in_all:
+        if not stats.prefill:
             self.forward_cost.observe(stats.num_tokens, stats.num_requests, stats.step_seconds)
-        elif self.forward_cost.tokens.points:
-            beyond = stats.step_seconds - self.forward_cost(stats.num_tokens, stats.num_requests)
         for method, (levels, drafted, caught_up, seconds) in stats.drafting.items():
             if drafted:
-                charged = max(seconds + beyond * drafted / drafted_in_all, 0.0)
-                self._add_draft_sample(method, levels, drafted, caught_up, charged)
+                self._add_draft_sample(method, levels, drafted, caught_up, seconds)
         step: dict[tuple[Hashable, int], list[tuple[float, float]]] = {}
         for o in stats.outcomes:
             if o.size == o.sizes[-1]:
