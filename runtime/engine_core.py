@@ -185,7 +185,6 @@ class EngineCore:
             if request.finished:
                 finished.append(self._finish(request, request.result.finish_reason))
         clock.lap("commit")
-        stats.step_seconds = sum(clock.step.values()) - sum(seconds for *_, seconds in drafting.values())
         if not drafting and not stats.prefill:
             clock.count_plain()
         self.policy.observe(stats)

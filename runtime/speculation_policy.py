@@ -16,15 +16,11 @@ with bounded exploration so it never settles on a stale estimate for good.
   smaller nested size too: the accepted path stays accepted at size c as long as each of
   its nodes is in the tree of size c (`DraftTree.node_budget` <= c), exactly for greedy
   and in law for sampling;
-- forward(n, r): seconds of a step of n target tokens from r requests, drafting aside
-  (`ForwardCost`): a table over n (`TokenCost`, interpolated between measured sizes:
-  small-M GEMMs are far from linear) of target forwards timed at engine start on one
-  request, plus a per-request-count residual learned from every live step: each request's
-  attention over its own context (at batch 8, 8 one-token requests cost 1.6x one 8-token
-  request), and what a step costs beyond its forward whether it drafts or not (scheduling,
-  packing, sampling, committing: ~1-2 ms on the CPU, left out of both sides the ratio
-  favoured auto-regression, e.g. rsd-s at T=1, batch 1 chose AR on 9 of 10 steps although
-  drafting every step was 1.16x faster). Keeping the two apart matters:
+- forward(n, r): seconds of a target forward of n tokens from r requests (`ForwardCost`):
+  a table over n (`TokenCost`, interpolated between measured sizes: small-M GEMMs are far
+  from linear) timed at engine start on one request, plus a per-request-count residual
+  learned from every live step (each request's attention over its own context: at batch
+  8, 8 one-token requests cost 1.6x one 8-token request). Keeping the two apart matters:
   a table refreshed by live steps alone mixes batch shapes, so that forward(8 tokens of 8
   requests) came out dearer than forward(40 tokens) and drafting looked free;
 - draft_m: per method, intercept + per level + per drafted node (`LinearCost` over the
@@ -151,11 +147,7 @@ class StepStats:
     """Measurements of one step, reported by the engine."""
 
     num_tokens: int
-    step_seconds: float
-    """The step's seconds outside drafting: the target forward, and everything else a step
-    costs whether or not it drafts (scheduling, packing the batch, sampling the roots,
-    committing). Drafting calls' seconds, their trees' share of verification included,
-    are in `drafting`."""
+    forward_seconds: float
     drafting: dict[str, tuple[int, int, int, float]] = field(default_factory=dict)
     """method -> (most levels, drafted nodes, tokens caught up, seconds) of its drafting call."""
     outcomes: list[Outcome] = field(default_factory=list)
@@ -606,7 +598,7 @@ class SpeculationPolicy:
         if stats.outcomes or any(drafted for _, drafted, _, _ in stats.drafting.values()):
             self._settled = None  # new evidence: decide afresh
         if not stats.prefill:
-            self.forward_cost.observe(stats.num_tokens, stats.num_requests, stats.step_seconds)
+            self.forward_cost.observe(stats.num_tokens, stats.num_requests, stats.forward_seconds)
         for method, (levels, drafted, caught_up, seconds) in stats.drafting.items():
             if drafted:
                 self._add_draft_sample(method, levels, drafted, caught_up, seconds)

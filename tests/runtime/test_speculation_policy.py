@@ -130,11 +130,11 @@ def run(
                 tokens += 1
                 behind[key] += 1
         stats.num_tokens, stats.num_requests = sum(1 + WIDTHS[s] * L for s in chosen.values()), batch
-        stats.step_seconds = w.forward(stats.num_tokens, batch)
+        stats.forward_seconds = w.forward(stats.num_tokens, batch)
         draft_seconds = w.draft(drafted) + (CATCH_UP_MS * caught_up / 1000 if lag else 0.0)
         if drafted:
             stats.drafting["redrafter"] = (L, drafted, caught_up if report else 0, draft_seconds)
-        seconds += stats.step_seconds + draft_seconds
+        seconds += stats.forward_seconds + draft_seconds
         p.observe(stats)
         history.append(sorted(chosen.values()))
     return tokens / seconds, history
