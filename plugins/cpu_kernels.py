@@ -23,7 +23,9 @@ import shutil
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -91,6 +93,16 @@ def load() -> bool:
             stacklevel=2,
         )
         return False
+    return True
+
+
+@functools.cache
+def load_with_fake(op: str, fake: Callable[..., Any]) -> bool:
+    """`load()`, then give the C++ op `specpipe_cpu::<op>` the fake kernel of the custom op
+    it serves (once), so it traces like its custom op; False where the kernels are off."""
+    if not load():
+        return False
+    torch.library.register_fake(f"specpipe_cpu::{op}")(fake)
     return True
 
 

@@ -15,8 +15,6 @@ else the custom op (whose kernel is the reference where the C++ one does not app
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 
@@ -49,13 +47,9 @@ def rope_kv_write_reference(
     return q.contiguous()
 
 
-@functools.cache
 def _kernel_built() -> bool:
-    """Build and load the CPU kernels (once), and give this op's C++ form the op's fake."""
-    if not cpu_kernels.load():
-        return False
-    torch.library.register_fake("specpipe_cpu::rope_kv_write")(_fake)
-    return True
+    """Build and load the CPU kernels (once); the C++ op gets this op's fake."""
+    return cpu_kernels.load_with_fake("rope_kv_write", _fake)
 
 
 def kernel_applies(qkv: Tensor, cos: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:

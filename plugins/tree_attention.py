@@ -22,8 +22,6 @@ The model's layers call it through `attend`.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -67,13 +65,9 @@ def tree_attention_reference(
     return out.transpose(1, 2).contiguous()
 
 
-@functools.cache
 def _kernel_built() -> bool:
-    """Build and load `specpipe_cpu::tree_attention` (once), and give it the op's fake."""
-    if not cpu_kernels.load():
-        return False
-    torch.library.register_fake("specpipe_cpu::tree_attention")(_fake)
-    return True
+    """Build and load the CPU kernels (once); the C++ op gets this op's fake."""
+    return cpu_kernels.load_with_fake("tree_attention", _fake)
 
 
 def kernel_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_index: torch.Tensor) -> bool:
