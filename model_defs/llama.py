@@ -354,19 +354,25 @@ class RowParallelLinear(Linear):
 
 def pack_cpu_weights(module: nn.Module) -> int:
     """Give every `Linear` in `module` oneDNN's blocked copy of its weight
-    (`plugins/cpu_linear.py`), and every attention's q/k/v and MLP's gate/up one blocked
-    stacked product (`LinearStack`), for fp32 inference on the CPU; returns how many Linears
-    were packed. Call it once the weights are final (engine load): the copies do not follow
-    later changes to the weights."""
-    linears = [m for m in module.modules() if isinstance(m, Linear)]
-    for m in linears:
-        m.pack_cpu_weight()
+    (`plugins/cpu_linear.py`), or, for every attention's q/k/v and MLP's gate/up, one
+    blocked stacked product (`LinearStack`; the members keep no copy of their own, which
+    that path never reads), for fp32 inference on the CPU; returns how many Linears run on
+    a blocked copy. Call it once the weights are final (engine load): the copies do not
+    follow later changes to the weights."""
+    stacked: list[Linear] = []
     for layer in module.modules():
         if isinstance(layer, Attention):
-            layer.qkv_stack = stack_linears([layer.q_proj, layer.k_proj, layer.v_proj], int8=False)
+            members = [layer.q_proj, layer.k_proj, layer.v_proj]
+            layer.qkv_stack = stack_linears(members, int8=False)
+            stacked += members if layer.qkv_stack is not None else []
         elif isinstance(layer, MLP):
-            layer.gate_up_stack = stack_linears([layer.gate_proj, layer.up_proj], int8=False)
-    return sum(m.packed is not None for m in linears)
+            members = [layer.gate_proj, layer.up_proj]
+            layer.gate_up_stack = stack_linears(members, int8=False)
+            stacked += members if layer.gate_up_stack is not None else []
+    linears = [m for m in module.modules() if isinstance(m, Linear) and not any(m is s for s in stacked)]
+    for m in linears:
+        m.pack_cpu_weight()
+    return len(stacked) + sum(m.packed is not None for m in linears)
 
 
 def output_linear(in_features: int, out_features: int, bias: bool, tp_size: int) -> Linear:

@@ -11,6 +11,7 @@ import torch
 from model_defs.llama import Attention, pack_cpu_weights
 from model_defs.rope import RopeConfig, RotaryEmbedding
 from plugins import cpu_kernels
+from plugins.cpu_linear import pack_cpu_weight
 from plugins.kv_write import rope_kv_write, rope_kv_write_reference, write_new_tokens
 from tests.paged import Chunk, PagedModel
 from tests.tiny_models import tiny_target
@@ -84,7 +85,8 @@ def test_bad_arguments_are_refused() -> None:
 def test_a_paged_forward_through_the_fused_path_equals_the_split_one() -> None:
     """`Attention` takes `PagedBatch.attend_projected` (fused RoPE + K/V write) when its q/k/v
     run as one stacked product; without the stack it splits, rotates and writes in torch.
-    Same tokens, same cache: same logits, bit for bit, and the same K/V in the cache (the
+    The split products run on each Linear's own blocked copy (bitwise the stacked product's
+    here). Same tokens, same cache: same logits, bit for bit, and the same K/V in the cache (the
     second forward reads the first's), for decode rows, a prefill chunk and a tree."""
     model = tiny_target(seed=5, vocab_size=64)
     pack_cpu_weights(model)
@@ -98,6 +100,8 @@ def test_a_paged_forward_through_the_fused_path_equals_the_split_one() -> None:
     for fused in (True, False):
         for m, s in zip(attentions, stacks, strict=True):
             m.qkv_stack = s if fused else None
+            for proj in (m.q_proj, m.k_proj, m.v_proj):  # split: each its own blocked product
+                proj.packed = None if fused else pack_cpu_weight(proj.weight.detach())
         paged = PagedModel(model, num_blocks=16, block_size=4)
         first = paged.forward([Chunk(f"r{i}", 0, prompt[i], torch.arange(9)) for i in range(2)])
         second = paged.forward(
