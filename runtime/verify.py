@@ -121,30 +121,16 @@ def accept_sampled_batch(
     once), so a request's tokens do not depend on its batch.
 
     A root alone (an auto-regressive step) has no child to try: its token is the bonus
-    drawn from q at the root, as the walk would draw it, without the walk's tables."""
+    drawn from q at the root, as the walk would draw it; the roots' laws are one softmax
+    over all their rows."""
     alone = [i for i, t in enumerate(trees) if len(t.tokens) == 1]
-    if not alone:
-        return _walk(trees, logits, params, generators)
-    out: list[Acceptance | None] = [None] * len(trees)
-    q_rows = target_probs_rows(torch.cat([logits[i] for i in alone]), [params[i] for i in alone])
-    for i, q in zip(alone, q_rows, strict=True):
-        out[i] = Acceptance([0], [sample(q, generators[i])])
-    if walked := [i for i, t in enumerate(trees) if len(t.tokens) > 1]:
-        pick = [[xs[i] for i in walked] for xs in (trees, logits, params, generators)]
-        for i, acc in zip(walked, _walk(*pick), strict=True):  # type: ignore[arg-type]
-            out[i] = acc
-    return [acc for acc in out if acc is not None]
-
-
-def _walk(
-    trees: list[DraftTree],
-    logits: list[torch.Tensor],
-    params: list[SamplingParams],
-    generators: list[torch.Generator],
-) -> list[Acceptance]:
-    """`accept_sampled_batch`'s walk down trees of two or more nodes, tree by tree
-    (`_walk_tree`)."""
-    return [_walk_tree(*args) for args in zip(trees, logits, params, generators, strict=True)]
+    drawn: dict[int, Acceptance] = {}
+    if alone:
+        q_rows = target_probs_rows(torch.cat([logits[i] for i in alone]), [params[i] for i in alone])
+        drawn = {i: Acceptance([0], [sample(q, generators[i])]) for i, q in zip(alone, q_rows, strict=True)}
+    return [
+        drawn[i] if i in drawn else _walk_tree(trees[i], logits[i], params[i], generators[i]) for i in range(len(trees))
+    ]
 
 
 def _walk_tree(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> Acceptance:
