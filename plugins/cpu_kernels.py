@@ -29,7 +29,10 @@ from typing import Any
 
 import torch
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("tree_attention_cpu.cpp", "rope_kv_write_cpu.cpp")]
+SOURCES = [
+    Path(__file__).parent / "csrc" / name
+    for name in ("tree_attention_cpu.cpp", "rope_kv_write_cpu.cpp", "gumbel_top_k_cpu.cpp")
+]
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
 """-fopenmp: `at::parallel_for` runs on the OpenMP runtime torch has loaded (libgomp)."""
 ENV = "SPECPIPE_CPU_KERNELS"

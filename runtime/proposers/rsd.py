@@ -38,7 +38,7 @@ import torch
 
 from model_defs.paged_kv_cache import PagedKVCache
 from runtime.block_manager import BlockManager
-from runtime.gumbel import draw_one, gumbel_noise_rows, top_k_valid_rows, truncated_gumbel
+from runtime.gumbel import draw_one, gumbel_top_k_rows, top_k_valid_rows, truncated_gumbel
 from runtime.loaded_engine import LoadedEngine
 from runtime.proposers.level_drafters import DraftLMLevels, RNNLevels
 from runtime.proposers.proposer import KVMoves, Proposer, target_hidden
@@ -188,8 +188,8 @@ def draft_rsd_trees(
     frontier nodes of every request, then a handful of tensor ops over all of them at
     once: one warp (`draft_log_probs`), one Gumbel-top-k (`_branch_step`) or beam step
     (`_beam_step`), and one device-to-host transfer (the drawn parents and tokens). Only
-    the Gumbel noise is drawn request by request, each request's from its own generator
-    (`gumbel_noise_rows`), so a request's tree does not depend on its batch."""
+    the uniforms are drawn request by request, each request's from its own generator
+    (`gumbel_top_k_rows`, `draw_one`), so a request's tree does not depend on its batch."""
     gens = [gen if spec.stochastic and not prm.greedy else None for prm, gen in zip(params, generators, strict=True)]
     tokens = [[root] for root in roots]
     parents = [[-1] for _ in roots]
@@ -205,8 +205,7 @@ def draft_rsd_trees(
         counts = [len(f) for f in frontier]
         log_probs = draft_log_probs(logits, [params[i] for i, c in enumerate(counts) for _ in range(c)])
         if spec.beamed:
-            noise = gumbel_noise_rows(counts, gens, log_probs.shape[-1], log_probs.device)
-            picks, scores, gumbels = _beam_step(log_probs, counts, scores, gumbels, spec.beam_width, noise, gens)
+            picks, scores, gumbels = _beam_step(log_probs, counts, scores, gumbels, spec.beam_width, gens)
         else:
             picks = _branch_step(log_probs, counts, spec.branching[depth], gens)
         rows: list[int] = []  # the level's new nodes, request by request: request row, parent, node, token
@@ -277,22 +276,23 @@ def _branch_step(
     """RSD-C / SD, one level of every request at once: `b` children per frontier row by
     Gumbel-top-k (RSD Algorithm 4) over `log_probs` `[M, V]` (rows request by request,
     `counts[i]` of request i), each request's Gumbels from its own generator (`gens[i]`;
-    None: the `b` most likely, the greedy limit). One child (b = 1) is a plain draw
-    (`draw_one`, the law of the Gumbel argmax, ~4x cheaper). Per request, its picks (row
+    None: the `b` most likely, the greedy limit), drawn top-down (`gumbel_top_k_rows`).
+    One child (b = 1) is a plain draw (`draw_one`, the law of the Gumbel argmax). Per request, its picks (row
     within its frontier, token), parent by parent and within a parent in draw order."""
-    if b == 1:
-        drawn = [(m, gen) for m, i in enumerate(_row_owners(counts)) if (gen := gens[i]) is not None]
-        if len(drawn) < len(log_probs):  # ranked rows (greedy requests): the most likely
-            index = top_k_valid_rows(log_probs.double(), 1)
-        else:
-            index = torch.empty((len(log_probs), 1), dtype=torch.long, device=log_probs.device)
-        if drawn:
-            rows = [m for m, _ in drawn]
-            index[rows, 0] = draw_one(log_probs[rows], [gen for _, gen in drawn])
+    owners = _row_owners(counts)
+    drawn = [m for m, i in enumerate(owners) if gens[i] is not None]
+    if len(drawn) < len(log_probs):  # ranked rows (greedy requests): the b most likely
+        index = top_k_valid_rows(log_probs.double(), b)
     else:
-        keys = log_probs.double()
-        noise = gumbel_noise_rows(counts, gens, log_probs.shape[-1], log_probs.device)
-        index = top_k_valid_rows(keys if noise is None else keys + noise, b)
+        index = torch.empty((len(log_probs), min(b, log_probs.shape[-1])), dtype=torch.long, device=log_probs.device)
+    if drawn:
+        rows = log_probs[drawn] if len(drawn) < len(log_probs) else log_probs
+        sampled = [(count, gen) for count, gen in zip(counts, gens, strict=True) if count and gen is not None]
+        if b == 1:
+            index[drawn, 0] = draw_one(rows, [gen for count, gen in sampled for _ in range(count)])
+        else:
+            tokens, _ = gumbel_top_k_rows(rows, [c for c, _ in sampled], [g for _, g in sampled], b)
+            index[drawn] = tokens[:, : index.shape[1]]
     listed = index.tolist()  # the level's one device-to-host transfer
     out, start = [], 0
     for count in counts:
@@ -312,23 +312,22 @@ def _beam_step(
     scores: torch.Tensor,
     gumbels: torch.Tensor,
     width: int,
-    noise: torch.Tensor | None,
     gens: list[torch.Generator | None],
 ) -> tuple[list[list[tuple[int, int]]], torch.Tensor, torch.Tensor]:
     """RSD-S: one level of Stochastic Beam Search (Kool et al. 2019 Algorithm 2; RSD
     Algorithm 8/9) for every request at once. Frontier row m (rows request by request,
     `counts[i]` of request i) has path log-prob phi_m (`scores`) and perturbed value G_m
-    (`gumbels`); its children get phi_m + log p_m(x), perturbed by Gumbels (`noise`)
-    truncated to max G_m; per request, the `width` largest over all its children
-    survive, best first (so each parent's children are in draw order). Requests without
-    a generator (`gens[i]` None, `noise` zero there): plain beam search (top-W by path
-    log-prob). Returns per request its picks (row within its frontier, token), and the
+    (`gumbels`); its children get phi_m + log p_m(x), perturbed by Gumbels (each request's
+    from its generator `gens[i]`) truncated to max G_m; per request, the `width` largest
+    over all its children survive, best first (so each parent's children are in draw
+    order). Requests without a generator (`gens[i]` None): plain beam search (top-W by
+    path log-prob). Returns per request its picks (row within its frontier, token), and the
     path log-prob and perturbed value of every pick `[sum of picks]`, in that order.
 
     Sampled and ranked requests are two batches (`_beam_group`) when both are present."""
     sampled = [gen is not None for gen in gens]
-    if noise is None or all(sampled):
-        return _beam_group(log_probs, counts, scores, gumbels, width, noise)
+    if all(sampled) or not any(sampled):
+        return _beam_group(log_probs, counts, scores, gumbels, width, [g for g in gens if g is not None] or None)
     out_picks: list[list[tuple[int, int]]] = [[] for _ in counts]
     parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # each group's new scores and perturbed values
     where = [(0, 0)] * len(counts)  # per request: (offset of its picks in the groups' concatenation, how many)
@@ -345,7 +344,7 @@ def _beam_step(
             scores[rows],
             gumbels[rows],
             width,
-            noise[rows] if group_sampled else None,
+            [g for g in gens if g is not None] if group_sampled else None,
         )
         for i, request_picks in zip(members, picks, strict=True):
             out_picks[i] = request_picks
@@ -365,27 +364,28 @@ def _beam_group(
     scores: torch.Tensor,
     gumbels: torch.Tensor,
     width: int,
-    noise: torch.Tensor | None,
+    gens: list[torch.Generator] | None,
 ) -> tuple[list[list[tuple[int, int]]], torch.Tensor, torch.Tensor]:
-    """`_beam_step` for requests all sampled (`noise`) or all ranked (None): one top-k of
+    """`_beam_step` for requests all sampled (their `gens`) or all ranked (None): one top-k of
     `[B, F * C]` over C candidate children per frontier row, requests with fewer rows
     padded with -inf. Ranked: every token is a candidate (C = V; the ranking, ties
     included, is that of one top-k over the request's `[F * V]` path log-probs).
     Sampled: the truncation is increasing along a row, so only a row's `width` largest
-    perturbed children can survive; they are the candidates, and only they are truncated
-    (`truncated_gumbel` on them: their maximum is the row's)."""
-    phi = scores[:, None] + log_probs.double()  # [M, V]
-    b, v, f = len(counts), phi.shape[-1], max(counts)
+    perturbed children can survive; they are the candidates (drawn top-down,
+    `gumbel_top_k_rows`), and only they are truncated (`truncated_gumbel` on them: their
+    maximum is the row's)."""
+    b, f = len(counts), max(counts)
     tokens: torch.Tensor | None = None  # [M, C] token of each candidate (None: C = V, the token itself)
-    if noise is None:
-        keys = cand_phi = phi
+    if gens is None:
+        keys = cand_phi = scores[:, None] + log_probs.double()  # [M, V]
     else:
-        perturbed, tokens = torch.topk(phi + noise, min(width, v), dim=-1)  # [M, C], the row's max first
-        keys = truncated_gumbel(perturbed, gumbels)
-        cand_phi = phi.gather(1, tokens)
+        tokens, values = gumbel_top_k_rows(log_probs, counts, gens, width)  # [M, C], the row's max first
+        tokens = tokens.clamp(min=0)  # (a -1 past a row's last token has value -inf: never kept)
+        keys = truncated_gumbel(scores[:, None] + values, gumbels)
+        cand_phi = scores[:, None] + log_probs.gather(1, tokens).double()
     c = keys.shape[-1]
     if any(count != f for count in counts):  # pad each request to f rows of -inf
-        dest = torch.tensor([i * f + k for i, count in enumerate(counts) for k in range(count)], device=phi.device)
+        dest = torch.tensor([i * f + k for i, count in enumerate(counts) for k in range(count)], device=keys.device)
         keys = keys.new_full((b * f, c), float("-inf")).index_copy_(0, dest, keys)
         cand_phi = cand_phi.new_zeros((b * f, c)).index_copy_(0, dest, cand_phi)
         if tokens is not None:
@@ -406,7 +406,7 @@ def _beam_group(
     new_gumbels = keys.reshape(b, f * c).gather(1, safe).flatten()
     kept = [i * len(row) + n for i, row in enumerate(flat) for n, j in enumerate(row) if j >= 0]
     if len(kept) < new_scores.shape[0]:  # a law with fewer than W tokens of non-zero probability
-        rows = torch.tensor(kept, device=phi.device)
+        rows = torch.tensor(kept, device=keys.device)
         new_scores, new_gumbels = new_scores[rows], new_gumbels[rows]
     return picks, new_scores, new_gumbels
 
@@ -419,10 +419,9 @@ def _beam_level(
     search (top-W by path log-prob)."""
     rows = torch.stack([log_probs[row, node] for node in tree.frontier])
     counts = [len(tree.frontier)]
-    noise = gumbel_noise_rows(counts, [gen], rows.shape[-1], rows.device)
     scores = torch.tensor(tree.scores, dtype=torch.float64, device=rows.device)
     gumbels = torch.tensor(tree.gumbels, dtype=torch.float64, device=rows.device)
-    picks, new_scores, new_gumbels = _beam_step(rows, counts, scores, gumbels, width, noise, [gen])
+    picks, new_scores, new_gumbels = _beam_step(rows, counts, scores, gumbels, width, [gen])
     tree.scores, tree.gumbels = new_scores.tolist(), new_gumbels.tolist()
     return [(tree.frontier[k], token) for k, token in picks[0]]
 

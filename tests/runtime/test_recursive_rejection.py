@@ -23,7 +23,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from runtime.gumbel import draw_one, gumbel_noise, gumbel_top_k, truncated_gumbel
+from runtime.gumbel import draw_one, gumbel_noise, gumbel_top_k, gumbel_top_k_rows, truncated_gumbel
 from runtime.proposers.rsd import _beam_level, _Growing
 from runtime.sampling import SamplingParams
 from runtime.tree import DraftTree
@@ -149,6 +149,56 @@ def test_gumbel_top_k_draws_without_replacement() -> None:
     law = p[:, None] * p[None, :] / (1 - p[:, None])  # P(x1) P(x2 | x1 removed)
     law.fill_diagonal_(0)
     assert passes_chi_square(counts, law)
+
+
+def _uniform_bins(u: torch.Tensor, bins: int = 10) -> torch.Tensor:
+    """Counts of `u` in `bins` equal bins of [0, 1] (values past 1 land in the last)."""
+    return torch.bincount((u * bins).long().clamp(0, bins - 1), minlength=bins).double()
+
+
+def test_top_down_gumbel_top_k_has_the_law_of_v_perturbations() -> None:
+    """`gumbel_top_k_rows` (the top k of log p + Gumbel drawn top-down, what RSD-C and RSD-S
+    draft with) against the exact law of the V-perturbation process: the token triple is
+    drawn without replacement; the largest value is Gumbel(log 1) whatever its token
+    (probability integral transform exp(-exp(-g1)) uniform, jointly with the token); the
+    j-th is Gumbel(log p(rest)) truncated at the (j-1)-th (its conditional CDF uniform);
+    a token of probability 0 never comes and its slot is -1 / -inf. A wrong variant, the
+    second value drawn untruncated, fails; the V-perturbation process itself passes."""
+    p = torch.tensor([0.45, 0.25, 0.0, 0.18, 0.12], dtype=torch.float64)
+    n, k = 20000, 4
+    log_p = p.log().float().to(TEST_DEVICE).expand(n, 5).contiguous()
+    gen = generator(11)
+    tokens, values = (t.cpu() for t in gumbel_top_k_rows(log_p, [n // 2, n - n // 2], [gen, generator(12)], k + 1))
+    assert bool((tokens[:, k] == -1).all()) and bool((values[:, k] == float("-inf")).all())
+    assert not bool((tokens[:, :k] == 2).any())
+    pf = p.float().double()  # the law the float32 log-probs carry
+
+    def pit(values: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
+        """Conditional CDF of each value given the earlier ones (uniform under the right law)."""
+        out, taken, upper = [], torch.zeros(n, dtype=torch.float64), torch.full((n,), float("inf"), dtype=torch.float64)
+        for j in range(3):
+            mu = (1 - taken).log()  # Gumbel(mu)'s CDF exp(-exp(mu - g)), truncated at `upper`
+            out.append(torch.exp(torch.exp(mu - upper) - torch.exp(mu - values[:, j])))
+            taken, upper = taken + pf[tokens[:, j]], values[:, j]
+        return out
+
+    u1, u2, u3 = pit(values, tokens)
+    uniform = torch.full((10,), 0.1, dtype=torch.float64)
+    assert all(passes_chi_square(_uniform_bins(u), uniform) for u in (u1, u2, u3))
+    joint = torch.zeros(5, 10, dtype=torch.float64)  # first token x first value's bin: independent
+    joint.index_put_((tokens[:, 0], (u1 * 10).long().clamp(0, 9)), torch.ones(n, dtype=torch.float64), accumulate=True)
+    assert passes_chi_square(joint, pf[:, None] * uniform[None])
+    law = pf[:, None] * pf[None, :] / (1 - pf[:, None])
+    law.fill_diagonal_(0)
+    pairs = torch.zeros(5, 5, dtype=torch.float64)
+    pairs.index_put_((tokens[:, 0], tokens[:, 1]), torch.ones(n, dtype=torch.float64), accumulate=True)
+    assert passes_chi_square(pairs, law)
+    wrong = values.clone()  # the second value untruncated: Gumbel(log p(rest)) alone
+    wrong[:, 1] = (1 - pf[tokens[:, 0]]).log() + gumbel_noise((n,), generator(13), "cpu")
+    assert not passes_chi_square(_uniform_bins(pit(wrong, tokens)[1]), uniform)
+    perturbed = log_p.cpu().double() + gumbel_noise((n, 5), generator(14), "cpu")  # the V-perturbation process
+    ref_values, ref_tokens = torch.topk(perturbed, k, dim=-1)
+    assert all(passes_chi_square(_uniform_bins(u), uniform) for u in pit(ref_values, ref_tokens))
 
 
 def test_one_draw_follows_the_law_like_the_gumbel_argmax() -> None:

@@ -8,7 +8,7 @@ node depend on that node alone (so every difference comes from the tree-building
   (greedy, sampled, top-k / top-p laws with fewer tokens than the branching factor or the
   beam width, a sampled request inside a deterministic redrafter spec) gives identical
   trees: tokens, parents, draft-law rows, flags. Greedy trees on any device; sampled
-  trees on the CPU, where one RNG call of F x V uniforms is the same stream as F calls of V
+  trees on the CPU, where one RNG call of F x 2k uniforms is the same stream as F calls of 2k
   (a GPU generator splits the stream differently, which changes the draws but not their law);
 - batch invariance of the draws: sampled trees of a batch of 3 requests equal, token for
   token, the trees drawn one request at a time with the same seeds (each request keeps
@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.gumbel import gumbel_noise, gumbel_top_k, top_k_valid, truncated_gumbel
+from runtime.gumbel import gumbel_top_k, gumbel_top_k_rows, top_k_valid, truncated_gumbel
 from runtime.proposers.rsd import TreeSpec, draft_log_probs, draft_rsd_trees
 from runtime.sampling import SamplingParams
 from runtime.tree import DraftTree
@@ -77,14 +77,20 @@ def reference_trees(
                     picks += [(node, t) for t in gumbel_top_k(law[i, node], spec.branching[depth], gen).tolist()]
             else:
                 phi = torch.stack([scores[k] + law[i, n].double() for k, n in enumerate(frontier)])
-                keys = phi
-                if gen is not None:
-                    perturbed = phi + gumbel_noise(tuple(phi.shape), gen, phi.device)
+                if gen is None:  # every token a candidate
+                    keys, cand = phi, torch.arange(V, device=phi.device).expand(len(frontier), V)
+                else:  # each frontier node's top-W perturbed children, drawn top-down
+                    rows_law = torch.stack([law[i, n] for n in frontier])
+                    cand, values = gumbel_top_k_rows(rows_law, [len(frontier)], [gen], spec.beam_width)
+                    cand = cand.clamp(min=0)
+                    perturbed = torch.tensor(scores, dtype=torch.float64, device=phi.device)[:, None] + values
                     keys = truncated_gumbel(perturbed, torch.tensor(gumbels, dtype=torch.float64, device=phi.device))
                 index, _ = top_k_valid(keys.flatten(), spec.beam_width)
-                ks, ts = (index // V).tolist(), (index % V).tolist()
+                c = keys.shape[1]
+                ks, cs = (index // c).tolist(), (index % c).tolist()
+                ts = [int(cand[k, j]) for k, j in zip(ks, cs, strict=True)]
                 scores[:] = [float(phi[k, t]) for k, t in zip(ks, ts, strict=True)]
-                gumbels[:] = [float(keys[k, t]) for k, t in zip(ks, ts, strict=True)]
+                gumbels[:] = [float(keys[k, j]) for k, j in zip(ks, cs, strict=True)]
                 picks = [(frontier[k], t) for k, t in zip(ks, ts, strict=True)]
             frontier.clear()
             for parent, token in picks:
