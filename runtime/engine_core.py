@@ -96,7 +96,8 @@ class EngineCore:
         """Calibrate load-aware speculation now, as vLLM profiles at start-up, rather than at
         the first step that could draft, so that no request's latency (and no timed run)
         pays for it: ~0.2 s on the demo engines, as long as a 64-token batch-3 ReDrafter run
-        there. Servers and the CLI call it before serving; idempotent."""
+        there, ~0.7-0.9 s on the draft-LM engine (its four methods' drafting is timed too).
+        Servers and the CLI call it before serving; idempotent."""
         if not self._calibrated and self.policy.adaptive and any(m != "ar" for m in self.proposers):
             self._calibrate()
 
@@ -118,7 +119,7 @@ class EngineCore:
         try:
             self.policy.calibrate(forward, most)
             for method, proposer in self.proposers.items():
-                self.policy.add_draft_samples(method, proposer.draft_cost_samples())
+                self.policy.add_draft_samples(method, proposer.draft_cost_samples(method))
         finally:
             self.blocks.free(scratch)
 

@@ -584,10 +584,10 @@ class SpeculationPolicy:
         for n, seconds in zip(sizes, monotone([best[n] for n in sizes]), strict=True):
             self.forward_cost.calibrate(n, seconds)
 
-    def add_draft_samples(self, method: str, samples: Iterable[tuple[int, int, float]]) -> None:
-        """(levels, drafted nodes, seconds) of drafting calls timed at engine start (nothing caught up)."""
-        for levels, drafted, seconds in samples:
-            self._add_draft_sample(method, levels, drafted, 0, seconds)
+    def add_draft_samples(self, method: str, samples: Iterable[tuple[int, int, int, float]]) -> None:
+        """(levels, drafted nodes, tokens caught up, seconds) of drafting calls timed at engine start."""
+        for levels, drafted, caught_up, seconds in samples:
+            self._add_draft_sample(method, levels, drafted, caught_up, seconds)
 
     def _add_draft_sample(self, method: str, levels: int, drafted: int, caught_up: int, seconds: float) -> None:
         # catch-ups come in every length: one shape per power of two keeps the fit's memory bounded

@@ -79,10 +79,10 @@ class Proposer(ABC):
         probe, not to the levels). Default: none (drafters that read the target's state)."""
         return 0
 
-    def draft_cost_samples(self) -> list[tuple[int, int, float]]:
-        """(levels, drafted nodes, seconds) of a few timed drafting calls at engine start, to seed
-        load-aware speculation's draft-cost fit (vLLM's profiling run). Default: none (the
-        fit then learns from live steps)."""
+    def draft_cost_samples(self, method: str) -> list[tuple[int, int, int, float]]:
+        """(levels, drafted nodes, tokens caught up, seconds) of a few timed drafting calls of
+        `method` at engine start, to seed load-aware speculation's draft-cost fit (vLLM's
+        profiling run). Default: none (the fit then learns from live steps)."""
         return []
 
     def on_accept(  # noqa: B027 (an optional hook)

@@ -131,7 +131,7 @@ class ReDrafterProposer(Proposer):
     def levels(self, params: ReDrafterParams) -> list[int]:
         return [0 if s == 1 else params.beam_length for s in self.sizes(params)]
 
-    def draft_cost_samples(self) -> list[tuple[int, int, float]]:
+    def draft_cost_samples(self, method: str) -> list[tuple[int, int, int, float]]:
         """Beam searches from zero states, twice each: every width load-aware speculation may
         pick for one request, and one beam for 8 and 32 requests (so the fit sees nodes
         drafted by wider beams as well as by more requests)."""
@@ -149,7 +149,7 @@ class ReDrafterProposer(Proposer):
             for _ in range(2):
                 start = time.perf_counter()
                 draft_trees(drafter, model.model.embed_tokens, hidden, [0] * rows, width, length, False)
-                samples.append((length, rows * width * length, time.perf_counter() - start))
+                samples.append((length, rows * width * length, 0, time.perf_counter() - start))
         return samples
 
     def propose(self, requests: list[Request], budgets: list[int]) -> list[DraftTree]:

@@ -30,6 +30,7 @@ after k children is a stopping rule the recursive rejection sampler allows.
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -48,6 +49,8 @@ from runtime.tree import DraftTree
 from runtime.verify import Acceptance
 
 RSD_METHODS = ("rsd-c", "rsd-s", "sd")
+CONTEXT = 64
+"""Context tokens of the requests a draft LM's drafting is timed on at engine start."""
 DEFAULT_BRANCHING = (2, 2, 1, 1)
 """rsd-c's default b: 15 nodes, about the budget of ReDrafter's default 4 x 4 beams."""
 
@@ -455,6 +458,46 @@ class LevelTreeProposer(Proposer):
 
     def levels(self, params: TreeSpec) -> list[int]:
         return list(range(params.length + 1))
+
+    def draft_cost_samples(self, method: str) -> list[tuple[int, int, int, float]]:
+        """A draft LM's drafting timed at engine start, for 1 and 8 requests of `CONTEXT`
+        tokens in scratch blocks, sampled at temperature 1 (the dearer path): one call that
+        first catches the draft LM up on the whole context (its cost per token read), then
+        the method's default tree cut at every depth. Without them the fit started from the
+        first live call, which catches up on a whole prompt: one such sample priced a token
+        read at 0.45 ms (~20x), so a probe of a request the policy had switched off looked
+        far too dear and came too rarely to switch it back on. None for the RNN drafter."""
+        if self.draft_cache is None:
+            return []
+        spec: TreeSpec = self.params(method, {})
+        vocab = self.engine.model.config.vocab_size
+        samples: list[tuple[int, int, int, float]] = []
+        for rows in (1, 8):
+            ids = [f"\0draft-cost-{i}" for i in range(rows)]
+            try:
+                if not all(self.blocks.ensure(i, CONTEXT + spec.max_nodes) for i in ids):
+                    break  # no room now: the fit learns from live steps
+                requests = [
+                    Request(i, [(7 * k + n) % vocab for k in range(CONTEXT + 1)], SamplingParams(temperature=1.0,
+                            seed=n), method, spec, SamplingParams(temperature=1.0, seed=n).generator(), set())
+                    for n, i in enumerate(ids)
+                ]  # fmt: skip
+                for r in requests:
+                    r.num_computed = CONTEXT  # the root sits at position CONTEXT
+                shapes = [(spec.length, CONTEXT)] + [(depth, 0) for depth in range(1, spec.length + 1)]
+                for depth, catch_up in [(spec.length, CONTEXT), *shapes]:  # the first call is untimed
+                    for r in requests:
+                        r.draft_state = CONTEXT - catch_up
+                    start = time.perf_counter()
+                    self.propose(requests, [spec.level_sizes[depth]] * rows)
+                    samples.append(
+                        (depth, rows * (spec.level_sizes[depth] - 1), rows * catch_up, time.perf_counter() - start)
+                    )
+                del samples[-len(shapes) - 1]
+            finally:
+                for i in ids:
+                    self.blocks.free(i)
+        return samples
 
     def lag(self, request: Request) -> int:
         """A draft LM's catch-up: the request's committed tokens its cache does not hold

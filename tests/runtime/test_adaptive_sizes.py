@@ -13,6 +13,7 @@ import pytest
 
 from runtime import llm_engine
 from runtime.config import RuntimeConfig
+from runtime.proposers.rsd import CONTEXT
 from runtime.sampling import SamplingParams
 from runtime.speculation_policy import Offer, SpeculationPolicy
 from tests import toy_sampling
@@ -87,6 +88,24 @@ def test_prepare_calibrates_once_before_any_request(monkeypatch: pytest.MonkeyPa
     fixed = llm_engine.LLMEngine(llm.engine, RuntimeConfig(speculation="fixed"))
     fixed.prepare()  # nothing to choose, nothing to time
     assert not fixed.policy.forward_cost.tokens.points
+
+
+def test_a_draft_lm_times_its_levels_and_a_catch_up_at_start_up() -> None:
+    """`prepare()` seeds each draft-LM method's drafting-cost fit with real drafting calls in
+    scratch blocks (`LevelTreeProposer.draft_cost_samples`): the method's default tree cut at
+    every depth with nothing to read, and one call that first reads `CONTEXT` tokens per
+    request, so a token read is priced from a measured catch-up (not from a live call's
+    whole prompt); every scratch block is free again."""
+    llm = llm_engine.LLMEngine(toy_sampling.toy_engine("draft-lm", SETTINGS), RuntimeConfig(max_num_tokens=512))
+    llm.prepare()
+    assert llm.blocks.num_free == llm.blocks.num_blocks
+    for method in ("sd", "rsd-c", "rsd-s"):
+        fit = llm.policy.draft_cost[method]
+        shapes = {x for x, _ in fit.samples}
+        spec = llm.proposers[method].params(method, {})
+        assert {levels for levels, _, caught_up in shapes if caught_up == 0} == set(range(1, spec.length + 1))
+        assert CONTEXT in {caught_up for _, _, caught_up in shapes} <= {0, CONTEXT, 8 * CONTEXT}
+        assert all(seconds > 0 for _, seconds in fit.samples)
 
 
 def test_verifying_drafts_is_charged_to_drafting(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,6 +7,7 @@ A step drafting a nested tree measures what every smaller size would have accept
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -66,7 +67,7 @@ def calibrated(world: World, adaptive: bool = True) -> SpeculationPolicy:
     p.calibrate(lambda n: None, 256)  # sizes only; replace the (instant) timings with the world's
     for n in list(p.forward_cost.tokens.points):
         p.forward_cost.tokens.points[n] = world.forward(n)
-    p.add_draft_samples("redrafter", [(L, rows * L, world.draft(rows * L)) for rows in (1, 8, 32)])
+    p.add_draft_samples("redrafter", [(L, rows * L, 0, world.draft(rows * L)) for rows in (1, 8, 32)])
     return p
 
 
@@ -245,7 +246,7 @@ def test_whole_trees_can_be_switched_off_and_on() -> None:
     """Methods with one tree (RSD, Lyanna) offer [1, N]: off when drafting cannot pay."""
     tree = [Offer(f"r{i}", ("rsd-c", True), "rsd-c", [1, 15], [0, 4]) for i in range(32)]
     p = calibrated(COSTLY)
-    p.add_draft_samples("rsd-c", [(4, 14 * n, COSTLY.draft(14 * n)) for n in (1, 8, 32)])
+    p.add_draft_samples("rsd-c", [(4, 14 * n, 0, COSTLY.draft(14 * n)) for n in (1, 8, 32)])
     for key in range(32):
         p.observe(StepStats(15, 0.0, outcomes=[Outcome(f"r{key}", ("rsd-c", True), 15, [1, 15], 0, [], [0], 15)]))
     assert set(p.choose(tree).values()) <= {1, 15} and sum(s == 1 for s in p.choose(tree).values()) >= 31
@@ -440,3 +441,37 @@ def test_draft_cost_fit_equals_a_refit_from_its_samples() -> None:
             free = np.linalg.lstsq(a, t, rcond=None)[0]
             if free.min() >= 0:
                 assert np.allclose(cost.slopes(), free[1:], atol=1e-6)
+
+
+def test_an_unlucky_warm_up_tree_does_not_switch_a_draft_lm_off_for_good(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A draft LM's first drafting call also reads its request's tokens (here a warm-up's
+    18). Alone in the draft-cost fit (no engine-start samples, as the draft-LM proposers
+    had), its 13 ms are spread over its features and a token read is priced at ~0.4 ms, 40x
+    its cost; when that one tree accepted nothing, every size's estimate is 1.0 and every
+    later probe, which must read a 400-token context first, looks far too dear: speculation
+    stays off for good (the demo engine, rsd-c at T=1, batch 1: 8 of 8 requests
+    auto-regressive where fixed trees ran 1.4x). With engine-start samples of the steady
+    shapes and of one catch-up (`Proposer.draft_cost_samples`) a token read has its true
+    price and a probe switches drafting back on within the first request."""
+    monkeypatch.setattr(sys.modules[__name__], "CATCH_UP_MS", 0.01)  # a draft LM's token read: ~1/800 of a step
+
+    def after_warm_up(seeded: bool) -> SpeculationPolicy:
+        p = SpeculationPolicy()
+        p.calibrate(lambda n: None, 256)
+        for n in list(p.forward_cost.tokens.points):
+            p.forward_cost.tokens.points[n] = GOOD.forward(n)
+        if seeded:
+            steady = [(L, rows * L, 0, GOOD.draft(rows * L)) for rows in (1, 8)]
+            p.add_draft_samples("redrafter", [*steady, (L, L, PROMPT, GOOD.draft(L) + CATCH_UP_MS * PROMPT / 1000)])
+        p.choose([Offer("w", KIND, "redrafter", BEAMS, LEVELS, 18)])
+        unlucky = outcome("w", 17, np.random.default_rng(0), alpha=0.0)  # nothing accepted, at every size
+        p.observe(StepStats(17, GOOD.forward(17), {"redrafter": (L, 16, 18, 0.0134)}, [unlucky]))
+        p.forget("w")
+        return p
+
+    seeded, blind = after_warm_up(True), after_warm_up(False)
+    assert blind._draft_slopes("redrafter", 1)[2] > 20 * CATCH_UP_MS / 1000
+    _, history = run(seeded, GOOD, batch=1, steps=320, lag=Lag(renew_every=64))
+    _, blind_history = run(blind, GOOD, batch=1, steps=320, lag=Lag(renew_every=64))
+    assert any(h != [1] for h in history[:64]) and sum(h != [1] for h in history[64:]) > 0.8 * 256
+    assert all(h == [1] for h in blind_history)  # the collapse, for contrast
