@@ -197,30 +197,45 @@ class TokenCost:
 
 class ForwardCost:
     """Seconds of a target forward of n tokens from r requests: `tokens` (one request,
-    timed at engine start) plus `extra[r]`, the decayed mean of what live forwards of r
-    requests cost beyond it (interpolated between measured r, proportional to r beyond)."""
+    timed at engine start) plus the decayed mean of what live forwards of r requests cost
+    beyond it (interpolated between measured r, proportional to r beyond), kept apart for
+    steps of one token per request (`extra`) and steps with trees (`extra_trees`: each
+    request's rows attend over its own context, so r requests of several tokens cost more
+    beyond the one-request table than r single tokens). One residual for both charged a
+    run of drafting steps' attention to auto-regressive steps too, which made drafting
+    look cheap by comparison and kept the demo engine drafting one-beam trees at batch 16
+    and 32 where they lost 8-15% to auto-regression."""
 
     def __init__(self) -> None:
         self.tokens = TokenCost()
         self.extra: dict[int, float] = {}
+        self.extra_trees: dict[int, float] = {}
 
     def __call__(self, n: float, requests: int = 1) -> float:
-        return self.tokens(n) + self.residual(requests)
+        return self.tokens(n) + self.residual(requests, n > requests)
 
-    def residual(self, requests: int) -> float:
-        if requests in self.extra:
-            return self.extra[requests]
-        if not self.extra:
+    def residual(self, requests: int, trees: bool = False) -> float:
+        """What r requests add beyond the table: for `trees`, from steps with trees but never
+        less than one-token steps' (more rows per request attend more; an estimate carried
+        over from a few small early batches must not make trees look cheap)."""
+        one_token = self._residual(self.extra, requests)
+        return max(self._residual(self.extra_trees, requests), one_token) if trees and self.extra_trees else one_token
+
+    @staticmethod
+    def _residual(extra: dict[int, float], requests: int) -> float:
+        if requests in extra:
+            return extra[requests]
+        if not extra:
             return 0.0
-        known = sorted(self.extra)
+        known = sorted(extra)
         if requests < known[0] or requests > known[-1]:  # beyond the measured: per request like the nearest
             near = known[0] if requests < known[0] else known[-1]
             # what requests add scales with them; a negative residual is the table's own bias
             # (its timing was slow), the same for any batch: scaled, a warm-up at batch 1 that
             # read -0.4 ms made a 32-request forward -6 ms and drafting at batch 32 look free
-            extra = self.extra[near]
-            return max(extra, 0.0) * requests / near + min(extra, 0.0)
-        return float(np.interp(requests, known, [self.extra[r] for r in known]))
+            value = extra[near]
+            return max(value, 0.0) * requests / near + min(value, 0.0)
+        return float(np.interp(requests, known, [extra[r] for r in known]))
 
     def slope(self, lo: float, hi: float) -> float:
         """Marginal seconds per token between lo and hi tokens (the request count fixed)."""
@@ -234,8 +249,9 @@ class ForwardCost:
             self.tokens.add(n, seconds)
             return
         residual = seconds - self.tokens(n)
-        old = self.extra.get(requests)
-        self.extra[requests] = residual if old is None else old + FORWARD_EMA * (residual - old)
+        extra = self.extra_trees if n > requests else self.extra
+        old = extra.get(requests)
+        extra[requests] = residual if old is None else old + FORWARD_EMA * (residual - old)
 
 
 class LinearCost:

@@ -18,6 +18,7 @@ from runtime import speculation_policy
 from runtime.speculation_policy import (
     CALIBRATION_SIZES,
     PROBE_SHARE,
+    ForwardCost,
     LinearCost,
     Offer,
     Outcome,
@@ -47,9 +48,13 @@ class World:
     d: float
     alpha: float
     e: float = 0.0
+    g: float = 0.0
+    """What each further request adds when requests bring trees (several rows each attend
+    over their own context), on top of `e`."""
 
     def forward(self, tokens: float, requests: int = 1) -> float:
-        return (self.a + self.b * tokens + self.e * (requests - 1)) / 1000
+        trees = self.g * (requests - 1) if tokens > requests else 0.0
+        return (self.a + self.b * tokens + self.e * (requests - 1) + trees) / 1000
 
     def draft(self, drafted: float) -> float:
         return (self.c + self.d * drafted) / 1000 if drafted else 0.0
@@ -475,3 +480,34 @@ def test_an_unlucky_warm_up_tree_does_not_switch_a_draft_lm_off_for_good(monkeyp
     _, blind_history = run(blind, GOOD, batch=1, steps=320, lag=Lag(renew_every=64))
     assert any(h != [1] for h in history[:64]) and sum(h != [1] for h in history[64:]) > 0.8 * 256
     assert all(h == [1] for h in blind_history)  # the collapse, for contrast
+
+
+def test_steps_with_trees_and_one_token_steps_keep_apart_what_requests_add() -> None:
+    """Beyond the one-request table, 16 requests with trees cost more than 16 single
+    tokens (each request's rows attend over its own context). One residual for both let a
+    run of drafting steps price auto-regressive steps at the drafting steps' extra, so
+    drafting looked cheap by comparison: in a world where trees add 0.6-1 ms a request,
+    batch 16 drafted and ran 0.76-0.86x auto-regression (the demo engine at batch 16-32:
+    0.85-0.92x). Kept apart, and a tree step never priced below a one-token step, the
+    policy stays within 3% of the best fixed size."""
+    cost = ForwardCost()
+    for n in (16, 96):
+        cost.calibrate(n, n / 1e4)
+    for _ in range(30):
+        cost.observe(96, 16, 96 / 1e4 + 0.010)  # trees: 10 ms beyond the table
+        cost.observe(16, 16, 16 / 1e4 + 0.001)  # one token each: 1 ms
+    assert cost(16, 16) == pytest.approx(16 / 1e4 + 0.001, rel=1e-3)
+    assert cost(96, 16) == pytest.approx(96 / 1e4 + 0.010, rel=1e-3)
+    fresh = ForwardCost()
+    fresh.calibrate(16, 16 / 1e4)
+    fresh.observe(16, 16, 16 / 1e4 + 0.002)
+    fresh.observe(17, 1, 17 / 1e4 - 0.003)  # a tree step at batch 1 that read fast
+    assert fresh(96, 16) >= fresh.tokens(96) + 0.002  # not below a one-token step's extra
+    for g in (0.6, 1.0):
+        world = World(a=8.0, b=0.15, c=3.0, d=0.05, alpha=0.6, e=0.3, g=g)
+        best = max(fixed(world, 16, s, 400) for s in BEAMS)
+        rate, _ = run(calibrated(world), world, batch=16, steps=400)
+        mixed = calibrated(world)
+        mixed.forward_cost.extra_trees = mixed.forward_cost.extra  # one residual for both, as before
+        mixed_rate, _ = run(mixed, world, batch=16, steps=400)
+        assert rate >= 0.97 * best and mixed_rate < 0.9 * best, (rate, mixed_rate, best)
