@@ -20,7 +20,8 @@ with bounded exploration so it never settles on a stale estimate for good.
   a table over n (`TokenCost`, interpolated between measured sizes: small-M GEMMs are far
   from linear) timed at engine start on one request, plus a per-request-count residual
   learned from every live step (each request's attention over its own context: at batch
-  8, 8 one-token requests cost 1.6x one 8-token request). Keeping the two apart matters:
+  8, 8 one-token requests cost 1.6x one 8-token request), kept apart for steps with trees
+  and one-token steps (`ForwardCost`). Keeping table and residual apart matters:
   a table refreshed by live steps alone mixes batch shapes, so that forward(8 tokens of 8
   requests) came out dearer than forward(40 tokens) and drafting looked free;
 - draft_m: per method, intercept + per level + per drafted node (`LinearCost` over the
