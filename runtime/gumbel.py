@@ -29,13 +29,8 @@ from runtime.sampling import inverse_cdf_rows
 
 
 def gumbel_noise(shape: tuple[int, ...], generator: torch.Generator, device: torch.device | str) -> torch.Tensor:
-    """Independent Gumbel(0, 1) samples `-log(-log U)`, U uniform on (0, 1)."""
-    return _gumbel(torch.rand(shape, generator=generator, device=device, dtype=torch.float64))
-
-
-def _gumbel(u: torch.Tensor) -> torch.Tensor:
-    """Gumbel(0, 1) samples `-log(-log u)` from float64 uniforms `u` on [0, 1), computed
-    in place (`u` is overwritten and returned)."""
+    """Independent Gumbel(0, 1) samples `-log(-log U)`, U uniform on (0, 1) (computed in place)."""
+    u = torch.rand(shape, generator=generator, device=device, dtype=torch.float64)
     return u.clamp_(min=torch.finfo(torch.float64).tiny).log_().neg_().log_().neg_()
 
 
