@@ -25,10 +25,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm import tqdm
 
-from benchmarks.report import command, machine, torch_threads, write_report
+from benchmarks.report import command, machine, write_report
 from benchmarks.timing import sampling_params, warm_up
 from runtime.config import RuntimeConfig
 from runtime.llm_engine import LLMEngine
@@ -46,12 +45,6 @@ class Row:
     ratio: float
     """Median over rounds of Triton's tokens/s over in-process tokens/s in that round."""
     ratios: list[float]
-    same_threads_tokens_per_s: float
-    """In-process with the served engine's decoding threads (`serving_threads`: on a CPU,
-    every core but one)."""
-    same_threads_ratio: float
-    """Median over rounds of Triton's tokens/s over that: what Triton itself costs, apart
-    from the core it is left."""
     mean_first_response_ms: float
     mean_response_gap_ms: float
     """Mean time between two streamed responses of one request (one engine step)."""
@@ -134,23 +127,14 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
         f"({meta['machine']['torch_threads']} threads). Ratio: median over rounds of Triton / in-process "
         f"tokens/s within a round. Command: `{meta['command']}`",
         "",
-        "| method | in-process tok/s | Triton tok/s | Triton / in-process | first response ms "
-        f"| ms between responses | in-process at {meta['served_threads']} thread(s) tok/s | Triton / that |",
-        "|---|---|---|---|---|---|---|---|",
+        "| method | in-process tok/s | Triton tok/s | Triton / in-process | first response ms | ms between responses |",
+        "|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r.method} | {r.in_process_tokens_per_s:.1f} | {r.triton_tokens_per_s:.1f} | {r.ratio:.2f} "
-            f"| {r.mean_first_response_ms:.1f} | {r.mean_response_gap_ms:.1f} "
-            f"| {r.same_threads_tokens_per_s:.1f} | {r.same_threads_ratio:.2f} |"
+            f"| {r.mean_first_response_ms:.1f} | {r.mean_response_gap_ms:.1f} |"
         )
-    lines += [
-        "",
-        f"The served engine decodes on {meta['served_threads']} intra-op thread(s) (every core but one: "
-        "Triton's threads need one, `serving_threads`); in-process uses "
-        f"{meta['machine']['torch_threads']}. The last two columns set Triton beside in-process decoding "
-        "on the served engine's threads: what serving itself costs, apart from the core it is left.",
-    ]
     return "\n".join(lines) + "\n"
 
 
@@ -167,7 +151,6 @@ def main(argv: list[str] | None = None) -> None:
 
     from triton_repo.repository import ServingConfig
     from triton_repo.server import TritonServer
-    from triton_repo.serving_model import serving_threads
 
     loaded = LoadedEngine.load(args.engine)
     llm = LLMEngine(loaded, RuntimeConfig())
@@ -175,8 +158,6 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [loaded.encode(t) for t in texts]
     local: dict[str, list[Timed]] = {m: [] for m in args.methods}
     served: dict[str, list[Timed]] = {m: [] for m in args.methods}
-    same: dict[str, list[Timed]] = {m: [] for m in args.methods}
-    threads = serving_threads(0, loaded.device.type) or torch.get_num_threads()
     with contextlib.ExitStack() as stack:
         url = args.url
         if url is None:
@@ -191,11 +172,9 @@ def main(argv: list[str] | None = None) -> None:
             for method in args.methods:
                 local[method].append(in_process(llm, prompts, args.max_tokens, method))
                 served[method].append(client.run(texts, args.max_tokens, method))
-                with torch_threads(threads):
-                    same[method].append(in_process(llm, prompts, args.max_tokens, method))
     rows = []
     for method in args.methods:
-        ratios, same_ratios = rate_ratios(served[method], local[method]), rate_ratios(served[method], same[method])
+        ratios = rate_ratios(served[method], local[method])
         rows.append(
             Row(
                 method=method,
@@ -206,8 +185,6 @@ def main(argv: list[str] | None = None) -> None:
                 mean_first_response_ms=statistics.mean(x for t in served[method] for x in t.first_ms),
                 mean_response_gap_ms=statistics.mean(x for t in served[method] for x in t.gaps_ms),
                 tokens=(local[method][0].tokens, served[method][0].tokens),
-                same_threads_tokens_per_s=tokens_per_s(same[method]),
-                same_threads_ratio=statistics.median(same_ratios),
             )
         )
     meta = {
@@ -215,7 +192,6 @@ def main(argv: list[str] | None = None) -> None:
         "num_prompts": args.num_prompts,
         "max_tokens": args.max_tokens,
         "rounds": args.rounds,
-        "served_threads": threads,
         "command": command("benchmarks.triton_overhead", argv),
         "machine": machine(),
     }

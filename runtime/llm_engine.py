@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,14 @@ from runtime.results import GenerationResult, stop_ids
 from runtime.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+
+OTHER_THREAD = (
+    "LLMEngine.step() runs on another thread than the one that built the engine: on a CPU, OpenMP keeps a "
+    "worker pool per thread that has run torch work, and while two pools live their workers stop spin-waiting "
+    "between parallel regions, which makes small GEMMs ~2x slower (demo target at batch 1 on 2 threads: 120 vs "
+    "270 tok/s); load and build the engine on the thread that steps it (triton_repo/serving_model.py does)"
+)
+"""Logged once by an engine stepped off the thread that built it."""
 
 MAX_STEP_FAILURES = 3
 """Steps in a row that may fail as a whole before the engine declares itself dead: a fault
@@ -64,6 +73,8 @@ class LLMEngine(EngineCore):
     def __init__(self, engine: LoadedEngine, config: RuntimeConfig | None = None, broadcast: StepSender | None = None):
         super().__init__(engine, config, broadcast)
         self._ids = itertools.count()
+        self._thread: int | None = threading.get_ident()
+        """The thread that built the engine, until a step on another thread was warned about."""
 
     # ---- requests -------------------------------------------------------------------
 
@@ -153,6 +164,9 @@ class LLMEngine(EngineCore):
         MAX_STEP_FAILURES such steps in a row."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
+        if self._thread is not None and threading.get_ident() != self._thread:
+            log.warning(OTHER_THREAD)
+            self._thread = None
         try:
             finished = self._step()
         except Exception as e:

@@ -5,9 +5,9 @@ repository's `model.py` is a shim that puts the project on `sys.path` and delega
 Threads:
 - Triton's `execute` only parses each request and hands it to the engine (or answers at
   once with INVALID_ARG / UNAVAILABLE);
-- the engine thread runs the in-flight batching loop (`LLMEngine.step`), whose per-request
-  callbacks only queue events; on a CPU its torch ops use every core but one unless the
-  `torch_threads` parameter says otherwise (`serving_threads`), leaving Triton's threads theirs;
+- the engine thread loads the engine and runs the in-flight batching loop (`LLMEngine.step`),
+  whose per-request callbacks only queue events; every torch op runs on it (`_engine_main`
+  says why), on every core unless the `torch_threads` parameter says otherwise;
 - the response thread turns events into responses through each request's output stage
   (`runtime/output.py`: text deltas, stop words, finish reason, statistics, log probs; deltas
   when streaming, one response otherwise, with the prompt in front when the request set
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import queue
 import threading
 import time
@@ -81,18 +80,6 @@ class Stream:
     """Triton's id of the request (what `cancel_request_id` names)."""
 
 
-def serving_threads(requested: int, device: str) -> int:
-    """Intra-op threads for the served engine (`ServingConfig.torch_threads`; 0 = automatic):
-    on a CPU device every core but one. Triton's server, its gRPC threads, the Python
-    backend's IPC and the response thread run beside the engine; with every core busy in
-    torch's parallel regions they preempt its threads and each region waits for the one
-    descheduled (demo ReDrafter, batch 1, 2 cores: 234 tok/s served with 2 threads, 322 with
-    1). On a GPU: 0, torch's default."""
-    if requested or device != "cpu":
-        return requested
-    return max(1, (os.cpu_count() or 1) - 1)
-
-
 class SpecpipeModel:
     """The model behind the shim; `pb_utils` is the backend's `triton_python_backend_utils`
     (importable only inside the stub process, hence passed in)."""
@@ -101,21 +88,6 @@ class SpecpipeModel:
         self.pb = pb_utils
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        engine_dir = params["engine_dir"]
-        device = params.get("device") or "cpu"
-        broadcast = None
-        threads = serving_threads(int(params.get("torch_threads") or 0), device)
-        if threads:
-            torch.set_num_threads(threads)
-        self.engine = LoadedEngine.load(engine_dir, device=device)
-        settings = runtime_from_parameters(params)
-        if self.engine.config.build.tp_size > 1:
-            from runtime.tp_worker import start_leader
-
-            settings, broadcast = start_leader(self.engine, settings, params.get("tp_master", ""))
-        self.llm = LLMEngine(self.engine, settings, broadcast)
-        self.llm.prepare()  # before the model reports ready: the first request does not pay for it
-        self.admission = AdmissionCheck(self.engine.config, self.engine.tokenizer)
         self.stall_timeout_s = float(params["stall_timeout_s"])
         self.metrics = ServingMetrics(pb_utils)
         self.step_started: float | None = None
@@ -125,10 +97,32 @@ class SpecpipeModel:
         self.lock = threading.Lock()
         self.wake = threading.Event()
         self.running = True
-        self.engine_thread = threading.Thread(target=self._engine_loop, name="specpipe-engine", daemon=True)
-        self.response_thread = threading.Thread(target=self._response_loop, name="specpipe-responses", daemon=True)
+        started: queue.Queue[BaseException | None] = queue.Queue()
+        self.engine_thread = threading.Thread(
+            target=self._engine_main, args=(params, started), name="specpipe-engine", daemon=True
+        )
         self.engine_thread.start()
+        if (error := started.get()) is not None:  # the model fails to load with the engine's error
+            raise error
+        self.admission = AdmissionCheck(self.engine.config, self.engine.tokenizer)
+        self.response_thread = threading.Thread(target=self._response_loop, name="specpipe-responses", daemon=True)
         self.response_thread.start()
+
+    def _start_engine(self, params: dict[str, str]) -> None:
+        """Load, build and warm the engine (`prepare`, before the model reports ready: the
+        first request does not pay for it). Runs on the engine thread, like every step: see
+        `_engine_main`."""
+        broadcast = None
+        if threads := int(params.get("torch_threads") or 0):
+            torch.set_num_threads(threads)
+        self.engine = LoadedEngine.load(params["engine_dir"], device=params.get("device") or "cpu")
+        settings = runtime_from_parameters(params)
+        if self.engine.config.build.tp_size > 1:
+            from runtime.tp_worker import start_leader
+
+            settings, broadcast = start_leader(self.engine, settings, params.get("tp_master", ""))
+        self.llm = LLMEngine(self.engine, settings, broadcast)
+        self.llm.prepare()
 
     # ---- Triton entry points ------------------------------------------------------------
 
@@ -204,6 +198,21 @@ class SpecpipeModel:
         self.metrics.requests[outcome].increment(1)
 
     # ---- engine thread ------------------------------------------------------------------
+
+    def _engine_main(self, params: dict[str, str], started: queue.Queue[BaseException | None]) -> None:
+        """The engine thread: build the engine, report to `__init__`, then step. Every torch
+        op of the engine runs on this one thread. On a CPU, OpenMP keeps a pool of worker
+        threads per thread that has run a parallel region, and while two pools live their
+        workers stop spin-waiting between regions; loading on Triton's thread and stepping
+        here made every step's small GEMMs wait on sleeping workers (demo target, batch 1,
+        2 threads: 120 vs 270 tok/s auto-regressive)."""
+        try:
+            self._start_engine(params)
+        except BaseException as e:
+            started.put(e)
+            return
+        started.put(None)
+        self._engine_loop()
 
     def _engine_loop(self) -> None:
         """Step while there is work; never dies silently: whatever ends it fails the

@@ -17,7 +17,7 @@ from build.engine import build_engine
 from runtime.config import RuntimeConfig
 from runtime.engine_dir import BuildConfig
 from runtime.kv_budget import KVBudget
-from runtime.llm_engine import LLMEngine
+from runtime.llm_engine import OTHER_THREAD, LLMEngine
 from runtime.loaded_engine import LoadedEngine
 from runtime.request import RequestEvent
 from runtime.sampling import SamplingParams
@@ -220,3 +220,20 @@ def test_requests_added_from_another_thread_while_stepping(
     stepper.join(timeout=10)
     assert streamed == solo_outputs
     assert llm.blocks.num_used == 0
+
+
+def test_stepping_off_the_thread_that_built_the_engine_is_warned_about_once(
+    engine: LoadedEngine, prompts: list[list[int]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """OpenMP's per-thread worker pools make an engine stepped off the thread that built it
+    ~2x slower on a CPU (`OTHER_THREAD`); the server builds and steps on its engine thread,
+    and anyone who does not hears why, once."""
+    llm = LLMEngine(engine, RuntimeConfig())
+    params = SamplingParams(max_tokens=4)
+    with caplog.at_level("WARNING", logger="runtime.llm_engine"):
+        llm.generate([prompts[0]], [params], "ar")
+        assert OTHER_THREAD not in caplog.text
+        worker = threading.Thread(target=lambda: llm.generate([prompts[0]] * 2, [params] * 2, "ar"))
+        worker.start()
+        worker.join()
+    assert caplog.text.count(OTHER_THREAD) == 1

@@ -19,10 +19,8 @@ from runtime.config import RuntimeConfig
 from runtime.engine_dir import BuildConfig
 from runtime.kv_budget import KVBudget
 from runtime.runtime_args import runtime_from_parameters
-from triton_repo import serving_model
 from triton_repo.repository import INFER_SOURCE, MODEL_SOURCE, PROJECT_ROOT, ServingConfig, main, write_repository
 from triton_repo.server import backend_directory, find_tritonserver
-from triton_repo.serving_model import serving_threads
 
 T = mc.DataType
 INPUTS = {
@@ -246,14 +244,3 @@ def test_parameter_keys_are_unique(engine_dir: Path, tmp_path: Path) -> None:
     text = (write_repository(ServingConfig(engine_dir), tmp_path / "repo") / "config.pbtxt").read_text()
     keys = re.findall(r'parameters \{ key: "([^"]+)"', text)
     assert len(keys) == len(set(keys)), sorted(k for k in keys if keys.count(k) > 1)
-
-
-def test_the_served_engine_leaves_a_core_to_triton(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`torch_threads` 0 on a CPU: every core but one (Triton's threads need it), at least one;
-    a number given is kept; on a GPU torch's default (0: left alone)."""
-    monkeypatch.setattr(serving_model.os, "cpu_count", lambda: 2)
-    assert serving_threads(0, "cpu") == 1
-    monkeypatch.setattr(serving_model.os, "cpu_count", lambda: 16)
-    assert serving_threads(0, "cpu") == 15 and serving_threads(4, "cpu") == 4
-    monkeypatch.setattr(serving_model.os, "cpu_count", lambda: 1)
-    assert serving_threads(0, "cpu") == 1 and serving_threads(0, "cuda") == 0
