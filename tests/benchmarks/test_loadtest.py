@@ -131,5 +131,4 @@ def test_triton_overhead_report_times_the_same_requests_both_ways(server: Triton
     for r in rows:
         assert r["tokens"] == [12, 12]
         assert r["ratio"] > 0 and r["mean_response_gap_ms"] > 0 and r["mean_first_response_ms"] > 0
-        assert r["same_threads_tokens_per_s"] > 0 and r["same_threads_ratio"] > 0
     assert "python -m benchmarks.triton_overhead --engine" in out.with_suffix(".md").read_text()
