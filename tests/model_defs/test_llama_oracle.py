@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from model_defs.llama import LlamaForCausalLM
+from model_defs.llama import LlamaForCausalLM, RMSNorm
 from model_defs.rope import RopeConfig
 from tests.paged import Chunk, PagedModel
 
@@ -135,3 +135,21 @@ def test_logits_indices_select_positions(tmp_path: Path) -> None:
 def test_unsupported_rope_type_is_refused() -> None:
     with pytest.raises(ValueError, match="dynamic"):
         RopeConfig.from_hf({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, head_dim=8)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 384), (1, 6, 384), (3, 17, 256), (1, 256, 384)])
+def test_fp32_rms_norm_is_bitwise_transformers_formula(shape: tuple[int, ...]) -> None:
+    """An fp32 RMSNorm takes `F.rms_norm` (one op instead of five); on the CPU its output is
+    bitwise `LlamaRMSNorm`'s formula, so the fast path changes no logit. A bf16 input keeps
+    the formula itself (transformers multiplies by the weight after the cast)."""
+    torch.manual_seed(0)
+    norm = RMSNorm(shape[-1], 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(shape[-1]))
+    reference = transformers.models.llama.modeling_llama.LlamaRMSNorm(shape[-1], 1e-5)
+    reference.load_state_dict(norm.state_dict())
+    x = torch.randn(shape) * 3
+    with torch.no_grad():
+        assert torch.equal(norm(x), reference(x))
+        norm.to(torch.bfloat16), reference.to(torch.bfloat16)
+        assert torch.equal(norm(x.bfloat16()), reference(x.bfloat16()))
