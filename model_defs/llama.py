@@ -220,7 +220,7 @@ class RMSNorm(nn.Module):
     """Root-mean-square norm, computed in fp32 and cast back (as transformers does); in
     batch-invariant mode `bi_rms_norm` (fp64). An fp32 input takes `F.rms_norm`, one op
     for the five of the formula (~3.5 us less a call on the CPU, 13 calls a demo target
-    forward), bitwise the same on the CPU (`tests/models/test_llama.py`)."""
+    forward), bitwise the same on the CPU (`tests/model_defs/test_llama_oracle.py`)."""
 
     batch_invariant = False
     """Set per instance by `LlamaForCausalLM.set_batch_invariant`."""
