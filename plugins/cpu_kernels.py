@@ -31,7 +31,12 @@ import torch
 
 SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("tree_attention_cpu.cpp", "rope_kv_write_cpu.cpp", "gumbel_top_k_cpu.cpp")
+    for name in (
+        "tree_attention_cpu.cpp",
+        "rope_kv_write_cpu.cpp",
+        "gumbel_top_k_cpu.cpp",
+        "redrafter_one_beam_cpu.cpp",
+    )
 ]
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
 """-fopenmp: `at::parallel_for` runs on the OpenMP runtime torch has loaded (libgomp)."""
