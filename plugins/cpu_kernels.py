@@ -35,7 +35,7 @@ SOURCES = [
         "tree_attention_cpu.cpp",
         "rope_kv_write_cpu.cpp",
         "gumbel_top_k_cpu.cpp",
-        "redrafter_one_beam_cpu.cpp",
+        "redrafter_beam_search_cpu.cpp",
     )
 ]
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]

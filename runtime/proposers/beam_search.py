@@ -21,7 +21,8 @@ K-th logit, which the warp keeps, are left out of the normaliser). With one beam
 load-aware speculation picks most at batch 1) the best extension is the support's top
 token: no ranking of extensions, no parents, no state gather, bitwise the general path's
 result (a W=1, L=5 search 2.04 -> 1.76 ms on the CPU). On int8 drafter weights on the CPU
-that loop is one C++ call (`plugins/redrafter_one_beam.py`: 1.76 -> 0.69 ms).
+the support-only search is one C++ call (`plugins/redrafter_beam_search.py`: W=1 1.76 ->
+~0.9 ms).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 from torch import nn
 
 from model_defs.redrafter import WARP_TOP_K, ReDrafter
-from plugins.redrafter_one_beam import one_beam_search
+from plugins.redrafter_beam_search import int8_beam_search
 
 
 class BeamSearchResult(NamedTuple):
@@ -83,10 +84,10 @@ def beam_search(
     k = min(WARP_TOP_K, v)
     support_only = not with_dists and w <= k
 
-    one_beam = support_only and w == 1
-    if one_beam and (fast := one_beam_search(drafter, embed, h_target, bonus, length)) is not None:
-        beams = torch.cat([bonus[:, None, None], fast[0]], dim=-1)  # the C++ op: the loop below in one call
+    if support_only and (fast := int8_beam_search(drafter, embed, h_target, bonus, w, length)) is not None:
+        beams = torch.cat([bonus[:, None, None].expand(b, w, 1), fast[0]], dim=-1)  # the loop below, in C++
         return BeamSearchResult(beams, fast[1], None, fast[2])
+    one_beam = support_only and w == 1
     for _ in range(length):
         state = drafter.step(state, embed(tokens))  # [B, W, D]
         if one_beam:  # the best extension of the one beam is its support's top token (sorted)

@@ -1,0 +1,64 @@
+"""`specpipe_cpu::redrafter_beam_search`: ReDrafter's beam search (arXiv 2403.09919 §3.2)
+over the warp's support, on a drafter whose linears run on fbgemm int8 copies (the CPU
+default, `BuildConfig.drafter_layers` / `drafter_head`), in one C++ call
+(`plugins/csrc/redrafter_beam_search_cpu.cpp`). Its reference is the Python search itself
+(`runtime.proposers.beam_search.beam_search` with `with_dists=False`, what greedy
+verification drafts with): the same ATen ops in the same order, so the same beams,
+log-probs and scores bit for bit (tests/plugins/test_redrafter_beam_search.py). What it
+saves is the Python between ~20-30 small ops a level: five levels of one beam 1.70 -> 0.9
+ms on the 2-core CPU (one beam is what load-aware speculation drafts most at batch 1).
+
+It applies to Apple's recurrent configuration (`rnn`, an input projection, residual blocks
+with biases, a head without); `int8_beam_search` returns None for anything else (another
+configuration, fp32 or bf16 linears, a GPU, autograd on, kernels off), and the Python
+search runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from model_defs.llama import Linear
+from model_defs.redrafter import WARP_TOP_K, ReDrafter
+from plugins import cpu_kernels
+
+
+def _fake(h: Tensor, embed: Tensor, bonus: Tensor, width: int, length: int, *rest: object) -> tuple[Tensor, ...]:
+    b = h.shape[0]
+    return h.new_empty((b, width, length), dtype=torch.long), h.new_empty((b, width, length)), h.new_empty((b, width))
+
+
+def _int8(linear: nn.Module | None, bias: bool) -> object | None:
+    """The int8 copy of `linear` if it is a `Linear` with one and has a bias exactly when `bias`."""
+    if not isinstance(linear, Linear) or linear.int8 is None or (linear.bias is not None) != bias:
+        return None
+    return linear.int8
+
+
+def int8_beam_search(
+    drafter: ReDrafter, embed: nn.Embedding, h_target: Tensor, bonus: Tensor, width: int, length: int
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """(drafted tokens `[B, W, L]`, their log-probs `[B, W, L]`, scores `[B, W]`, best first) of
+    the search over the warp's support, or None where the op does not apply (module docstring)."""
+    cfg = drafter.config
+    if h_target.device.type != "cpu" or h_target.dtype != torch.float32 or embed.weight.dtype != torch.float32:
+        return None
+    k = min(WARP_TOP_K, cfg.vocab_size)
+    if not cfg.rnn or drafter.input_proj is None or torch.is_grad_enabled() or width > k:
+        return None
+    blocks: list[Any] = [getattr(block, "linear", None) for block in list(drafter.lm_head)[:-1]]  # ResBlocks
+    weights = [
+        _int8(drafter.rnn_w, False), _int8(drafter.rnn_u, True), _int8(drafter.input_proj, True),
+        *(_int8(linear, True) for linear in blocks), _int8(drafter.lm_head[-1], False),
+    ]  # fmt: skip
+    if any(w is None for w in weights) or not cpu_kernels.load_with_fake("redrafter_beam_search", _fake):
+        return None
+    rnn_w, rnn_u, proj, *res, head = weights
+    return torch.ops.specpipe_cpu.redrafter_beam_search(
+        h_target.contiguous(), embed.weight, bonus, width, length, k,
+        rnn_w, rnn_u, drafter.rnn_u.bias, proj, drafter.input_proj.bias,
+        res, [linear.bias for linear in blocks], head,
+    )  # fmt: skip
