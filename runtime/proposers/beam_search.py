@@ -74,6 +74,12 @@ def beam_search(
         raise ValueError(f"width and length must be >= 1, got width={width} length={length}")
 
     b, w, v = h_target.shape[0], width, cfg.vocab_size
+    k = min(WARP_TOP_K, v)
+    support_only = not with_dists and w <= k
+    if support_only and (fast := int8_beam_search(drafter, embed, h_target, bonus, w, length)) is not None:
+        beams = torch.cat([bonus[:, None, None].expand(b, w, 1), fast[0]], dim=-1)  # the loop below, in C++
+        return BeamSearchResult(beams, fast[1], None, fast[2])
+
     device = h_target.device
     context = h_target[:, None, :].expand(b, w, -1)  # [B, W, D]
     state = drafter.init_state((b, w))  # [B, W, D]
@@ -81,12 +87,6 @@ def beam_search(
     scores = torch.full((b, w), float("-inf"), device=device)  # [B, W]
     scores[:, 0] = 0.0  # only beam 0 is live before step 1 (Apple's LOG_1 / LOG_0 init)
     step_tokens, step_parents, step_lps = [], [], []
-    k = min(WARP_TOP_K, v)
-    support_only = not with_dists and w <= k
-
-    if support_only and (fast := int8_beam_search(drafter, embed, h_target, bonus, w, length)) is not None:
-        beams = torch.cat([bonus[:, None, None].expand(b, w, 1), fast[0]], dim=-1)  # the loop below, in C++
-        return BeamSearchResult(beams, fast[1], None, fast[2])
     one_beam = support_only and w == 1
     for _ in range(length):
         state = drafter.step(state, embed(tokens))  # [B, W, D]
