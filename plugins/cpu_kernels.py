@@ -36,6 +36,7 @@ SOURCES = [
         "rope_kv_write_cpu.cpp",
         "gumbel_top_k_cpu.cpp",
         "redrafter_beam_search_cpu.cpp",
+        "draft_lm_forward_cpu.cpp",
     )
 ]
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]

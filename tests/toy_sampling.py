@@ -36,7 +36,9 @@ def toy_engine(
     Llama) or a "lyanna" drafter (random, token info over every token), all confident and
     often wrong, so acceptance rules are exercised hard. Weights are drawn on the CPU (the
     same on every device), then moved to `device`. `int8`: the draft LM runs on int8
-    copies of its weights, as built engines' drafters do on the CPU (`drafter_layers`)."""
+    copies of its weights, as built engines' drafters do on the CPU (`drafter_layers`), with
+    heads of 32 so that its forward is the one C++ call built engines make
+    (`plugins/draft_lm_forward.py`)."""
     target = tiny_target(seed=7, vocab_size=V, device=device)
     build = BuildConfig(max_batch_size=TRIALS, max_input_len=8, max_seq_len=16)
     torch.manual_seed(11)
@@ -59,7 +61,7 @@ def toy_engine(
         config = EngineConfig(ARCHITECTURE, target.config.to_hf(), build, drafter=spec)
         table = lyanna.hot_table(target.model.embed_tokens, torch.float32)
         return LoadedEngine(config, target, Tokenizer(models.BPE()), lyanna_drafter=lyanna, token_table=table)
-    draft = tiny_target(seed=5, vocab_size=V, device=device)
+    draft = tiny_target(seed=5, vocab_size=V, device=device, head_dim=32 if int8 else 8)
     if int8 and not quantize_linears_int8(draft):
         raise RuntimeError("int8 drafter layers need fp32 on the CPU and a torch with fbgemm")
     spec = DrafterSpec("draft-lm", draft.config.to_hf(), settings)

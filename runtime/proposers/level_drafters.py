@@ -11,6 +11,8 @@
   one level of every tree in one forward, each node attending to the context and its own
   ancestors. The proposer applies the target's accepted-path compaction to this cache too,
   and keeps in `Request.draft_state` how many of the request's tokens the cache holds.
+  A forward is one C++ call where the draft LM runs on int8 copies on the CPU
+  (`plugins/draft_lm_forward.py`), else the model's own forward.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch import nn
 from model_defs.llama import LlamaForCausalLM
 from model_defs.paged_kv_cache import PagedBatch, PagedKVCache
 from model_defs.redrafter import ReDrafter
+from plugins.draft_lm_forward import Int8DraftLM
 from runtime.attention_batch import Segment
 from runtime.block_manager import BlockManager
 from runtime.request import Request
@@ -51,9 +54,14 @@ class RNNLevels:
 
 class DraftLMLevels:
     def __init__(
-        self, model: LlamaForCausalLM, cache: PagedKVCache, blocks: BlockManager, requests: list[Request]
+        self,
+        model: LlamaForCausalLM,
+        cache: PagedKVCache,
+        blocks: BlockManager,
+        requests: list[Request],
+        fused: Int8DraftLM | None = None,
     ) -> None:
-        self.model, self.cache, self.blocks, self.requests = model, cache, blocks, requests
+        self.model, self.cache, self.blocks, self.requests, self.fused = model, cache, blocks, requests, fused
         self.device = model.lm_head.weight.device
         self.depths: list[list[int]] = [[0] for _ in requests]
         self.ancestors: list[list[int]] = [[1] for _ in requests]
@@ -73,6 +81,12 @@ class DraftLMLevels:
             self.device,
             self.blocks.block_size,
         ).to(self.device)
+        if self.fused is not None:  # the whole forward in one C++ call (`plugins/draft_lm_forward.py`)
+            logits = self.fused(
+                step.tokens, step.positions, step.slots, step.attention, step.logits_indices, self.cache
+            )
+            if logits is not None:
+                return logits
         paged = PagedBatch(self.cache, step.slots, step.attention)
         out = self.model(step.tokens[None], step.positions[None], paged, logits_indices=step.logits_indices[None])
         return out.logits[0]

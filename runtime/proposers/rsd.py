@@ -38,6 +38,7 @@ from typing import Any, Protocol
 import torch
 
 from model_defs.paged_kv_cache import PagedKVCache
+from plugins.draft_lm_forward import Int8DraftLM
 from runtime.block_manager import BlockManager
 from runtime.gumbel import draw_one, gumbel_top_k_rows, top_k_valid_rows, truncated_gumbel
 from runtime.loaded_engine import LoadedEngine
@@ -446,6 +447,8 @@ class LevelTreeProposer(Proposer):
         self.draft_cache: PagedKVCache | None = (
             draft.new_kv_cache(blocks.num_blocks, blocks.block_size) if draft is not None else None
         )
+        self.fused = Int8DraftLM.of(draft) if draft is not None else None
+        """The draft LM's forward as one C++ call, where it applies (`plugins/draft_lm_forward.py`)."""
 
     def setting_names(self, method: str) -> Collection[str]:
         return SETTINGS[method]
@@ -521,7 +524,7 @@ class LevelTreeProposer(Proposer):
             drafter: RNNLevels | DraftLMLevels
             if self.draft_cache is not None:
                 assert self.engine.draft_model is not None
-                drafter = DraftLMLevels(self.engine.draft_model, self.draft_cache, self.blocks, group)
+                drafter = DraftLMLevels(self.engine.draft_model, self.draft_cache, self.blocks, group, self.fused)
             else:
                 assert self.engine.redrafter is not None
                 embed = self.engine.model.model.embed_tokens

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from plugins.cpu_linear import int8_available
+from plugins.draft_lm_forward import Int8DraftLM
 from runtime import verify
 from runtime.sampling import SamplingParams
 from tests import toy_sampling
@@ -41,8 +42,10 @@ def test_rsd_follows_target_distribution(method: str, drafter: str) -> None:
 def test_rsd_with_an_int8_draft_lm_follows_target_distribution() -> None:
     """Built engines run their drafter's linears in int8 (`BuildConfig.drafter_layers`):
     the draft law verification divides by is then the int8 drafter's own, and the output
-    is still the target's law."""
+    is still the target's law. Its forward is the one C++ call (`plugins/draft_lm_forward.py`),
+    whose logits are the law drafts are drawn from and divided by."""
     engine = toy_sampling.toy_engine("draft-lm", SETTINGS, int8=True)
+    assert engine.draft_model is not None and Int8DraftLM.of(engine.draft_model) is not None
     counts = toy_sampling.emitted_first_three(engine, PARAMS, "rsd-s")
     law = toy_sampling.exact_first_three(engine.model, PARAMS)
     assert passes_chi_square(counts, law), chi_square(counts, law)

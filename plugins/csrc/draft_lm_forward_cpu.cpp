@@ -1,0 +1,175 @@
+// specpipe_cpu::draft_lm_forward: a draft LM's (Llama, int8 linears) forward over the paged
+// KV cache in one call; plugins/draft_lm_forward.py has the contract, and the model's own
+// forward (`LlamaForCausalLM.forward` with a `PagedBatch`) is its reference
+// (tests/plugins/test_draft_lm_forward.py: the same logits and cache to fp32 rounding).
+//
+// Per layer (Touvron et al. 2023, "LLaMA", §2: pre-norm, SwiGLU, RoPE):
+//   a = RMSNorm(x);  q, k, v = a W_qkv         RoPE on q, k; K/V to their slots (rope_kv_write)
+//   x = x + Attn(q, K, V) W_o                  over the paged cache (tree_attention)
+//   x = x + (SiLU(a' W_gate) * a' W_up) W_down, a' = RMSNorm(x)
+// logits = RMSNorm(x)[logits rows] W_head.
+// The products are fbgemm's int8 ones (`plugins.cpu_linear.int8_linear`) and attention and
+// RoPE the project's own kernels, so what this saves is the Python and the decomposed ATen ops
+// between them (~45 small ops a forward of the demo draft LM; its RMSNorm alone is six ATen
+// ops, ~30 us a call): the norms, SiLU-times-up, residual adds and RoPE tables are plain
+// loops here. Only proposals depend on it: a drafter's logits may differ from the reference's
+// in the last bits (another summation order), never verification's.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/native/quantized/PackedParams.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using Packed = c10::intrusive_ptr<LinearPackedParamsBase>;
+
+// `plugins.cpu_linear.int8_linear` without a bias: 7-bit activations (reduce_range).
+at::Tensor int8_linear(const Packed& w, const at::Tensor& x) { return w->apply_dynamic(x, /*reduce_range=*/true); }
+
+// y = x / sqrt(mean(x^2) + eps) * w, row by row: x [N, E] dense.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  const int64_t N = x.size(0), E = x.size(1);
+  at::Tensor y = at::empty({N, E}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t n = 0; n < N; ++n) {
+    const float* xr = xp + n * E;
+    float* yr = yp + n * E;
+    float squares = 0.0f;
+    for (int64_t i = 0; i < E; ++i) squares += xr[i] * xr[i];
+    const float r = 1.0f / std::sqrt(squares / static_cast<float>(E) + static_cast<float>(eps));
+    for (int64_t i = 0; i < E; ++i) yr[i] = xr[i] * r * wp[i];
+  }
+  return y;
+}
+
+// x += y, both [N, E] dense.
+void add_into(at::Tensor& x, const at::Tensor& y) {
+  float* xp = x.data_ptr<float>();
+  const float* yp = y.data_ptr<float>();
+  for (int64_t i = 0, n = x.numel(); i < n; ++i) xp[i] += yp[i];
+}
+
+// SwiGLU's inner activation: gate_up [N, 2I] (gate columns, then up) -> SiLU(gate) * up [N, I].
+at::Tensor silu_times_up(const at::Tensor& gate_up) {
+  const int64_t N = gate_up.size(0), I = gate_up.size(1) / 2;
+  at::Tensor h = at::empty({N, I}, gate_up.options());
+  const float* g = gate_up.data_ptr<float>();
+  float* hp = h.data_ptr<float>();
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t i = 0; i < I; ++i) {
+      const float gate = g[n * 2 * I + i];
+      hp[n * I + i] = gate / (1.0f + std::exp(-gate)) * g[n * 2 * I + I + i];
+    }
+  return h;
+}
+
+// RoPE tables [N, D] of `positions` [N] (`model_defs.rope.RotaryEmbedding.forward`): angle
+// p * inv_freq_i for i < D/2, repeated over the second half, times the variant's scale.
+std::pair<at::Tensor, at::Tensor> rope_tables(const at::Tensor& positions, const at::Tensor& inv_freq, double scale) {
+  const int64_t N = positions.size(0), half = inv_freq.size(0), D = 2 * half;
+  at::Tensor cos = at::empty({N, D}, inv_freq.options());
+  at::Tensor sin = at::empty({N, D}, inv_freq.options());
+  const int64_t* p = positions.data_ptr<int64_t>();
+  const float* f = inv_freq.data_ptr<float>();
+  float* cp = cos.data_ptr<float>();
+  float* sp = sin.data_ptr<float>();
+  const float s = static_cast<float>(scale);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t i = 0; i < half; ++i) {
+      const float angle = static_cast<float>(p[n]) * f[i];
+      cp[n * D + i] = cp[n * D + half + i] = std::cos(angle) * s;
+      sp[n * D + i] = sp[n * D + half + i] = std::sin(angle) * s;
+    }
+  return {cos, sin};
+}
+
+const auto& rope_kv_write_op() {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("specpipe_cpu::rope_kv_write", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
+                            const at::Tensor&, int64_t)>();
+  return op;
+}
+
+const auto& tree_attention_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("specpipe_cpu::tree_attention", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                               const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+  return op;
+}
+
+at::Tensor draft_lm_forward(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& slots,
+                            at::TensorList query_index, at::TensorList key_slots,
+                            at::TensorList mask, at::TensorList valid,
+                            at::TensorList rows, const at::Tensor& logits_indices,
+                            const at::Tensor& embed, const at::Tensor& inv_freq, double rope_scale,
+                            at::TensorList norms, const c10::List<Packed>& qkv,
+                            const c10::List<Packed>& o, const c10::List<Packed>& gate_up,
+                            const c10::List<Packed>& down, at::TensorList k_cache,
+                            at::TensorList v_cache, const at::Tensor& final_norm, const Packed& head,
+                            int64_t num_heads, double eps) {
+  const int64_t L = static_cast<int64_t>(qkv.size()), N = tokens.size(0), G = static_cast<int64_t>(rows.size());
+  TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong && positions.sizes() == tokens.sizes() &&
+                  positions.scalar_type() == at::kLong && positions.is_contiguous() && slots.sizes() == tokens.sizes(),
+              "tokens, positions and slots must be [N] int64");
+  TORCH_CHECK(embed.dim() == 2 && embed.scalar_type() == at::kFloat && embed.is_contiguous(),
+              "embed must be a dense [V, E] float32 table");
+  TORCH_CHECK(o.size() == L && gate_up.size() == L && down.size() == L && static_cast<int64_t>(norms.size()) == 2 * L &&
+                  static_cast<int64_t>(k_cache.size()) == L && static_cast<int64_t>(v_cache.size()) == L,
+              "per layer: qkv, o, gate_up, down, two norms, a K and a V cache");
+  TORCH_CHECK(static_cast<int64_t>(query_index.size()) == G && static_cast<int64_t>(key_slots.size()) == G &&
+                  static_cast<int64_t>(mask.size()) == G && static_cast<int64_t>(valid.size()) == G && G >= 1,
+              "one query_index, key_slots, mask, valid and rows per attention group");
+  TORCH_CHECK(inv_freq.dim() == 1 && inv_freq.scalar_type() == at::kFloat && inv_freq.is_contiguous(),
+              "inv_freq must be [D/2] float32");
+  const int64_t H = num_heads, D = k_cache[0].size(2), E = embed.size(1);
+  TORCH_CHECK(2 * inv_freq.size(0) == D, "inv_freq has ", inv_freq.size(0), " entries for head_dim ", D);
+  auto [cos, sin] = rope_tables(positions, inv_freq, rope_scale);
+  at::Tensor x = at::index_select(embed, 0, tokens);  // [N, E]
+  const bool whole = G == 1 && query_index[0].numel() == N && rows[0].size(0) == N;  // one group, rows in order
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor a = int8_linear(qkv.get(l), rms_norm(x, norms[2 * l], eps));  // [N, (H + 2 H_kv) D]
+    at::Tensor k = k_cache[l], v = v_cache[l];
+    const at::Tensor q = rope_kv_write_op().call(a, cos, sin, k, v, slots, H);  // [N, H, D]
+    at::Tensor attended;
+    if (whole) {
+      attended = tree_attention_op().call(q, k, v, query_index[0], key_slots[0], mask[0]);
+    } else {
+      attended = at::empty({N, H, D}, q.options());
+      for (int64_t g = 0; g < G; ++g) {
+        const at::Tensor part =
+            tree_attention_op().call(q, k, v, query_index[g], key_slots[g], mask[g]);
+        attended.index_copy_(0, rows[g], part.reshape({-1, H, D}).index({valid[g].reshape({-1})}));
+      }
+    }
+    add_into(x, int8_linear(o.get(l), attended.reshape({N, H * D})));
+    add_into(x, int8_linear(down.get(l), silu_times_up(int8_linear(gate_up.get(l), rms_norm(x, norms[2 * l + 1], eps)))));
+  }
+  TORCH_CHECK(x.size(1) == E, "layers changed the model width");
+  return int8_linear(head, rms_norm(at::index_select(x, 0, logits_indices), final_norm, eps));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specpipe_cpu, m) {
+  m.def(
+      "draft_lm_forward(Tensor tokens, Tensor positions, Tensor slots, Tensor[] query_index, Tensor[] key_slots, "
+      "Tensor[] mask, Tensor[] valid, Tensor[] rows, Tensor logits_indices, Tensor embed, Tensor inv_freq, "
+      "float rope_scale, Tensor[] norms, "
+      "__torch__.torch.classes.quantized.LinearPackedParamsBase[] qkv, "
+      "__torch__.torch.classes.quantized.LinearPackedParamsBase[] o, "
+      "__torch__.torch.classes.quantized.LinearPackedParamsBase[] gate_up, "
+      "__torch__.torch.classes.quantized.LinearPackedParamsBase[] down, Tensor(a!)[] k_cache, Tensor(b!)[] v_cache, "
+      "Tensor final_norm, __torch__.torch.classes.quantized.LinearPackedParamsBase head, int num_heads, float eps) "
+      "-> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specpipe_cpu, CPU, m) { m.impl("draft_lm_forward", &draft_lm_forward); }

@@ -1,0 +1,115 @@
+"""`specpipe_cpu::draft_lm_forward`: a draft LM's whole forward over the paged KV cache in one
+C++ call (`plugins/csrc/draft_lm_forward_cpu.cpp`), for a Llama drafter whose linears run
+on fbgemm int8 copies (`model_defs.llama.quantize_linears_int8`: the CPU default for draft
+LMs). Its reference is the model's own forward (`LlamaForCausalLM.forward` with a
+`PagedBatch`): the same int8 products, RoPE/K-V writes (`specpipe_cpu::rope_kv_write`) and
+attention (`specpipe_cpu::tree_attention`), with RMSNorm, SiLU-times-up, the residual adds
+and the RoPE tables as plain loops in between; logits and cache agree to fp32 rounding
+(tests/plugins/test_draft_lm_forward.py).
+
+What it saves is the Python and the small decomposed ops between the products (~45 a forward
+of the demo draft LM, its RMSNorm alone six ATen ops of ~5 us): a level of the demo draft
+LM at batch 1 ~0.84 -> ~0.3 ms on the 2-core CPU, and an SD / RSD step drafts 3-5 levels.
+Drafting is only proposals: the emitted tokens never depend on the drafter's rounding
+(verification is the target's), so the loops need not be the reference's bits.
+
+`Int8DraftLM.of(model)` is None where the op does not apply (not fp32 on the CPU, a linear
+without an int8 copy, biases, tensor parallelism, a head size the attention kernel is not
+built for, kernels off); `__call__` is None for a step it does not take (the row form of
+attention metadata, a prefill chunk longer than the attention kernel's `KERNEL_MAX_T`), and
+the caller runs the model's forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from model_defs.llama import DecoderLayer, Linear, LinearStack, LlamaForCausalLM
+from model_defs.paged_kv_cache import Attention, AttentionGroup, PagedKVCache
+from model_defs.rope import RotaryEmbedding
+from plugins import cpu_kernels
+from plugins.tree_attention import KERNEL_MAX_T
+
+
+def _fake(tokens: Tensor, positions: Tensor, slots: Tensor, *rest: Any) -> Tensor:
+    logits_indices, embed = rest[5], rest[6]
+    return embed.new_empty((logits_indices.shape[0], embed.shape[0]))
+
+
+def _int8(linear: Linear | LinearStack | None) -> Any | None:
+    """The int8 copy of a bias-free `Linear` or int8 `LinearStack`, else None."""
+    if isinstance(linear, LinearStack):
+        return linear.packed if linear.int8 and linear.bias is None else None
+    if isinstance(linear, Linear) and linear.bias is None:
+        return linear.int8
+    return None
+
+
+@dataclass(frozen=True)
+class Int8DraftLM:
+    """The op's arguments that do not change from step to step: one draft LM's weights."""
+
+    model: LlamaForCausalLM
+    inv_freq: Tensor  # [head_dim // 2]
+    rope_scale: float
+    norms: list[Tensor]  # per layer: input, post-attention RMSNorm weights [E]
+    qkv: list[Any]  # per layer: int8 stacked q/k/v, gate/up; o, down
+    o: list[Any]
+    gate_up: list[Any]
+    down: list[Any]
+    head: Any
+
+    @classmethod
+    def of(cls, model: LlamaForCausalLM) -> Int8DraftLM | None:
+        """The op's view of `model`, or None where the op does not apply (module docstring)."""
+        w, rope = model.lm_head.weight, model.model.rotary_emb
+        if w.device.type != "cpu" or w.dtype != torch.float32 or model.tp_size != 1:
+            return None
+        if model.config.head_dim not in (32, 64, 128) or not isinstance(rope, RotaryEmbedding):
+            return None
+        layers = [layer for layer in model.model.layers if isinstance(layer, DecoderLayer)]
+        qkv = [_int8(layer.self_attn.qkv_stack) for layer in layers]
+        o = [_int8(layer.self_attn.o_proj) for layer in layers]
+        gate_up = [_int8(layer.mlp.gate_up_stack) for layer in layers]
+        down = [_int8(layer.mlp.down_proj) for layer in layers]
+        head = _int8(model.lm_head)
+        if head is None or any(p is None for p in (*qkv, *o, *gate_up, *down)):
+            return None
+        if not cpu_kernels.load_with_fake("draft_lm_forward", _fake):
+            return None
+        norms = [n.weight.detach() for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        return cls(model, rope.inv_freq.float().contiguous(), rope.scale, norms, qkv, o, gate_up, down, head)
+
+    def __call__(
+        self,
+        tokens: Tensor,  # [N] int64
+        positions: Tensor,  # [N] int64
+        slots: Tensor,  # [N] int64 cache slot each token's K/V is written to
+        attention: Attention,
+        logits_indices: Tensor,  # [K] int64
+        cache: PagedKVCache,
+    ) -> Tensor | None:  # [K, V]
+        """Logits at `logits_indices`, the K/V of the tokens written to `cache`: what
+        `LlamaForCausalLM.forward` with `PagedBatch(cache, slots, attention)` returns (its
+        logits rows), or None for a step the op does not take (module docstring)."""
+        groups = attention
+        if not isinstance(groups, list) or self.model.batch_invariant or torch.is_grad_enabled():
+            return None
+        if any(g.query_index.shape[1] > KERNEL_MAX_T for g in groups):
+            return None
+        model = self.model
+        return torch.ops.specpipe_cpu.draft_lm_forward(
+            tokens, positions, slots, *_columns(groups), logits_indices,
+            model.model.embed_tokens.weight, self.inv_freq, self.rope_scale, self.norms,
+            self.qkv, self.o, self.gate_up, self.down, cache.k, cache.v,
+            model.model.norm.weight, self.head, model.config.num_attention_heads, model.config.rms_norm_eps,
+        )  # fmt: skip
+
+
+def _columns(groups: list[AttentionGroup]) -> tuple[list[Tensor], ...]:
+    """query_index, key_slots, mask, valid and rows of every group: the op's five lists."""
+    return tuple(list(column) for column in zip(*groups, strict=True))

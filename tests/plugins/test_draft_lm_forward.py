@@ -1,0 +1,168 @@
+"""`specpipe_cpu::draft_lm_forward` (`plugins/draft_lm_forward.py`) against its reference, the
+model's own paged forward (`LlamaForCausalLM.forward` with a `PagedBatch`), on an int8 draft
+LM: the same logits and the same K/V written, to rounding, for decode tokens, a draft-tree
+level over cached tree nodes, and batches whose requests fall into several attention groups;
+a variant that feeds the norms in the wrong order fails; and it stands aside (None: the
+model's forward runs) wherever it does not apply."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from model_defs.llama import LlamaConfig, LlamaForCausalLM, quantize_linears_int8
+from model_defs.paged_kv_cache import PagedBatch, PagedKVCache
+from plugins import cpu_kernels
+from plugins.draft_lm_forward import Int8DraftLM
+from plugins.tree_attention import KERNEL_MAX_T
+from runtime.attention_batch import Segment, build_rows
+from runtime.model_runner import StepInput
+from runtime.step_batch import step_input
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ CPU kernels are not built")
+
+VOCAB, SPAN = 211, 80
+"""Vocabulary; cache slots per request (request r owns slots r * SPAN ...)."""
+TOLERANCE = 2e-3
+"""Largest |logit difference| allowed, on logits of spread ~1: the products quantize their
+activations per call (fbgemm's dynamic int8), so a last-bit difference in a norm (the op's
+loops sum in another order than ATen) can move one activation across a rounding step of the
+int8 grid; such a flip moves a logit by ~1e-4 here. Wrong arithmetic moves them by ~1."""
+
+
+def draft_lm(int8: bool = True, bias: bool = False, head_dim: int = 32) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=head_dim, rms_norm_eps=1e-5, tie_word_embeddings=True, attention_bias=bias,
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # logits spread ~1, norms away from 1
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) / p.shape[-1] ** 0.5)
+    if int8:
+        quantize_linears_int8(model)
+    return model
+
+
+def slots(request: int, length: int) -> torch.Tensor:
+    return torch.arange(request * SPAN, request * SPAN + length)
+
+
+@torch.inference_mode()
+def prefilled(model: LlamaForCausalLM, contexts: list[int]) -> tuple[PagedKVCache, list[list[int]]]:
+    """A cache holding each request's context (by the model's own forward), and the tokens."""
+    cfg = model.config
+    cache = PagedKVCache(cfg.num_hidden_layers, len(contexts) * SPAN // 4, 4, cfg.num_key_value_heads, cfg.head_dim)
+    tokens = [torch.randint(0, VOCAB, (c,)).tolist() for c in contexts]
+    start, segments, flat, positions = 0, [], [], []
+    for r, ids in enumerate(tokens):
+        segments.append(Segment(start, 0, slots(r, len(ids))))
+        flat += ids
+        positions += range(len(ids))
+        start += len(ids)
+    step = step_input(torch.tensor(flat), torch.tensor(positions), segments, torch.tensor([0]), "cpu")
+    model(step.tokens[None], step.positions[None], PagedBatch(cache, step.slots, step.attention))
+    return cache, tokens
+
+
+def level_of(parents: list[int]) -> torch.Tensor:
+    """[n, n] ancestor-or-self mask of a packed tree (the columns: the tree's nodes)."""
+    mask = torch.zeros(len(parents), len(parents), dtype=torch.bool)
+    for node, parent in enumerate(parents):
+        if parent >= 0:
+            mask[node] = mask[parent]
+        mask[node, node] = True
+    return mask
+
+
+def step_for(contexts: list[int], new: list[tuple[int, torch.Tensor | None]]) -> StepInput:
+    """One step: request r, holding contexts[r] cached tokens, adds new[r] = (n tokens, their
+    tree mask over the last mask-width slots, the new ones included; None: causal)."""
+    segments, flat, positions, rows, start = [], [], [], [], 0
+    for r, ((n, mask), c) in enumerate(zip(new, contexts, strict=True)):
+        segments.append(Segment(start, c, slots(r, c + n), mask))
+        flat += torch.randint(0, VOCAB, (n,)).tolist()
+        base = c + n - (n if mask is None else mask.shape[1])  # tokens before the tree (or the chunk)
+        positions += range(c, c + n) if mask is None else [base - 1 + int(m.sum()) for m in mask]
+        rows += range(start, start + n)
+        start += n
+    return step_input(torch.tensor(flat), torch.tensor(positions), segments, torch.tensor(rows), "cpu")
+
+
+@torch.inference_mode()
+def run(fused: Int8DraftLM | LlamaForCausalLM, step: StepInput, cache: PagedKVCache) -> torch.Tensor | None:
+    """Logits of `step` by the op (an `Int8DraftLM`) or the model's paged forward, on `cache`."""
+    if isinstance(fused, Int8DraftLM):
+        return fused(step.tokens, step.positions, step.slots, step.attention, step.logits_indices, cache)
+    paged = PagedBatch(cache, step.slots, step.attention)
+    return fused(step.tokens[None], step.positions[None], paged, logits_indices=step.logits_indices[None]).logits[0]
+
+
+def copy_of(cache: PagedKVCache) -> PagedKVCache:
+    other = PagedKVCache(1, cache.num_blocks, cache.block_size, 1, 1)
+    other.kv = cache.kv.clone()
+    other.k, other.v = list(other.kv[0].unbind(0)), list(other.kv[1].unbind(0))
+    return other
+
+
+TREE = level_of([-1, 0, 0, 1, 2])[3:]
+"""The third level (nodes 3, 4) of a tree whose first two levels (nodes 0-2) are cached."""
+CASES = {
+    "decode, one group": ([9, 14, 5], [(1, None)] * 3),
+    "a prefill chunk and decode tokens: two groups": ([9, 14, 5], [(1, None), (6, None), (1, None)]),
+    "a tree level over cached nodes, beside a decode token": ([15, 7], [(2, TREE), (1, None)]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_op_is_the_models_paged_forward(case: str) -> None:
+    contexts, new = CASES[case]
+    model = draft_lm()
+    fused = Int8DraftLM.of(model)
+    assert fused is not None
+    cache, _ = prefilled(model, contexts)
+    step, reference = step_for(contexts, new), copy_of(cache)
+    got, want = run(fused, step, cache), run(model, step, reference)
+    assert got is not None and want is not None
+    assert got.shape == want.shape == (sum(n for n, _ in new), VOCAB)
+    assert (got - want).abs().max() < TOLERANCE
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    written = cache.kv[:, :, step.slots]
+    assert written.abs().max() > 0.1 and torch.allclose(written, reference.kv[:, :, step.slots], atol=1e-4)
+    assert torch.allclose(cache.kv, reference.kv, atol=1e-4)  # and nothing else moved
+
+
+def test_a_variant_with_the_norms_swapped_fails() -> None:
+    model = draft_lm()
+    fused = Int8DraftLM.of(model)
+    assert fused is not None
+    broken = replace(fused, norms=[fused.norms[i ^ 1] for i in range(len(fused.norms))])  # post-attention first
+    cache, _ = prefilled(model, [9, 4])
+    step = step_for([9, 4], [(1, None), (3, None)])
+    want = run(model, step, copy_of(cache))
+    good, bad = run(fused, step, copy_of(cache)), run(broken, step, copy_of(cache))
+    assert want is not None and good is not None and bad is not None
+    assert (good - want).abs().max() < TOLERANCE < (bad - want).abs().max()
+
+
+def test_it_stands_aside_where_it_does_not_apply() -> None:
+    assert Int8DraftLM.of(draft_lm(int8=False)) is None  # fp32 linears
+    assert Int8DraftLM.of(draft_lm(bias=True)) is None  # biases
+    assert Int8DraftLM.of(draft_lm(head_dim=16)) is None  # a head size the attention kernel is not built for
+    model = draft_lm()
+    fused = Int8DraftLM.of(model)
+    assert fused is not None
+    cache, _ = prefilled(model, [1])
+    longest = step_for([1], [(KERNEL_MAX_T, None)])
+    assert run(fused, longest, cache) is not None
+    chunk = step_for([0], [(SPAN, None)])  # a chunk past KERNEL_MAX_T: the model's forward
+    assert SPAN > KERNEL_MAX_T and run(fused, chunk, cache) is None
+    decode = step_for([1], [(1, None)])
+    row_form = build_rows([Segment(0, 1, slots(0, 2))], 1)  # the GPU's metadata form
+    with torch.inference_mode():
+        assert fused(decode.tokens, decode.positions, decode.slots, row_form, decode.logits_indices, cache) is None
+    model.set_batch_invariant(True)
+    assert run(fused, decode, cache) is None
