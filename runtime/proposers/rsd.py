@@ -190,7 +190,8 @@ def draft_rsd_trees(
 ) -> list[DraftTree]:
     """One tree per request, `spec.length` levels. A level is one drafter call for the
     frontier nodes of every request, then a handful of tensor ops over all of them at
-    once: one warp (`draft_log_probs`), one Gumbel-top-k (`_branch_step`) or beam step
+    once: one warp (`draft_log_probs`; none when every request only ranks, greedy SD / RSD-C:
+    the top-b of the logits are those of their softmax), one Gumbel-top-k (`_branch_step`) or beam step
     (`_beam_step`), and one device-to-host transfer (the drawn parents and tokens). Only
     the uniforms are drawn request by request, each request's from its own generator
     (`gumbel_top_k_rows`, `draw_one`), so a request's tree does not depend on its batch."""
@@ -205,9 +206,14 @@ def draft_rsd_trees(
     logits = drafter.first()  # [B, V]
     scores = torch.zeros(len(roots), dtype=torch.float64, device=logits.device)  # beams: path log-prob per row
     gumbels = torch.zeros_like(scores)  # rsd-s: perturbed value per row
+    sampled = [spec.stochastic and not p.greedy for p in params]
+    ranked = not spec.beamed and not any(sampled)  # only ranks: the logits' order is the law's
     for depth in range(spec.length):
         counts = [len(f) for f in frontier]
-        log_probs = draft_log_probs(logits, [params[i] for i, c in enumerate(counts) for _ in range(c)])
+        if ranked:
+            log_probs = logits
+        else:
+            log_probs = draft_log_probs(logits, [params[i] for i, c in enumerate(counts) for _ in range(c)])
         if spec.beamed:
             picks, scores, gumbels = _beam_step(log_probs, counts, scores, gumbels, spec.beam_width, gens)
         else:
@@ -231,12 +237,13 @@ def draft_rsd_trees(
                 nodes.append(node)
                 new_tokens.append(token)
             start += len(front)
-        levels.append(log_probs)
+        if not ranked:
+            levels.append(log_probs)
         stored = start
         if depth + 1 == spec.length or not nodes:
             break
         logits = drafter.extend(rows, new_parents, nodes, new_tokens)
-    return _packed_trees(tokens, parents, depths, laws, levels, [spec.stochastic and not p.greedy for p in params])
+    return _packed_trees(tokens, parents, depths, laws, levels, sampled)
 
 
 def _packed_trees(
@@ -247,11 +254,13 @@ def _packed_trees(
     levels: list[torch.Tensor],
     sampled: list[bool],
 ) -> list[DraftTree]:
-    """The `DraftTree`s, each node's `draft_log_probs` row gathered from the levels' rows
-    (`laws`: row of the stacked levels; the root's row is zeros) in one index for the batch."""
+    """The `DraftTree`s, each `sampled` tree's node's `draft_log_probs` row gathered from the
+    levels' rows (`laws`: row of the stacked levels; the root's row is zeros) in one index for
+    the batch. A ranked tree (greedy, or deterministic beams) gets none: verification matches
+    its nodes against the target's argmax and never reads a draft law."""
     sizes = [len(t) for t in tokens]
     tables: list[torch.Tensor | None] = [None] * len(tokens)
-    drafted = [i for i, size in enumerate(sizes) if size > 1]
+    drafted = [i for i, size in enumerate(sizes) if size > 1 and sampled[i]]
     if drafted:
         stacked = torch.cat([levels[0].new_zeros(1, levels[0].shape[-1]), *levels])  # row 0: zeros
         index = torch.tensor([row + 1 for i in drafted for row in laws[i]], device=stacked.device)

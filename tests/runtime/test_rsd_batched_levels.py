@@ -107,8 +107,9 @@ def reference_trees(
         owners = list(zip(cols[0], cols[2], strict=True))
     out = []
     for (tokens, parents, laws, *_), prm in zip(grown, params, strict=True):
-        table = torch.stack([torch.zeros_like(laws[1]), *laws[1:]]) if len(tokens) > 1 else None
-        out.append(DraftTree(tokens, parents, table, sampled=spec.stochastic and not prm.greedy))
+        sampled = spec.stochastic and not prm.greedy  # a ranked tree carries no law: verification reads none
+        table = torch.stack([torch.zeros_like(laws[1]), *laws[1:]]) if len(tokens) > 1 and sampled else None
+        out.append(DraftTree(tokens, parents, table, sampled=sampled))
     return out
 
 
@@ -172,3 +173,15 @@ def test_sampled_draws_do_not_depend_on_the_batch(spec: TreeSpec) -> None:
         assert alone.sampled
         assert_same(together[i], alone, f"request {i}")
     assert len({tuple(t.tokens) for t in together}) == 3
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.method)
+def test_greedy_batches_rank_by_the_logits_alone(spec: TreeSpec) -> None:
+    """A batch of greedy requests only ranks (SD, RSD-C: no warp, no laws kept); its trees are
+    those of the per-request reference, which ranks by the softmax's log-probabilities."""
+    greedy = [SamplingParams(), SamplingParams(top_k=2), SamplingParams(), SamplingParams(top_p=0.5)]
+    got = trees_for(spec, [0, 1, 2, 3], greedy, batched=True)
+    want = trees_for(spec, [0, 1, 2, 3], greedy, batched=False)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert len(g.tokens) == spec.max_nodes and g.draft_log_probs is None
+        assert_same(g, w, f"request {i}")
