@@ -36,9 +36,12 @@ SOURCES = [
         "rope_kv_write_cpu.cpp",
         "gumbel_top_k_cpu.cpp",
         "redrafter_beam_search_cpu.cpp",
+        "int8_linear_cpu.cpp",
         "draft_lm_forward_cpu.cpp",
     )
 ]
+HEADERS = [Path(__file__).parent / "csrc" / "int8_linear.h"]
+"""Headers the sources include: part of the build's hash like the sources."""
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
 """-fopenmp: `at::parallel_for` runs on the OpenMP runtime torch has loaded (libgomp)."""
 ENV = "SPECPIPE_CPU_KERNELS"
@@ -56,7 +59,7 @@ def _cpu_signature() -> str:
 
 def build_directory() -> Path:
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
     for part in (*CFLAGS, torch.__version__, sys.version, _cpu_signature()):
         digest.update(part.encode())

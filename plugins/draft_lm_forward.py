@@ -32,6 +32,7 @@ from model_defs.llama import DecoderLayer, Linear, LinearStack, LlamaForCausalLM
 from model_defs.paged_kv_cache import Attention, AttentionGroup, PagedKVCache
 from model_defs.rope import RotaryEmbedding
 from plugins import cpu_kernels
+from plugins.int8_linear import Int8Weight
 from plugins.tree_attention import KERNEL_MAX_T
 
 
@@ -57,11 +58,8 @@ class Int8DraftLM:
     inv_freq: Tensor  # [head_dim // 2]
     rope_scale: float
     norms: list[Tensor]  # per layer: input, post-attention RMSNorm weights [E]
-    qkv: list[Any]  # per layer: int8 stacked q/k/v, gate/up; o, down
-    o: list[Any]
-    gate_up: list[Any]
-    down: list[Any]
-    head: Any
+    linears: list[Int8Weight]
+    """Per layer: q/k/v (stacked), o, gate/up (stacked), down; then the LM head."""
 
     @classmethod
     def of(cls, model: LlamaForCausalLM) -> Int8DraftLM | None:
@@ -72,17 +70,22 @@ class Int8DraftLM:
         if model.config.head_dim not in (32, 64, 128) or not isinstance(rope, RotaryEmbedding):
             return None
         layers = [layer for layer in model.model.layers if isinstance(layer, DecoderLayer)]
-        qkv = [_int8(layer.self_attn.qkv_stack) for layer in layers]
-        o = [_int8(layer.self_attn.o_proj) for layer in layers]
-        gate_up = [_int8(layer.mlp.gate_up_stack) for layer in layers]
-        down = [_int8(layer.mlp.down_proj) for layer in layers]
-        head = _int8(model.lm_head)
-        if head is None or any(p is None for p in (*qkv, *o, *gate_up, *down)):
-            return None
-        if not cpu_kernels.load_with_fake("draft_lm_forward", _fake):
+        packed = [
+            _int8(linear)
+            for layer in layers
+            for linear in (
+                layer.self_attn.qkv_stack,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_up_stack,
+                layer.mlp.down_proj,
+            )
+        ]
+        packed.append(_int8(model.lm_head))
+        if any(p is None for p in packed) or not cpu_kernels.load_with_fake("draft_lm_forward", _fake):
             return None
         norms = [n.weight.detach() for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
-        return cls(model, rope.inv_freq.float().contiguous(), rope.scale, norms, qkv, o, gate_up, down, head)
+        linears = [Int8Weight.of(p) for p in packed]
+        return cls(model, rope.inv_freq.float().contiguous(), rope.scale, norms, linears)
 
     def __call__(
         self,
@@ -105,8 +108,8 @@ class Int8DraftLM:
         return torch.ops.specpipe_cpu.draft_lm_forward(
             tokens, positions, slots, *_columns(groups), logits_indices,
             model.model.embed_tokens.weight, self.inv_freq, self.rope_scale, self.norms,
-            self.qkv, self.o, self.gate_up, self.down, cache.k, cache.v,
-            model.model.norm.weight, self.head, model.config.num_attention_heads, model.config.rms_norm_eps,
+            *(list(column) for column in zip(*self.linears, strict=True)), cache.k, cache.v,
+            model.model.norm.weight, model.config.num_attention_heads, model.config.rms_norm_eps,
         )  # fmt: skip
 
 

@@ -8,27 +8,31 @@
 //   x = x + Attn(q, K, V) W_o                  over the paged cache (tree_attention)
 //   x = x + (SiLU(a' W_gate) * a' W_up) W_down, a' = RMSNorm(x)
 // logits = RMSNorm(x)[logits rows] W_head.
-// The products are fbgemm's int8 ones (`plugins.cpu_linear.int8_linear`) and attention and
-// RoPE the project's own kernels, so what this saves is the Python and the decomposed ATen ops
-// between them (~45 small ops a forward of the demo draft LM; its RMSNorm alone is six ATen
+// The products are `specpipe::int8_linear` (int8_linear.h: fbgemm's int8 weights, activations
+// quantized per row) and attention and RoPE the project's own kernels, so what this saves is
+// fbgemm's per-call set-up (~13 us a product), the Python and the decomposed ATen ops between them (~45 small ops a forward of the demo draft LM; its RMSNorm alone is six ATen
 // ops, ~30 us a call): the norms, SiLU-times-up, residual adds and RoPE tables are plain
 // loops here. Only proposals depend on it: a drafter's logits may differ from the reference's
 // in the last bits (another summation order), never verification's.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/native/quantized/PackedParams.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <cstring>
 #include <vector>
 
+#include "int8_linear.h"
+
 namespace {
 
-using Packed = c10::intrusive_ptr<LinearPackedParamsBase>;
-
-// `plugins.cpu_linear.int8_linear` without a bias: 7-bit activations (reduce_range).
-at::Tensor int8_linear(const Packed& w, const at::Tensor& x) { return w->apply_dynamic(x, /*reduce_range=*/true); }
+// Linear k of the op's int8 lists (`specpipe::int8_linear`, int8_linear.h).
+struct Int8Linears {
+  at::TensorList weight, blocked, scale, sum;
+  at::Tensor operator()(int64_t k, const at::Tensor& x) const {
+    return specpipe::int8_linear(x, weight[k], blocked[k], scale[k], sum[k]);
+  }
+};
 
 // y = x / sqrt(mean(x^2) + eps) * w, row by row: x [N, E] dense.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -111,20 +115,28 @@ at::Tensor draft_lm_forward(const at::Tensor& tokens, const at::Tensor& position
                             at::TensorList mask, at::TensorList valid,
                             at::TensorList rows, const at::Tensor& logits_indices,
                             const at::Tensor& embed, const at::Tensor& inv_freq, double rope_scale,
-                            at::TensorList norms, const c10::List<Packed>& qkv,
-                            const c10::List<Packed>& o, const c10::List<Packed>& gate_up,
-                            const c10::List<Packed>& down, at::TensorList k_cache,
-                            at::TensorList v_cache, const at::Tensor& final_norm, const Packed& head,
-                            int64_t num_heads, double eps) {
-  const int64_t L = static_cast<int64_t>(qkv.size()), N = tokens.size(0), G = static_cast<int64_t>(rows.size());
+                            at::TensorList norms, at::TensorList weights, at::TensorList blocked,
+                            at::TensorList scales, at::TensorList sums, at::TensorList k_cache, at::TensorList v_cache,
+                            const at::Tensor& final_norm, int64_t num_heads, double eps) {
+  const int64_t L = static_cast<int64_t>(k_cache.size()), N = tokens.size(0), G = static_cast<int64_t>(rows.size());
+  const Int8Linears linear{weights, blocked, scales, sums};  // per layer qkv, o, gate_up, down; then the head
   TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong && positions.sizes() == tokens.sizes() &&
                   positions.scalar_type() == at::kLong && positions.is_contiguous() && slots.sizes() == tokens.sizes(),
               "tokens, positions and slots must be [N] int64");
   TORCH_CHECK(embed.dim() == 2 && embed.scalar_type() == at::kFloat && embed.is_contiguous(),
               "embed must be a dense [V, E] float32 table");
-  TORCH_CHECK(o.size() == L && gate_up.size() == L && down.size() == L && static_cast<int64_t>(norms.size()) == 2 * L &&
-                  static_cast<int64_t>(k_cache.size()) == L && static_cast<int64_t>(v_cache.size()) == L,
-              "per layer: qkv, o, gate_up, down, two norms, a K and a V cache");
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 4 * L + 1 && scales.size() == weights.size() &&
+                  blocked.size() == weights.size() &&
+                  sums.size() == weights.size() && static_cast<int64_t>(norms.size()) == 2 * L &&
+                  static_cast<int64_t>(v_cache.size()) == L,
+              "per layer: four int8 linears (qkv, o, gate_up, down), two norms, a K and a V cache; then the head");
+  for (size_t k = 0; k < weights.size(); ++k)
+    TORCH_CHECK(weights[k].scalar_type() == at::kChar && weights[k].dim() == 2 && weights[k].is_contiguous() &&
+                    scales[k].scalar_type() == at::kFloat && sums[k].scalar_type() == at::kInt &&
+                    scales[k].numel() == weights[k].size(0) && sums[k].numel() == weights[k].size(0) &&
+                    blocked[k].scalar_type() == at::kChar && blocked[k].is_contiguous() &&
+                    blocked[k].numel() == (weights[k].size(0) + 15) / 16 * 16 * ((weights[k].size(1) + 3) / 4 * 4),
+                "linear ", k, ": dense int8 [O, I] weights and their blocked copy, [O] float32 scales, [O] int32 sums");
   TORCH_CHECK(static_cast<int64_t>(query_index.size()) == G && static_cast<int64_t>(key_slots.size()) == G &&
                   static_cast<int64_t>(mask.size()) == G && static_cast<int64_t>(valid.size()) == G && G >= 1,
               "one query_index, key_slots, mask, valid and rows per attention group");
@@ -136,7 +148,7 @@ at::Tensor draft_lm_forward(const at::Tensor& tokens, const at::Tensor& position
   at::Tensor x = at::index_select(embed, 0, tokens);  // [N, E]
   const bool whole = G == 1 && query_index[0].numel() == N && rows[0].size(0) == N;  // one group, rows in order
   for (int64_t l = 0; l < L; ++l) {
-    const at::Tensor a = int8_linear(qkv.get(l), rms_norm(x, norms[2 * l], eps));  // [N, (H + 2 H_kv) D]
+    const at::Tensor a = linear(4 * l, rms_norm(x, norms[2 * l], eps));  // [N, (H + 2 H_kv) D]
     at::Tensor k = k_cache[l], v = v_cache[l];
     const at::Tensor q = rope_kv_write_op().call(a, cos, sin, k, v, slots, H);  // [N, H, D]
     at::Tensor attended;
@@ -150,11 +162,11 @@ at::Tensor draft_lm_forward(const at::Tensor& tokens, const at::Tensor& position
         attended.index_copy_(0, rows[g], part.reshape({-1, H, D}).index({valid[g].reshape({-1})}));
       }
     }
-    add_into(x, int8_linear(o.get(l), attended.reshape({N, H * D})));
-    add_into(x, int8_linear(down.get(l), silu_times_up(int8_linear(gate_up.get(l), rms_norm(x, norms[2 * l + 1], eps)))));
+    add_into(x, linear(4 * l + 1, attended.reshape({N, H * D})));
+    add_into(x, linear(4 * l + 3, silu_times_up(linear(4 * l + 2, rms_norm(x, norms[2 * l + 1], eps)))));
   }
   TORCH_CHECK(x.size(1) == E, "layers changed the model width");
-  return int8_linear(head, rms_norm(at::index_select(x, 0, logits_indices), final_norm, eps));
+  return linear(4 * L, rms_norm(at::index_select(x, 0, logits_indices), final_norm, eps));
 }
 
 }  // namespace
@@ -163,13 +175,9 @@ TORCH_LIBRARY_FRAGMENT(specpipe_cpu, m) {
   m.def(
       "draft_lm_forward(Tensor tokens, Tensor positions, Tensor slots, Tensor[] query_index, Tensor[] key_slots, "
       "Tensor[] mask, Tensor[] valid, Tensor[] rows, Tensor logits_indices, Tensor embed, Tensor inv_freq, "
-      "float rope_scale, Tensor[] norms, "
-      "__torch__.torch.classes.quantized.LinearPackedParamsBase[] qkv, "
-      "__torch__.torch.classes.quantized.LinearPackedParamsBase[] o, "
-      "__torch__.torch.classes.quantized.LinearPackedParamsBase[] gate_up, "
-      "__torch__.torch.classes.quantized.LinearPackedParamsBase[] down, Tensor(a!)[] k_cache, Tensor(b!)[] v_cache, "
-      "Tensor final_norm, __torch__.torch.classes.quantized.LinearPackedParamsBase head, int num_heads, float eps) "
-      "-> Tensor");
+      "float rope_scale, Tensor[] norms, Tensor[] weights, Tensor[] blocked, Tensor[] scales, Tensor[] sums, "
+      "Tensor(a!)[] k_cache, "
+      "Tensor(b!)[] v_cache, Tensor final_norm, int num_heads, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specpipe_cpu, CPU, m) { m.impl("draft_lm_forward", &draft_lm_forward); }

@@ -1,0 +1,154 @@
+// The int8 product of `specpipe_cpu::int8_linear` (plugins/int8_linear.py has the contract and
+// the plain-torch reference it is tested against bit for bit), shared by the ops that run a
+// drafter's linears (draft_lm_forward_cpu.cpp).
+//
+//   x [M, I] fp32, w [O, I] int8 (symmetric, one scale per output row: w_scale [O]),
+//   w_sum [O] int32 = sum_i w[o, i]
+//   per row m:  s_m = max(max_i |x[m, i]|, FLT_MIN) / 127,  q[m, i] = round_half_even(x[m, i] / s_m)
+//   y[m, o] = float(sum_i q[m, i] w[o, i]) * (s_m * w_scale[o])
+//
+// The integer sums are exact, so any summation order gives the same bits. With AVX-512 VNNI
+// `vpdpbusd` multiplies unsigned by signed bytes: the kernel feeds q + 128 (0..255) and takes
+// 128 w_sum[o] back off. Unlike fbgemm's dynamic linear, activations keep 8 bits (fbgemm's x86
+// path uses 7 to stay clear of int16 saturation, which vpdpbusd does not have) and nothing is
+// allocated or packed per call: fbgemm spends ~13 us a call before its first product, which on
+// the demo draft LM's 256-wide layers is most of the call.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define SPECPIPE_VNNI 1
+#endif
+
+namespace specpipe {
+
+// q = round(x / s) per row, returned with s; x [M, I] dense.
+inline void quantize_rows(const float* x, int64_t M, int64_t I, int8_t* q, float* s) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * I;
+    float top = 0.0f;
+    for (int64_t i = 0; i < I; ++i) top = std::max(top, std::fabs(xm[i]));
+    const float scale = std::max(top, FLT_MIN) / 127.0f;
+    s[m] = scale;
+    for (int64_t i = 0; i < I; ++i) q[m * I + i] = static_cast<int8_t>(std::nearbyint(xm[i] / scale));
+  }
+}
+
+// sum_i q[i] w[i] over I (any I), exact.
+inline int32_t dot_i8(const int8_t* q, const int8_t* w, int64_t I) {
+  int32_t acc = 0;
+  for (int64_t i = 0; i < I; ++i) acc += static_cast<int32_t>(q[i]) * static_cast<int32_t>(w[i]);
+  return acc;
+}
+
+#ifdef SPECPIPE_VNNI
+// NB blocks of 16 output rows (from b) for R rows of x (from m0): NB x R independent
+// accumulators, so consecutive `vpdpbusd`s do not wait on each other.
+template <int NB, int R>
+inline void int8_tile(const uint8_t* qu, const float* s, int64_t Ip, const int8_t* blocked, const float* w_scale,
+                      const int32_t* w_sum, float* y, int64_t O, int64_t b, int64_t m0) {
+  const int64_t J = Ip / 4;
+  __m512i acc[NB][R];
+  for (int n = 0; n < NB; ++n)
+    for (int r = 0; r < R; ++r) acc[n][r] = _mm512_setzero_si512();
+  for (int64_t j = 0; j < J; ++j) {
+    __m512i xv[R];
+    for (int r = 0; r < R; ++r) {
+      int32_t four;
+      std::memcpy(&four, qu + (m0 + r) * Ip + 4 * j, 4);
+      xv[r] = _mm512_set1_epi32(four);
+    }
+    for (int n = 0; n < NB; ++n) {
+      const __m512i wv = _mm512_loadu_si512(blocked + ((b + n) * J + j) * 64);
+      for (int r = 0; r < R; ++r) acc[n][r] = _mm512_dpbusd_epi32(acc[n][r], xv[r], wv);
+    }
+  }
+  for (int n = 0; n < NB; ++n) {
+    const int64_t o = 16 * (b + n), lanes_n = std::min<int64_t>(16, O - o);
+    const __mmask16 lanes = static_cast<__mmask16>((1u << lanes_n) - 1u);
+    const __m512i sums = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(lanes, w_sum + o), 7);  // 128 w_sum
+    const __m512 scales = _mm512_maskz_loadu_ps(lanes, w_scale + o);
+    for (int r = 0; r < R; ++r) {
+      const __m512 exact = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[n][r], sums));
+      _mm512_mask_storeu_ps(y + (m0 + r) * O + o, lanes, _mm512_mul_ps(exact, _mm512_mul_ps(_mm512_set1_ps(s[m0 + r]), scales)));
+    }
+  }
+}
+
+template <int NB>
+inline void int8_tile_rows(int64_t R, const uint8_t* qu, const float* s, int64_t Ip, const int8_t* blocked,
+                           const float* w_scale, const int32_t* w_sum, float* y, int64_t O, int64_t b, int64_t m0) {
+  switch (R) {
+    case 4: int8_tile<NB, 4>(qu, s, Ip, blocked, w_scale, w_sum, y, O, b, m0); break;
+    case 3: int8_tile<NB, 3>(qu, s, Ip, blocked, w_scale, w_sum, y, O, b, m0); break;
+    case 2: int8_tile<NB, 2>(qu, s, Ip, blocked, w_scale, w_sum, y, O, b, m0); break;
+    default: int8_tile<NB, 1>(qu, s, Ip, blocked, w_scale, w_sum, y, O, b, m0);
+  }
+}
+#endif
+
+// Output rows are taken 16 at a time from the blocked copy of w, `blocked [ceil(O/16),
+// ceil(I/4), 16, 4]` (`plugins.int8_linear.block_weight`: element [b, j, r, c] = w[16 b + r,
+// 4 j + c], zero past w's edges), so one `vpdpbusd` adds 4 inputs' products into 16 outputs'
+// lanes: no horizontal sums. Tiles of 4 blocks x 4 rows of x (padded to 4 ceil(I/4) with
+// q = 0). y [M, O] dense, output blocks [b0, b1).
+inline void int8_blocks(const uint8_t* qu, const int8_t* q, const float* s, int64_t M, int64_t I, int64_t Ip,
+                        const int8_t* blocked, const int8_t* w, const float* w_scale, const int32_t* w_sum, float* y,
+                        int64_t O, int64_t b0, int64_t b1) {
+#ifdef SPECPIPE_VNNI
+  (void)q;
+  (void)w;
+  (void)I;
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    const int64_t R = std::min<int64_t>(4, M - m0);
+    int64_t b = b0;
+    for (; b + 4 <= b1; b += 4) int8_tile_rows<4>(R, qu, s, Ip, blocked, w_scale, w_sum, y, O, b, m0);
+    for (; b < b1; ++b) int8_tile_rows<1>(R, qu, s, Ip, blocked, w_scale, w_sum, y, O, b, m0);
+  }
+#else
+  (void)qu;
+  (void)blocked;
+  for (int64_t o = 16 * b0; o < std::min<int64_t>(16 * b1, O); ++o)
+    for (int64_t m = 0; m < M; ++m)
+      y[m * O + o] = static_cast<float>(dot_i8(q + m * Ip, w + o * I, I)) * (s[m] * w_scale[o]);
+#endif
+}
+
+// The whole product: x [M, I] fp32 dense, w [O, I] int8 dense and its blocked copy,
+// w_scale [O] fp32, w_sum [O] int32.
+inline at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& blocked,
+                              const at::Tensor& w_scale, const at::Tensor& w_sum) {
+  const int64_t M = x.size(0), I = x.size(1), O = w.size(0), Ip = (I + 3) / 4 * 4;
+  at::Tensor y = at::empty({M, O}, x.options());
+  std::vector<int8_t> q(M * Ip, 0);
+  std::vector<uint8_t> qu(M * Ip, 128);
+  std::vector<float> s(M);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) quantize_rows(xp + m * I, 1, I, q.data() + m * Ip, s.data() + m);
+  for (int64_t k = 0; k < M * Ip; ++k) qu[k] = static_cast<uint8_t>(static_cast<int32_t>(q[k]) + 128);
+  const int8_t* bp = blocked.data_ptr<int8_t>();
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const float* sp = w_scale.data_ptr<float>();
+  const int32_t* sum = w_sum.data_ptr<int32_t>();
+  float* yp = y.data_ptr<float>();
+  // a thread only for products worth it (~1 us of work per 256k products)
+  const int64_t blocks = (O + 15) / 16;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, 16 * M * Ip));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    int8_blocks(qu.data(), q.data(), s.data(), M, I, Ip, bp, wp, sp, sum, yp, O, b0, b1);
+  });
+  return y;
+}
+
+}  // namespace specpipe
