@@ -15,9 +15,10 @@ Drafting is only proposals: the emitted tokens never depend on the drafter's rou
 
 `Int8DraftLM.of(model)` is None where the op does not apply (not fp32 on the CPU, a linear
 without an int8 copy, biases, tensor parallelism, a head size the attention kernel is not
-built for, kernels off); `__call__` is None for a step it does not take (the row form of
-attention metadata, a prefill chunk longer than the attention kernel's `KERNEL_MAX_T`), and
-the caller runs the model's forward.
+built for, kernels off, a CPU without AVX-512 VNNI: `plugins.int8_linear.vectorized`);
+`__call__` is None for a step it does not take (the row form of attention metadata, a
+prefill chunk longer than the attention kernel's `KERNEL_MAX_T`), and the caller runs the
+model's forward.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from model_defs.llama import DecoderLayer, Linear, LinearStack, LlamaForCausalLM
 from model_defs.paged_kv_cache import Attention, AttentionGroup, PagedKVCache
 from model_defs.rope import RotaryEmbedding
 from plugins import cpu_kernels
-from plugins.int8_linear import Int8Weight
+from plugins.int8_linear import Int8Weight, vectorized
 from plugins.tree_attention import KERNEL_MAX_T
 
 
@@ -82,6 +83,8 @@ class Int8DraftLM:
         ]
         packed.append(_int8(model.lm_head))
         if any(p is None for p in packed) or not cpu_kernels.load_with_fake("draft_lm_forward", _fake):
+            return None
+        if not vectorized():  # its products would be a scalar loop: fbgemm's, through the model, are faster
             return None
         norms = [n.weight.detach() for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         linears = [Int8Weight.of(p) for p in packed]

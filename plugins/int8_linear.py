@@ -64,6 +64,12 @@ def _kernel_built() -> bool:
     return cpu_kernels.load_with_fake("int8_linear", _fake)
 
 
+def vectorized() -> bool:
+    """Whether the kernel is built with its AVX-512 VNNI tiles on this CPU; without them it is
+    a scalar loop, slower than fbgemm, and the ops that would call it stand aside."""
+    return _kernel_built() and bool(torch.ops.specpipe_cpu.int8_linear_vectorized())
+
+
 @torch.library.custom_op("specpipe::int8_linear", mutates_args=())
 def int8_linear(
     x: Tensor,  # [M, I] fp32

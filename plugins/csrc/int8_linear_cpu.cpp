@@ -21,10 +21,20 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   return specpipe::int8_linear(x, w, blocked, w_scale, w_sum);
 }
 
+// Whether the kernel was built with its AVX-512 VNNI tiles (else a scalar loop, slower than fbgemm).
+bool int8_linear_vectorized() {
+#ifdef SPECPIPE_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specpipe_cpu, m) {
   m.def("int8_linear(Tensor x, Tensor w, Tensor blocked, Tensor w_scale, Tensor w_sum) -> Tensor");
+  m.def("int8_linear_vectorized() -> bool", &int8_linear_vectorized);
 }
 
 TORCH_LIBRARY_IMPL(specpipe_cpu, CPU, m) { m.impl("int8_linear", &int8_linear); }

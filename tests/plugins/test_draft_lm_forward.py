@@ -16,15 +16,17 @@ import torch
 from model_defs import llama
 from model_defs.llama import LlamaConfig, LlamaForCausalLM, quantize_linears_int8
 from model_defs.paged_kv_cache import PagedBatch, PagedKVCache
-from plugins import cpu_kernels
+from plugins import cpu_kernels, draft_lm_forward
 from plugins.draft_lm_forward import Int8DraftLM
-from plugins.int8_linear import Int8Weight, int8_linear_reference
+from plugins.int8_linear import Int8Weight, int8_linear_reference, vectorized
 from plugins.tree_attention import KERNEL_MAX_T
 from runtime.attention_batch import Segment, build_rows
 from runtime.model_runner import StepInput
 from runtime.step_batch import step_input
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ CPU kernels are not built")
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.load() or not vectorized(), reason="the op runs where the C++ kernels are built with AVX-512 VNNI"
+)
 
 VOCAB, SPAN = 211, 80
 """Vocabulary; cache slots per request (request r owns slots r * SPAN ...)."""
@@ -163,7 +165,10 @@ def test_a_variant_with_the_norms_swapped_fails() -> None:
     assert (good - want).abs().max() < TOLERANCE < (bad - want).abs().max()
 
 
-def test_it_stands_aside_where_it_does_not_apply() -> None:
+def test_it_stands_aside_where_it_does_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    with monkeypatch.context() as m:  # a CPU without AVX-512 VNNI: fbgemm's products, through the model
+        m.setattr(draft_lm_forward, "vectorized", lambda: False)
+        assert Int8DraftLM.of(draft_lm()) is None
     assert Int8DraftLM.of(draft_lm(int8=False)) is None  # fp32 linears
     assert Int8DraftLM.of(draft_lm(bias=True)) is None  # biases
     assert Int8DraftLM.of(draft_lm(head_dim=16)) is None  # a head size the attention kernel is not built for

@@ -16,6 +16,7 @@ import torch
 
 from plugins.cpu_linear import int8_available
 from plugins.draft_lm_forward import Int8DraftLM
+from plugins.int8_linear import vectorized
 from runtime import verify
 from runtime.sampling import SamplingParams
 from tests import toy_sampling
@@ -45,7 +46,8 @@ def test_rsd_with_an_int8_draft_lm_follows_target_distribution() -> None:
     is still the target's law. Its forward is the one C++ call (`plugins/draft_lm_forward.py`),
     whose logits are the law drafts are drawn from and divided by."""
     engine = toy_sampling.toy_engine("draft-lm", SETTINGS, int8=True)
-    assert engine.draft_model is not None and Int8DraftLM.of(engine.draft_model) is not None
+    assert engine.draft_model is not None
+    assert (Int8DraftLM.of(engine.draft_model) is not None) == vectorized()  # the op where it runs
     counts = toy_sampling.emitted_first_three(engine, PARAMS, "rsd-s")
     law = toy_sampling.exact_first_three(engine.model, PARAMS)
     assert passes_chi_square(counts, law), chi_square(counts, law)
