@@ -1,15 +1,17 @@
 """`specpipe_cpu::draft_lm_forward`: a draft LM's whole forward over the paged KV cache in one
-C++ call (`plugins/csrc/draft_lm_forward_cpu.cpp`), for a Llama drafter whose linears run
-on fbgemm int8 copies (`model_defs.llama.quantize_linears_int8`: the CPU default for draft
-LMs). Its reference is the model's own forward (`LlamaForCausalLM.forward` with a
-`PagedBatch`): the same int8 products, RoPE/K-V writes (`specpipe_cpu::rope_kv_write`) and
-attention (`specpipe_cpu::tree_attention`), with RMSNorm, SiLU-times-up, the residual adds
-and the RoPE tables as plain loops in between; logits and cache agree to fp32 rounding
-(tests/plugins/test_draft_lm_forward.py).
+C++ call (`plugins/csrc/draft_lm_forward_cpu.cpp`), for a Llama drafter whose linears have
+int8 copies (`model_defs.llama.quantize_linears_int8`: the CPU default for draft LMs). Its
+reference is the model's own forward (`LlamaForCausalLM.forward` with a `PagedBatch`) with
+its int8 products computed as the op computes them (`specpipe::int8_linear`, on the same
+int8 weights, where the model calls fbgemm): the same RoPE/K-V writes
+(`specpipe_cpu::rope_kv_write`) and attention (`specpipe_cpu::tree_attention`), with RMSNorm,
+SiLU-times-up, the residual adds and the RoPE tables as plain loops in between; logits and
+cache agree to fp32 rounding (tests/plugins/test_draft_lm_forward.py).
 
-What it saves is the Python and the small decomposed ops between the products (~45 a forward
-of the demo draft LM, its RMSNorm alone six ATen ops of ~5 us): a level of the demo draft
-LM at batch 1 ~0.84 -> ~0.3 ms on the 2-core CPU, and an SD / RSD step drafts 3-5 levels.
+What it saves is the Python, fbgemm's per-call set-up and the small decomposed ops between
+the products (~45 a forward of the demo draft LM, its RMSNorm alone six ATen ops): a
+forward of the demo draft LM at batch 1 0.91 -> ~0.3 ms in the engine on the 2-core CPU,
+and an SD / RSD step drafts 3-5 levels.
 Drafting is only proposals: the emitted tokens never depend on the drafter's rounding
 (verification is the target's), so the loops need not be the reference's bits.
 
@@ -102,14 +104,13 @@ class Int8DraftLM:
         """Logits at `logits_indices`, the K/V of the tokens written to `cache`: what
         `LlamaForCausalLM.forward` with `PagedBatch(cache, slots, attention)` returns (its
         logits rows), or None for a step the op does not take (module docstring)."""
-        groups = attention
-        if not isinstance(groups, list) or self.model.batch_invariant or torch.is_grad_enabled():
+        if not isinstance(attention, list) or self.model.batch_invariant or torch.is_grad_enabled():
             return None
-        if any(g.query_index.shape[1] > KERNEL_MAX_T for g in groups):
+        if any(g.query_index.shape[1] > KERNEL_MAX_T for g in attention):
             return None
         model = self.model
         return torch.ops.specpipe_cpu.draft_lm_forward(
-            tokens, positions, slots, *_columns(groups), logits_indices,
+            tokens, positions, slots, *_columns(attention), logits_indices,
             model.model.embed_tokens.weight, self.inv_freq, self.rope_scale, self.norms,
             *(list(column) for column in zip(*self.linears, strict=True)), cache.k, cache.v,
             model.model.norm.weight, model.config.num_attention_heads, model.config.rms_norm_eps,

@@ -190,9 +190,10 @@ def draft_rsd_trees(
 ) -> list[DraftTree]:
     """One tree per request, `spec.length` levels. A level is one drafter call for the
     frontier nodes of every request, then a handful of tensor ops over all of them at
-    once: one warp (`draft_log_probs`; none when every request only ranks, greedy SD / RSD-C:
-    the top-b of the logits are those of their softmax), one Gumbel-top-k (`_branch_step`) or beam step
-    (`_beam_step`), and one device-to-host transfer (the drawn parents and tokens). Only
+    once: one warp (`draft_log_probs`; none when every request only ranks, greedy SD and
+    RSD-C: the top b of the logits are those of their softmax), one Gumbel-top-k
+    (`_branch_step`) or beam step (`_beam_step`), and one device-to-host transfer (the
+    drawn parents and tokens). Only
     the uniforms are drawn request by request, each request's from its own generator
     (`gumbel_top_k_rows`, `draw_one`), so a request's tree does not depend on its batch."""
     gens = [gen if spec.stochastic and not prm.greedy else None for prm, gen in zip(params, generators, strict=True)]

@@ -69,8 +69,8 @@ def slots(request: int, length: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def prefilled(model: LlamaForCausalLM, contexts: list[int]) -> tuple[PagedKVCache, list[list[int]]]:
-    """A cache holding each request's context (by the model's own forward), and the tokens."""
+def prefilled(model: LlamaForCausalLM, contexts: list[int]) -> PagedKVCache:
+    """A cache holding each request's context of random tokens (by the model's own forward)."""
     cfg = model.config
     cache = PagedKVCache(cfg.num_hidden_layers, len(contexts) * SPAN // 4, 4, cfg.num_key_value_heads, cfg.head_dim)
     tokens = [torch.randint(0, VOCAB, (c,)).tolist() for c in contexts]
@@ -82,7 +82,7 @@ def prefilled(model: LlamaForCausalLM, contexts: list[int]) -> tuple[PagedKVCach
         start += len(ids)
     step = step_input(torch.tensor(flat), torch.tensor(positions), segments, torch.tensor([0]), "cpu")
     model(step.tokens[None], step.positions[None], PagedBatch(cache, step.slots, step.attention))
-    return cache, tokens
+    return cache
 
 
 def level_of(parents: list[int]) -> torch.Tensor:
@@ -140,7 +140,7 @@ def test_the_op_is_the_models_paged_forward(case: str) -> None:
     model = draft_lm()
     fused = Int8DraftLM.of(model)
     assert fused is not None
-    cache, _ = prefilled(model, contexts)
+    cache = prefilled(model, contexts)
     step, reference = step_for(contexts, new), copy_of(cache)
     got, want = run(fused, step, cache), run(model, step, reference)
     assert got is not None and want is not None
@@ -157,7 +157,7 @@ def test_a_variant_with_the_norms_swapped_fails() -> None:
     fused = Int8DraftLM.of(model)
     assert fused is not None
     broken = replace(fused, norms=[fused.norms[i ^ 1] for i in range(len(fused.norms))])  # post-attention first
-    cache, _ = prefilled(model, [9, 4])
+    cache = prefilled(model, [9, 4])
     step = step_for([9, 4], [(1, None), (3, None)])
     want = run(model, step, copy_of(cache))
     good, bad = run(fused, step, copy_of(cache)), run(broken, step, copy_of(cache))
@@ -175,7 +175,7 @@ def test_it_stands_aside_where_it_does_not_apply(monkeypatch: pytest.MonkeyPatch
     model = draft_lm()
     fused = Int8DraftLM.of(model)
     assert fused is not None
-    cache, _ = prefilled(model, [1])
+    cache = prefilled(model, [1])
     longest = step_for([1], [(KERNEL_MAX_T, None)])
     assert run(fused, longest, cache) is not None
     chunk = step_for([0], [(SPAN, None)])  # a chunk past KERNEL_MAX_T: the model's forward
