@@ -19,7 +19,6 @@
 #include <torch/library.h>
 
 #include <cmath>
-#include <cstring>
 #include <vector>
 
 #include "int8_linear.h"
@@ -29,7 +28,8 @@ namespace {
 // Linear k of the op's int8 lists (`specpipe::int8_linear`, int8_linear.h).
 struct Int8Linears {
   at::TensorList weight, blocked, scale, sum;
-  at::Tensor operator()(int64_t k, const at::Tensor& x) const {
+  at::Tensor operator()(int64_t k, const at::Tensor& x) const {  // the kernel reads raw memory: widths must agree
+    TORCH_CHECK(x.size(1) == weight[k].size(1), "linear ", k, " takes ", weight[k].size(1), " inputs, got ", x.size(1));
     return specpipe::int8_linear(x, weight[k], blocked[k], scale[k], sum[k]);
   }
 };
@@ -37,6 +37,7 @@ struct Int8Linears {
 // y = x / sqrt(mean(x^2) + eps) * w, row by row: x [N, E] dense.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   const int64_t N = x.size(0), E = x.size(1);
+  TORCH_CHECK(w.numel() == E && w.is_contiguous() && w.scalar_type() == at::kFloat, "a norm's weight must be [", E, "]");
   at::Tensor y = at::empty({N, E}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
@@ -119,6 +120,7 @@ at::Tensor draft_lm_forward(const at::Tensor& tokens, const at::Tensor& position
                             at::TensorList scales, at::TensorList sums, at::TensorList k_cache, at::TensorList v_cache,
                             const at::Tensor& final_norm, int64_t num_heads, double eps) {
   const int64_t L = static_cast<int64_t>(k_cache.size()), N = tokens.size(0), G = static_cast<int64_t>(rows.size());
+  TORCH_CHECK(L >= 1, "a draft LM has at least one layer");
   const Int8Linears linear{weights, blocked, scales, sums};  // per layer qkv, o, gate_up, down; then the head
   TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong && positions.sizes() == tokens.sizes() &&
                   positions.scalar_type() == at::kLong && positions.is_contiguous() && slots.sizes() == tokens.sizes(),
@@ -142,7 +144,7 @@ at::Tensor draft_lm_forward(const at::Tensor& tokens, const at::Tensor& position
               "one query_index, key_slots, mask, valid and rows per attention group");
   TORCH_CHECK(inv_freq.dim() == 1 && inv_freq.scalar_type() == at::kFloat && inv_freq.is_contiguous(),
               "inv_freq must be [D/2] float32");
-  const int64_t H = num_heads, D = k_cache[0].size(2), E = embed.size(1);
+  const int64_t H = num_heads, D = k_cache[0].size(2);
   TORCH_CHECK(2 * inv_freq.size(0) == D, "inv_freq has ", inv_freq.size(0), " entries for head_dim ", D);
   auto [cos, sin] = rope_tables(positions, inv_freq, rope_scale);
   at::Tensor x = at::index_select(embed, 0, tokens);  // [N, E]
@@ -165,7 +167,6 @@ at::Tensor draft_lm_forward(const at::Tensor& tokens, const at::Tensor& position
     add_into(x, linear(4 * l + 1, attended.reshape({N, H * D})));
     add_into(x, linear(4 * l + 3, silu_times_up(linear(4 * l + 2, rms_norm(x, norms[2 * l + 1], eps)))));
   }
-  TORCH_CHECK(x.size(1) == E, "layers changed the model width");
   return linear(4 * L, rms_norm(at::index_select(x, 0, logits_indices), final_norm, eps));
 }
 

@@ -186,3 +186,14 @@ def test_it_stands_aside_where_it_does_not_apply(monkeypatch: pytest.MonkeyPatch
         assert fused(decode.tokens, decode.positions, decode.slots, row_form, decode.logits_indices, cache) is None
     model.set_batch_invariant(True)
     assert run(fused, decode, cache) is None
+
+
+def test_a_linear_of_the_wrong_width_is_refused_not_read_past() -> None:
+    model = draft_lm()
+    fused = Int8DraftLM.of(model)
+    assert fused is not None
+    linears = list(fused.linears)
+    linears[1] = linears[3]  # layer 0's o_proj (128 inputs) given the down projection's weights (192 inputs)
+    cache = prefilled(model, [5])
+    with pytest.raises(RuntimeError, match="takes 192 inputs, got 128"):
+        run(replace(fused, linears=linears), step_for([5], [(1, None)]), cache)
