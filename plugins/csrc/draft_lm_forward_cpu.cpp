@@ -132,13 +132,7 @@ at::Tensor draft_lm_forward(const at::Tensor& tokens, const at::Tensor& position
                   sums.size() == weights.size() && static_cast<int64_t>(norms.size()) == 2 * L &&
                   static_cast<int64_t>(v_cache.size()) == L,
               "per layer: four int8 linears (qkv, o, gate_up, down), two norms, a K and a V cache; then the head");
-  for (size_t k = 0; k < weights.size(); ++k)
-    TORCH_CHECK(weights[k].scalar_type() == at::kChar && weights[k].dim() == 2 && weights[k].is_contiguous() &&
-                    scales[k].scalar_type() == at::kFloat && sums[k].scalar_type() == at::kInt &&
-                    scales[k].numel() == weights[k].size(0) && sums[k].numel() == weights[k].size(0) &&
-                    blocked[k].scalar_type() == at::kChar && blocked[k].is_contiguous() &&
-                    blocked[k].numel() == (weights[k].size(0) + 15) / 16 * 16 * ((weights[k].size(1) + 3) / 4 * 4),
-                "linear ", k, ": dense int8 [O, I] weights and their blocked copy, [O] float32 scales, [O] int32 sums");
+  for (size_t k = 0; k < weights.size(); ++k) specpipe::check_int8_weight(weights[k], blocked[k], scales[k], sums[k]);
   TORCH_CHECK(static_cast<int64_t>(query_index.size()) == G && static_cast<int64_t>(key_slots.size()) == G &&
                   static_cast<int64_t>(mask.size()) == G && static_cast<int64_t>(valid.size()) == G && G >= 1,
               "one query_index, key_slots, mask, valid and rows per attention group");

@@ -17,6 +17,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
@@ -33,16 +34,26 @@
 
 namespace specpipe {
 
-// q = round(x / s) per row, returned with s; x [M, I] dense.
-inline void quantize_rows(const float* x, int64_t M, int64_t I, int8_t* q, float* s) {
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xm = x + m * I;
-    float top = 0.0f;
-    for (int64_t i = 0; i < I; ++i) top = std::max(top, std::fabs(xm[i]));
-    const float scale = std::max(top, FLT_MIN) / 127.0f;
-    s[m] = scale;
-    for (int64_t i = 0; i < I; ++i) q[m * I + i] = static_cast<int8_t>(std::nearbyint(xm[i] / scale));
-  }
+// One row: q = round(x / s), returns s; x and q [I].
+inline float quantize_row(const float* x, int64_t I, int8_t* q) {
+  float top = 0.0f;
+  for (int64_t i = 0; i < I; ++i) top = std::max(top, std::fabs(x[i]));
+  const float scale = std::max(top, FLT_MIN) / 127.0f;
+  for (int64_t i = 0; i < I; ++i) q[i] = static_cast<int8_t>(std::nearbyint(x[i] / scale));
+  return scale;
+}
+
+// The arguments' layout, which the kernel reads as raw memory: w [O, I] int8 dense, its
+// blocked copy [ceil(O/16), ceil(I/4), 16, 4], w_scale [O] fp32, w_sum [O] int32.
+inline void check_int8_weight(const at::Tensor& w, const at::Tensor& blocked, const at::Tensor& w_scale,
+                              const at::Tensor& w_sum) {
+  TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 2 && w.is_contiguous(), "w must be a dense [O, I] int8 tensor");
+  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_sum.scalar_type() == at::kInt && w_scale.is_contiguous() &&
+                  w_sum.is_contiguous() && w_scale.numel() == w.size(0) && w_sum.numel() == w.size(0),
+              "w_scale [O] float32 and w_sum [O] int32");
+  TORCH_CHECK(blocked.scalar_type() == at::kChar && blocked.is_contiguous() &&
+                  blocked.sizes() == at::IntArrayRef({(w.size(0) + 15) / 16, (w.size(1) + 3) / 4, 16, 4}),
+              "blocked must be w's [ceil(O/16), ceil(I/4), 16, 4] int8 copy (plugins.int8_linear.block_weight)");
 }
 
 // sum_i q[i] w[i] over I (any I), exact.
@@ -135,7 +146,7 @@ inline at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at
   std::vector<uint8_t> qu(M * Ip, 128);
   std::vector<float> s(M);
   const float* xp = x.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) quantize_rows(xp + m * I, 1, I, q.data() + m * Ip, s.data() + m);
+  for (int64_t m = 0; m < M; ++m) s[m] = quantize_row(xp + m * I, I, q.data() + m * Ip);
   for (int64_t k = 0; k < M * Ip; ++k) qu[k] = static_cast<uint8_t>(static_cast<int32_t>(q[k]) + 128);
   const int8_t* bp = blocked.data_ptr<int8_t>();
   const int8_t* wp = w.data_ptr<int8_t>();

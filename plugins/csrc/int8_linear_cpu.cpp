@@ -10,14 +10,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
                        const at::Tensor& w_sum) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
               "x must be a dense [M, I] float32 CPU tensor");
-  TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1),
-              "w must be a dense [O, I] int8 tensor with I = ", x.size(1));
-  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_sum.scalar_type() == at::kInt && w_scale.is_contiguous() &&
-                  w_sum.is_contiguous() && w_scale.numel() == w.size(0) && w_sum.numel() == w.size(0),
-              "w_scale [O] float32 and w_sum [O] int32");
-  TORCH_CHECK(blocked.scalar_type() == at::kChar && blocked.is_contiguous() &&
-                  blocked.sizes() == at::IntArrayRef({(w.size(0) + 15) / 16, (w.size(1) + 3) / 4, 16, 4}),
-              "blocked must be w's [ceil(O/16), ceil(I/4), 16, 4] int8 copy (plugins.int8_linear.block_weight)");
+  specpipe::check_int8_weight(w, blocked, w_scale, w_sum);
+  TORCH_CHECK(w.size(1) == x.size(1), "w takes ", w.size(1), " inputs, x has ", x.size(1));
   return specpipe::int8_linear(x, w, blocked, w_scale, w_sum);
 }
 
