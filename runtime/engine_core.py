@@ -118,10 +118,14 @@ class EngineCore:
 
         try:
             self.policy.calibrate(forward, most)
-            for method, proposer in self.proposers.items():
-                self.policy.add_draft_samples(method, proposer.draft_cost_samples(method))
         finally:
             self.blocks.free(scratch)
+        # after the scratch is freed: the drafters time their calls in blocks of their own,
+        # and a small engine's scratch took every block (at max_batch_size 1 no draft-LM
+        # sample ran, and the first live call, cold and catching up on a whole prompt, priced
+        # drafting at batch 1 ~5x too dear)
+        for method, proposer in self.proposers.items():
+            self.policy.add_draft_samples(method, proposer.draft_cost_samples(method))
 
     # ---- one step -------------------------------------------------------------------
 

@@ -90,13 +90,17 @@ def test_prepare_calibrates_once_before_any_request(monkeypatch: pytest.MonkeyPa
     assert not fixed.policy.forward_cost.tokens.points
 
 
-def test_a_draft_lm_times_its_levels_and_a_catch_up_at_start_up() -> None:
+@pytest.mark.parametrize("max_batch_size", [None, 1])
+def test_a_draft_lm_times_its_levels_and_a_catch_up_at_start_up(max_batch_size: int | None) -> None:
     """`prepare()` seeds each draft-LM method's drafting-cost fit with real drafting calls in
     scratch blocks (`LevelTreeProposer.draft_cost_samples`): the method's default tree cut at
     every depth with nothing to read, and one call that first reads `CONTEXT` tokens per
     request, so a token read is priced from a measured catch-up (not from a live call's
-    whole prompt); every scratch block is free again."""
-    llm = llm_engine.LLMEngine(toy_sampling.toy_engine("draft-lm", SETTINGS), RuntimeConfig(max_num_tokens=512))
+    whole prompt); every scratch block is free again. Also at batch 1, whose block pool the
+    forward calibration's scratch once took whole: no drafting call could be timed, and
+    the first live one (cold, reading a whole prompt) priced drafting ~5x too dear."""
+    config = RuntimeConfig(max_batch_size=max_batch_size, max_num_tokens=512)
+    llm = llm_engine.LLMEngine(toy_sampling.toy_engine("draft-lm", SETTINGS), config)
     llm.prepare()
     assert llm.blocks.num_free == llm.blocks.num_blocks
     for method in ("sd", "rsd-c", "rsd-s"):
