@@ -11,8 +11,12 @@ with bounded exploration so it never settles on a stale estimate for good.
 - tau_r(s): expected tokens per step (accepted drafts + the bonus) of request r at size s:
   its own running mean, decayed after a few trees (`REQUEST_EMA`), shrunk towards the
   estimate of its kind (method x greedy/sampled, `GROUP_EMA`) by how many trees it has
-  seen (`REQUEST_PRIOR`, `REQUEST_NOISE`), and for a size never measured an optimistic s
-  (every node accepted), so unseen sizes get tried. One verified tree measures every
+  seen (`REQUEST_PRIOR`, `REQUEST_NOISE`); the kind's estimate is itself optimistic
+  while it rests on few trees (`KIND_PRIOR` trees' worth of the `ceiling`, every level
+  accepted; only the ceiling for a size never measured), so that unseen sizes get tried
+  and a few unlucky first trees do not pass for the truth; a size above the smallest is
+  also priced as the next smaller one plus the gain over it measured in the same trees
+  (`kind_taus`). One verified tree measures every
   smaller nested size too: the accepted path stays accepted at size c as long as each of
   its nodes is in the tree of size c (`DraftTree.node_budget` <= c), exactly for greedy
   and in law for sampling;
@@ -33,8 +37,8 @@ with bounded exploration so it never settles on a stale estimate for good.
   draft, every token decoded since at the first draft after a run without drafting):
   a one-off cost, fitted apart so that it does not pass for the cost of a level (a fit
   that took a 150-token catch-up for level cost charged every later level ~3x its
-  price), and charged to probes but not to a steady choice (once caught up, a request
-  stays caught up while it drafts).
+  price), charged in full to a probe and spread over `CATCH_UP_HORIZON` steps for a
+  steady choice (once caught up, a request stays caught up while it drafts).
 
 Choice (`choose`): a few Dinkelbach iterations (maximising a ratio: at the current rate
 lambda each request independently picks argmax_s tau_r(s) - lambda * marginal_cost_r(s)),
@@ -62,6 +66,7 @@ Whatever the sizes, acceptance is lossless; the policy only moves speed.
 from __future__ import annotations
 
 import bisect
+import itertools
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -76,6 +81,12 @@ push every other shape out of the fit (a single shape leaves the per-node slope 
 and a fit that believes drafting 4 nodes costs what 16 did never leaves the 16)."""
 GROUP_EMA = 0.05
 """Least weight of a step's mean observation in an estimate shared by a kind of request (1/n before)."""
+KIND_PRIOR = 1.0
+"""Trees' worth of optimism in a kind's estimate: it counts as if `KIND_PRIOR` trees had
+yielded the most a tree can (`ceiling`), so its first measured trees outweigh that only
+as they add up (weight n / (n + KIND_PRIOR)), as an upper confidence bound does. Taken
+at face value, a warm-up's one tree that accepted nothing read as a settled 1.0 token per
+step and kept sd at T=1, batch 1 auto-regressive for ~55 steps, until a probe."""
 REQUEST_EMA = 0.2
 """Weight of a new observation in one request's own estimate (acceptance drifts along a text)."""
 REQUEST_PRIOR = 4
@@ -94,6 +105,13 @@ PROBE_SHARE = 0.02
 PROBE_EVERY = 32
 """Fewest steps between probes of one kind of request (while its largest size is measured
 no more often than this)."""
+CATCH_UP_HORIZON = 16
+"""Steps a choice to draft is expected to last: a request that must catch up first (a draft
+LM behind by the tokens decoded without it) is charged 1/16 of its catch-up per step of a
+steady choice, the whole of it for a probe. Charged nothing (the policy before), a batch
+that drafting would gain a little from drafted at once and paid every prompt's catch-up
+in the same steps: the demo engine, sd at batch 16, T=0, ran 0.88x auto-regression (its
+drafting steps ~60% dearer than predicted), 0.96x with the charge."""
 DINKELBACH_ROUNDS = 3
 RECHOOSE_EVERY = 8
 """Steps a settled all-auto-regressive decision stands while nothing is drafted."""
@@ -324,6 +342,9 @@ class Estimate:
     tau: float
     nodes: float
     count: int = 1
+    """Steps it was updated at."""
+    trees: int = 0
+    """Trees it was measured on."""
 
 
 @dataclass(frozen=True)
@@ -333,6 +354,8 @@ class _Group:
     method: str
     row: Row
     count: int
+    lag: float = 0.0
+    """Tokens its drafters must catch up on before they draft, all together (`Offer.lag`)."""
 
     def entry(self, size: int) -> tuple[int, float, float, int]:
         return next(e for e in self.row if e[0] == size)
@@ -376,6 +399,9 @@ class SpeculationPolicy:
     """method -> seconds of a drafting call from (levels, drafted nodes)."""
     kinds: dict[tuple[Hashable, int], Estimate] = field(default_factory=dict)
     """(kind, size) -> estimate shared by requests of that kind."""
+    gains: dict[tuple[Hashable, int], Estimate] = field(default_factory=dict)
+    """(kind, size) -> tokens per step gained over the next smaller offered size, measured
+    in the same trees (`kind_taus`; `nodes` unused)."""
     requests: dict[tuple[str, int], tuple[float, int, int]] = field(default_factory=dict)
     """(request, size) -> its own tau estimate, observations, step of the last one."""
     chosen: Counter[tuple[str, int]] = field(default_factory=Counter)
@@ -394,29 +420,70 @@ class SpeculationPolicy:
 
     # ---- estimates ----------------------------------------------------------------------
 
-    def tau(self, offer: Offer, size: int) -> float:
-        if size == 1:
-            return 1.0
-        shared = self.kinds.get((offer.kind, size))
-        if shared is None:
-            return float(size)
-        own = self.requests.get((offer.key, size))
+    def taus(self, offer: Offer) -> list[float]:
+        """Expected tokens per step of `offer`'s request at each of its sizes: its kind's
+        estimates (`kind_taus`) shifted by what its own trees show beyond chance (`_shift`),
+        never less at a larger size than at a smaller one (nested trees: the larger holds the
+        smaller's accepted path)."""
+        out: list[float] = []
+        floor = 1.0
+        for size, shared in zip(offer.sizes, self.kind_taus(offer), strict=True):
+            if size == 1 or (offer.kind, size) not in self.kinds:  # never measured: its ceiling, no floor above
+                out.append(max(shared, floor) if size > 1 else 1.0)
+                continue
+            floor = max(floor, shared + self._shift(offer.key, size, shared))
+            out.append(floor)
+        return out
+
+    def kind_taus(self, offer: Offer) -> list[float]:
+        """The estimates of `offer`'s kind at each of its sizes. The smallest drafted size:
+        its measured mean; each larger one: the next smaller one's estimate plus the mean gain
+        over it measured in the same trees (`gains`), so that sizes drafted more rarely
+        (measured only by trees at least as large) are not compared level against level
+        with fresher smaller ones: measured apart, 4- and 5-node chains of sd at T=1, batch
+        1 read 2.0-2.25 tokens from a few probes where 3-node chains read 2.4 from many,
+        and the policy drafted 2- and 3-node chains (1.47x auto-regression where 5-node
+        chains throughout ran 1.67x). A size's own mean still counts where it is higher
+        (optimism: a size priced too high is drafted and measured at once, one priced too
+        low only when probed). Each estimate is optimistic while it rests on few trees
+        (`KIND_PRIOR` trees' worth of the `ceiling`; for a gain, of one more token, within
+        the ceiling); a size never measured is its ceiling."""
+        out: list[float] = []
+        below: tuple[float, float] | None = None  # (estimate, ceiling) of the next smaller drafted size
+        for size in offer.sizes:
+            if size == 1:
+                out.append(1.0)
+                continue
+            most = ceiling(offer, size)
+            value = _optimistic(self.kinds.get((offer.kind, size)), most)
+            gain = self.gains.get((offer.kind, size)) if below is not None else None
+            if below is not None and gain is not None:
+                value = max(value, below[0] + _optimistic(gain, min(most - below[0], 1.0)))
+            out.append(value)
+            below = (value, most)
+        return out
+
+    def _shift(self, key: str, size: int, shared: float) -> float:
+        """How far request `key`'s own estimate at `size` moves its kind's (`shared`): by
+        what exceeds the chance spread of its trees, weighted by their number and age
+        (module docstring); 0 if it drafted no tree of `size`."""
+        own = self.requests.get((key, size))
         if own is None:
-            return shared.tau
+            return 0.0
         tau, n, last = own
         noise = REQUEST_NOISE * max(1.0, (REQUEST_PRIOR / n) ** 0.5)  # the spread of a mean of n trees
-        excess = abs(tau - shared.tau) - noise  # only what exceeds it counts
+        excess = abs(tau - shared) - noise  # only what exceeds it counts
         if excess <= 0:
-            return shared.tau
+            return 0.0
         weight = n / (n + REQUEST_PRIOR) * 0.5 ** ((self.steps - last) / REQUEST_HALF_LIFE)
-        return shared.tau + weight * (excess if tau > shared.tau else -excess)
+        return weight * (excess if tau > shared else -excess)
 
     def nodes(self, offer: Offer, size: int) -> float:
         shared = self.kinds.get((offer.kind, size)) if size > 1 else None
         return shared.nodes if shared is not None else float(size)
 
     def estimates(self) -> dict[str, dict[int, float]]:
-        """kind -> size -> estimated tokens per step (what the policy believes; for reports)."""
+        """kind -> size -> measured tokens per step (the decayed mean, before `KIND_PRIOR`; for reports)."""
         out: dict[str, dict[int, float]] = {}
         for (kind, size), e in sorted(self.kinds.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
             out.setdefault(_kind_name(kind), {})[size] = round(e.tau, 3)
@@ -441,9 +508,11 @@ class SpeculationPolicy:
             # requests with the same options and beliefs (most of a batch) are decided together
             groups: dict[tuple[str, Row], list[Offer]] = {}
             for o in offers:
-                row = tuple((s, self.tau(o, s), self.nodes(o, s), lv) for s, lv in zip(o.sizes, o.levels, strict=True))
+                row = tuple(
+                    (s, tau, self.nodes(o, s), lv) for s, tau, lv in zip(o.sizes, self.taus(o), o.levels, strict=True)
+                )
                 groups.setdefault((o.method, row), []).append(o)
-            batch = [_Group(method, row, len(members)) for (method, row), members in groups.items()]
+            batch = [_Group(m, row, len(members), sum(o.lag for o in members)) for (m, row), members in groups.items()]
             best = self._best(batch, others)
             chosen = {
                 o.key: size for (_, members), size in zip(groups.items(), best.sizes, strict=True) for o in members
@@ -475,10 +544,10 @@ class SpeculationPolicy:
         per_method: Counter[str] = Counter()
         for g in batch:
             per_method[g.method] += g.count
-        marginal = {m: self._draft_slopes(m, n)[:2] for m, n in per_method.items()}
+        marginal = {m: self._draft_slopes(m, n) for m, n in per_method.items()}
         rate = best.rate
         for _ in range(DINKELBACH_ROUNDS):
-            picks = [_pick(g.row, rate, fslope, *marginal[g.method]) for g in batch]
+            picks = [_pick(g, rate, fslope, *marginal[g.method]) for g in batch]
             cand = self._evaluate(batch, picks, others)
             if cand.rate > best.rate:
                 best = cand
@@ -520,8 +589,8 @@ class SpeculationPolicy:
             return None
         i, offer = min(candidates, key=lambda c: (c[1].lag, self._measured.get(c[1].key, -1)))
         g = batch[i]
-        probing = [*batch, _Group(g.method, g.row, 1)]
-        probing[i] = _Group(g.method, g.row, g.count - 1)
+        probing = [*batch, _Group(g.method, g.row, 1)]  # its catch-up is charged in full below
+        probing[i] = _Group(g.method, g.row, g.count - 1, g.lag - offer.lag)
         probe = self._evaluate(probing, [*best.sizes, offer.sizes[-1]], others)
         catch_up = self._draft_slopes(offer.method, 1)[2] * offer.lag
         return offer, probe.seconds + catch_up - probe.tokens / max(best.rate, 1e-12)
@@ -549,7 +618,7 @@ class SpeculationPolicy:
 
     def _evaluate(self, batch: list[_Group], sizes: list[int], others: int) -> _Choice:
         tokens, nodes, requests = 0.0, float(others), others
-        drafting: dict[str, list[float]] = {}
+        drafting: dict[str, list[float]] = {}  # method -> [most levels, drafted nodes, tokens to catch up]
         for g, s in zip(batch, sizes, strict=True):
             if not g.count:
                 continue
@@ -558,13 +627,14 @@ class SpeculationPolicy:
             nodes += g.count * n
             requests += g.count
             if s > 1:
-                acc = drafting.setdefault(g.method, [0.0, 0.0])
+                acc = drafting.setdefault(g.method, [0.0, 0.0, 0.0])
                 acc[0] = max(acc[0], levels)
                 acc[1] += g.count * (s - 1)
+                acc[2] += g.lag
         seconds = self.forward_cost(nodes, requests)
-        for method, (most, drafted) in drafting.items():
+        for method, (most, drafted, lag) in drafting.items():
             cost = self.draft_cost.get(method)
-            seconds += cost(most, drafted, 0) if cost is not None else 0.0  # steady: nothing to catch up
+            seconds += cost(most, drafted, lag / CATCH_UP_HORIZON) if cost is not None else 0.0
         return _Choice(sizes, tokens, seconds)
 
     def _draft_slopes(self, method: str, requests: int) -> tuple[float, float, float]:
@@ -620,6 +690,7 @@ class SpeculationPolicy:
             if drafted:
                 self._add_draft_sample(method, levels, drafted, caught_up, seconds)
         step: dict[tuple[Hashable, int], list[tuple[float, float]]] = {}
+        gains: dict[tuple[Hashable, int], list[tuple[float, float]]] = {}
         for o in stats.outcomes:
             if o.size == o.sizes[-1]:
                 self._measured[o.key] = self._measured[o.kind] = self.steps
@@ -631,6 +702,10 @@ class SpeculationPolicy:
                     for c in o.sizes
                     if 1 < c < o.size
                 ]
+            measured.sort()
+            for (below, kept_below, _), (size, accepted, _) in itertools.pairwise(measured):
+                if o.sizes[o.sizes.index(size) - 1] == below:  # the next smaller offered size
+                    gains.setdefault((o.kind, size), []).append((float(accepted - kept_below), 0.0))
             for size, accepted, nodes in measured:
                 tau = 1.0 + accepted
                 step.setdefault((o.kind, size), []).append((tau, nodes))
@@ -639,15 +714,18 @@ class SpeculationPolicy:
                 # stand for five: started at the first tree, the decayed mean did)
                 weight = max(1.0 / (n + 1), REQUEST_EMA)
                 self.requests[(o.key, size)] = (own + weight * (tau - own), n + 1, self.steps)
-        for key, values in step.items():  # one update per step: a step of many requests is one noisy sample less
-            tau, nodes = (sum(v) / len(values) for v in zip(*values, strict=True))  # (numpy's mean: ~0.1 ms a step)
-            e = self.kinds.get(key)
-            if e is None:
-                self.kinds[key] = e = Estimate(tau, nodes, 0)
-            e.count += 1
-            w = max(1.0 / e.count, GROUP_EMA)
-            e.tau += w * (tau - e.tau)
-            e.nodes += w * (nodes - e.nodes)
+        # one update per step: a step of many requests is one noisy sample less
+        for estimates, observed in ((self.kinds, step), (self.gains, gains)):
+            for key, values in observed.items():
+                tau, nodes = (sum(v) / len(values) for v in zip(*values, strict=True))  # (numpy's mean: ~0.1 ms a step)
+                e = estimates.get(key)
+                if e is None:
+                    estimates[key] = e = Estimate(tau, nodes, 0)
+                e.count += 1
+                e.trees += len(values)
+                w = max(1.0 / e.count, GROUP_EMA)
+                e.tau += w * (tau - e.tau)
+                e.nodes += w * (nodes - e.nodes)
 
     def forget(self, key: str) -> None:
         """A request left: drop its own estimates."""
@@ -656,11 +734,14 @@ class SpeculationPolicy:
             del self.requests[k]
 
 
-def _pick(row: Row, rate: float, fslope: float, per_level: float, per_node: float) -> int:
-    """The size maximising tau - rate * marginal cost (one Dinkelbach step for one request)."""
+def _pick(group: _Group, rate: float, fslope: float, per_level: float, per_node: float, per_token: float) -> int:
+    """The size maximising tau - rate * marginal cost for a request of `group` (one
+    Dinkelbach step for one request)."""
     best, value = 1, -np.inf
-    for size, tau, nodes, levels in row:
-        v = tau - rate * (fslope * (nodes - 1) + per_node * (size - 1) + per_level * levels)
+    catch_up = per_token * group.lag / max(group.count, 1) / CATCH_UP_HORIZON
+    for size, tau, nodes, levels in group.row:
+        extra = fslope * (nodes - 1) + per_node * (size - 1) + per_level * levels + (catch_up if size > 1 else 0.0)
+        v = tau - rate * extra
         if v > value:
             best, value = size, v
     return best
@@ -670,6 +751,24 @@ def _kind_name(kind: Hashable) -> str:
     if isinstance(kind, tuple):
         return "/".join(str(k) for k in kind)
     return str(kind)
+
+
+def _optimistic(estimate: Estimate | None, most: float) -> float:
+    """`estimate`'s mean with `KIND_PRIOR` trees' worth of `most` (`most` alone without one;
+    the mean alone where `most` is no more than it: no optimism to add)."""
+    if estimate is None:
+        return most
+    if most <= estimate.tau:
+        return estimate.tau
+    return (estimate.trees * estimate.tau + KIND_PRIOR * most) / (estimate.trees + KIND_PRIOR)
+
+
+def ceiling(offer: Offer, size: int) -> float:
+    """The most tokens a step of `offer` at `size` can yield: a draft per sequential drafter
+    call (level) and the bonus token, and never more than the tree's nodes (a chain drafted
+    by lookup, with no levels, is its size)."""
+    levels = offer.levels[list(offer.sizes).index(size)]
+    return float(min(size, levels + 1) if levels else size)
 
 
 def largest_fitting(sizes: Sequence[int], budget: int) -> int:
