@@ -37,8 +37,9 @@ with bounded exploration so it never settles on a stale estimate for good.
   draft, every token decoded since at the first draft after a run without drafting):
   a one-off cost, fitted apart so that it does not pass for the cost of a level (a fit
   that took a 150-token catch-up for level cost charged every later level ~3x its
-  price), charged in full to a probe and spread over `CATCH_UP_HORIZON` steps for a
-  steady choice (once caught up, a request stays caught up while it drafts).
+  price), charged in full to a probe and, for a steady choice, spread over the steps a
+  method's runs of drafting have lasted (`SpeculationPolicy.horizons`; once caught up, a
+  request stays caught up while it drafts).
 
 Choice (`choose`): a few Dinkelbach iterations (maximising a ratio: at the current rate
 lambda each request independently picks argmax_s tau_r(s) - lambda * marginal_cost_r(s)),
@@ -106,12 +107,18 @@ PROBE_EVERY = 32
 """Fewest steps between probes of one kind of request (while its largest size is measured
 no more often than this)."""
 CATCH_UP_HORIZON = 16
-"""Steps a choice to draft is expected to last: a request that must catch up first (a draft
-LM behind by the tokens decoded without it) is charged 1/16 of its catch-up per step of a
-steady choice, the whole of it for a probe. Charged nothing (the policy before), a batch
-that drafting would gain a little from drafted at once and paid every prompt's catch-up
-in the same steps: the demo engine, sd at batch 16, T=0, ran 0.88x auto-regression (its
-drafting steps ~60% dearer than predicted), 0.96x with the charge."""
+"""Steps a choice to draft is expected to last before any run of drafting was seen: a
+request that must catch up first (a draft LM behind by the tokens decoded without it) is
+charged its catch-up spread over them per step of a steady choice (the whole of it for a
+probe). Charged nothing (the policy before), a batch that drafting would gain a little
+from drafted at once and paid every prompt's catch-up in the same steps: the demo engine,
+sd at batch 16, T=0, ran 0.88x auto-regression (its drafting steps ~60% dearer than
+predicted), 0.96x with the charge. Then the mean length of the method's runs of drafting
+takes over (`HORIZON_EMA`): where drafting barely pays (sd at T=1, batch 8) each fresh
+batch drafted a step or two, paid its prompts' catch-up (~4% of a 64-token round) and went
+back to auto-regression; runs that short make the next catch-up dear enough to stay."""
+HORIZON_EMA = 0.2
+"""Weight of a finished run of drafting in its method's mean run length."""
 DINKELBACH_ROUNDS = 3
 RECHOOSE_EVERY = 8
 """Steps a settled all-auto-regressive decision stands while nothing is drafted."""
@@ -236,9 +243,24 @@ class ForwardCost:
     def residual(self, requests: int, trees: bool = False) -> float:
         """What r requests add beyond the table: for `trees`, from steps with trees but never
         less than one-token steps' (more rows per request attend more; an estimate carried
-        over from a few small early batches must not make trees look cheap)."""
+        over from a few small early batches must not make trees look cheap). Beyond the
+        request counts measured with trees, trees add what they added at the nearest one
+        over its one-token steps, unscaled: at batch 1 a tree step's residual (~1.6 ms) is
+        mostly per step, and scaled by the requests like the one-token residual it priced
+        the first tree steps at batch 8 ~13 ms over the table where they cost 1-2.5 ms, so
+        load-aware sd at batch 8 stayed auto-regressive (504 of 506 request-steps) where
+        5-node chains ran 1.06x. Priced too low instead, the first tree step at that count
+        measures it."""
         one_token = self._residual(self.extra, requests)
-        return max(self._residual(self.extra_trees, requests), one_token) if trees and self.extra_trees else one_token
+        if not trees or not self.extra_trees:
+            return one_token
+        known = sorted(self.extra_trees)
+        if known[0] <= requests <= known[-1]:
+            tree = self._residual(self.extra_trees, requests)
+        else:
+            near = known[0] if requests < known[0] else known[-1]
+            tree = one_token + self.extra_trees[near] - self._residual(self.extra, near)
+        return max(tree, one_token)
 
     @staticmethod
     def _residual(extra: dict[int, float], requests: int) -> float:
@@ -413,6 +435,10 @@ class SpeculationPolicy:
     steps: int = 0
     _measured: dict[Hashable, int] = field(default_factory=dict)
     """request (and kind of request) -> step its largest size was last measured or probed."""
+    horizons: dict[str, float] = field(default_factory=dict)
+    """method -> mean steps its requests' runs of drafting lasted (`CATCH_UP_HORIZON` before any)."""
+    _runs: dict[str, tuple[str, int]] = field(default_factory=dict)
+    """request -> (method, steps) of the run of drafting it is in (probes not counted)."""
     _settled: _Settled | None = None
     """The standing all-auto-regressive decision, if any (module docstring)."""
     reused: int = 0
@@ -500,6 +526,7 @@ class SpeculationPolicy:
         if not offers:
             return fixed
         others += len(fixed)  # their one token each is in the forward
+        probed = None
         if not self.adaptive:
             chosen = {o.key: o.sizes[-1] for o in offers}
         elif self._stands(signature := _signature(offers, others), offers):
@@ -519,7 +546,7 @@ class SpeculationPolicy:
             }
             probe = self._explore(list(groups.values()), batch, others, best)
             if probe is not None:
-                chosen[probe.key] = probe.sizes[-1]
+                chosen[probe.key], probed = probe.sizes[-1], probe.key
             self._settled = None
             if max(best.sizes) == 1 and probe is None:
                 next_probe = self._probe(list(groups.values()), batch, others, best, stale_only=False)
@@ -527,6 +554,10 @@ class SpeculationPolicy:
                     self._settled = _Settled(signature, self.steps, best.seconds, next_probe[1])
         for o in offers:
             self.chosen[(o.method, chosen[o.key])] += 1
+            if chosen[o.key] == 1:
+                self._end_run(o.key)
+            elif o.key != probed or o.key in self._runs:  # a probe alone is no run
+                self._runs[o.key] = (o.method, self._runs.get(o.key, (o.method, 0))[1] + 1)
         return fixed | chosen
 
     def _best(self, batch: list[_Group], others: int) -> _Choice:
@@ -544,7 +575,7 @@ class SpeculationPolicy:
         per_method: Counter[str] = Counter()
         for g in batch:
             per_method[g.method] += g.count
-        marginal = {m: self._draft_slopes(m, n) for m, n in per_method.items()}
+        marginal = {m: (*self._draft_slopes(m, n), self._horizon(m)) for m, n in per_method.items()}
         rate = best.rate
         for _ in range(DINKELBACH_ROUNDS):
             picks = [_pick(g, rate, fslope, *marginal[g.method]) for g in batch]
@@ -634,7 +665,7 @@ class SpeculationPolicy:
         seconds = self.forward_cost(nodes, requests)
         for method, (most, drafted, lag) in drafting.items():
             cost = self.draft_cost.get(method)
-            seconds += cost(most, drafted, lag / CATCH_UP_HORIZON) if cost is not None else 0.0
+            seconds += cost(most, drafted, lag / self._horizon(method)) if cost is not None else 0.0
         return _Choice(sizes, tokens, seconds)
 
     def _draft_slopes(self, method: str, requests: int) -> tuple[float, float, float]:
@@ -645,6 +676,18 @@ class SpeculationPolicy:
             return 0.0, 0.0, 0.0
         per_level, per_node, per_token = cost.slopes()
         return float(per_level) / requests, float(per_node), float(per_token)
+
+    def _end_run(self, key: str) -> None:
+        """Request `key` stopped drafting (or left): its run's length joins its method's mean."""
+        run = self._runs.pop(key, None)
+        if run is not None:
+            method, steps = run
+            mean = self.horizons.get(method, CATCH_UP_HORIZON)
+            self.horizons[method] = mean + HORIZON_EMA * (steps - mean)
+
+    def _horizon(self, method: str) -> float:
+        """Steps a run of drafting of `method` is expected to last (`CATCH_UP_HORIZON`)."""
+        return max(self.horizons.get(method, CATCH_UP_HORIZON), 1.0)
 
     # ---- measurements -------------------------------------------------------------------
 
@@ -728,17 +771,20 @@ class SpeculationPolicy:
                 e.nodes += w * (nodes - e.nodes)
 
     def forget(self, key: str) -> None:
-        """A request left: drop its own estimates."""
+        """A request left: drop its own estimates (its run of drafting ends)."""
+        self._end_run(key)
         self._measured.pop(key, None)
         for k in [k for k in self.requests if k[0] == key]:
             del self.requests[k]
 
 
-def _pick(group: _Group, rate: float, fslope: float, per_level: float, per_node: float, per_token: float) -> int:
+def _pick(
+    group: _Group, rate: float, fslope: float, per_level: float, per_node: float, per_token: float, horizon: float
+) -> int:
     """The size maximising tau - rate * marginal cost for a request of `group` (one
     Dinkelbach step for one request)."""
     best, value = 1, -np.inf
-    catch_up = per_token * group.lag / max(group.count, 1) / CATCH_UP_HORIZON
+    catch_up = per_token * group.lag / max(group.count, 1) / horizon
     for size, tau, nodes, levels in group.row:
         extra = fslope * (nodes - 1) + per_node * (size - 1) + per_level * levels + (catch_up if size > 1 else 0.0)
         v = tau - rate * extra

@@ -610,6 +610,7 @@ def test_a_steady_choice_to_draft_pays_for_its_catch_up_over_a_horizon(monkeypat
     p = calibrated(world)
     p.add_draft_samples("redrafter", [(L, L, PROMPT, world.draft(L) + CATCH_UP_MS * PROMPT / 1000)])  # a catch-up timed
     run(p, world, batch=16, steps=40)  # acceptance and per-request costs learned, nothing to catch up
+    p.horizons.clear()  # no run of drafting seen: the catch-up is spread over `CATCH_UP_HORIZON` steps
 
     def drafting(lag: int) -> int:
         chosen = p.choose([Offer(f"r{i}.{lag}", KIND, "redrafter", BEAMS, LEVELS, lag) for i in range(16)])
@@ -620,3 +621,23 @@ def test_a_steady_choice_to_draft_pays_for_its_catch_up_over_a_horizon(monkeypat
     assert drafting(PROMPT) <= 1
     monkeypatch.setattr(speculation_policy, "CATCH_UP_HORIZON", float("inf"))
     assert drafting(PROMPT) == 16
+
+
+def test_the_catch_up_horizon_is_how_long_runs_of_drafting_last() -> None:
+    """A request's run of drafting ends when it is given size 1 or leaves; the mean length
+    of its method's runs is the horizon its catch-ups are spread over. Runs of a step or two
+    (drafting that barely pays, given up as soon as it starts) shorten it, so the next
+    batch's catch-up is charged nearly whole; long runs lengthen it."""
+    p = calibrated(GOOD)  # drafting pays: each request drafts from its first step to the last
+
+    def runs(lengths: list[int]) -> float:
+        """The horizon after requests that stay `lengths` steps each."""
+        for i, steps in enumerate(lengths):
+            for _ in range(steps):
+                assert p.choose([Offer(f"{steps}.{i}", KIND, "redrafter", BEAMS, LEVELS)])[f"{steps}.{i}"] > 1
+            p.forget(f"{steps}.{i}")
+        return p._horizon("redrafter")
+
+    assert runs([]) == speculation_policy.CATCH_UP_HORIZON
+    assert runs([1] * 12) < 2.5
+    assert runs([60] * 12) > 50
