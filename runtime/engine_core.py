@@ -89,7 +89,7 @@ class EngineCore:
         """Why the engine cannot step any more (None while it can)."""
         self._failed_steps = 0
         self._calibrated = False
-        self._options: dict[tuple[str, object], tuple[list[int], list[int]]] = {}
+        self._options: dict[tuple[str, object], tuple[list[int], list[int], bool]] = {}
         """(method, draft params) -> (tree sizes, drafter levels) it offers."""
 
     def prepare(self) -> None:
@@ -202,20 +202,22 @@ class EngineCore:
         for r in running:
             if not r.in_prefill:
                 lag = self.proposers[r.method].lag(r)
-                offers.append(Offer(r.request_id, (r.method, r.params.greedy), r.method, *self._offered(r), lag))
+                sizes, levels, exact = self._offered(r)
+                offers.append(Offer(r.request_id, (r.method, r.params.greedy), r.method, sizes, levels, lag, exact))
         if not self._calibrated and self.policy.adaptive and any(len(o.sizes) > 1 for o in offers):
             self._calibrate()
         chosen = self.policy.choose(offers, len(running) - len(offers))
         return self.scheduler.schedule({o.key: [s for s in o.sizes if s <= chosen[o.key]] for o in offers})
 
-    def _offered(self, request: Request) -> tuple[list[int], list[int]]:
-        """(tree sizes, drafter levels) the request's proposer offers; params are frozen, so
-        each proposer is asked once per setting."""
+    def _offered(self, request: Request) -> tuple[list[int], list[int], bool]:
+        """(tree sizes, drafter levels, whether smaller sizes are exact cuts) the request's
+        proposer offers; params are frozen, so each proposer is asked once per setting."""
         key = (request.method, request.draft_params)
         options = self._options.get(key)
         if options is None:
-            proposer = self.proposers[request.method]
-            options = self._options[key] = proposer.sizes(request.draft_params), proposer.levels(request.draft_params)
+            proposer, params = self.proposers[request.method], request.draft_params
+            options = proposer.sizes(params), proposer.levels(params), proposer.exact_cuts(params)
+            self._options[key] = options
         return options
 
     def _propose(

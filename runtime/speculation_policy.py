@@ -146,6 +146,10 @@ class Offer:
     """Sequential drafter calls of each size (0 for size 1)."""
     lag: int = 0
     """Tokens its drafter must read before it drafts (`Proposer.lag`)."""
+    exact: bool = True
+    """Whether each smaller size's tree is the larger tree cut (`Proposer.exact_cuts`), so
+    that what a size gains over the next smaller one, measured inside a larger tree, is what
+    drafting it gains (`SpeculationPolicy.kind_taus`)."""
 
 
 @dataclass
@@ -449,16 +453,18 @@ class SpeculationPolicy:
     def taus(self, offer: Offer) -> list[float]:
         """Expected tokens per step of `offer`'s request at each of its sizes: its kind's
         estimates (`kind_taus`) shifted by what its own trees show beyond chance (`_shift`),
-        never less at a larger size than at a smaller one (nested trees: the larger holds the
-        smaller's accepted path)."""
+        never less at a larger size than at a smaller one where smaller trees are cuts of
+        larger ones (`Offer.exact`: the larger holds the smaller's accepted path)."""
         out: list[float] = []
         floor = 1.0
         for size, shared in zip(offer.sizes, self.kind_taus(offer), strict=True):
             if size == 1 or (offer.kind, size) not in self.kinds:  # never measured: its ceiling, no floor above
                 out.append(max(shared, floor) if size > 1 else 1.0)
                 continue
-            floor = max(floor, shared + self._shift(offer.key, size, shared))
-            out.append(floor)
+            value = shared + self._shift(offer.key, size, shared)
+            if offer.exact:  # a cut of a larger tree: the larger accepts at least as much
+                value = floor = max(floor, value)
+            out.append(value)
         return out
 
     def kind_taus(self, offer: Offer) -> list[float]:
@@ -482,7 +488,7 @@ class SpeculationPolicy:
                 continue
             most = ceiling(offer, size)
             value = _optimistic(self.kinds.get((offer.kind, size)), most)
-            gain = self.gains.get((offer.kind, size)) if below is not None else None
+            gain = self.gains.get((offer.kind, size)) if below is not None and offer.exact else None
             if below is not None and gain is not None:
                 value = max(value, below[0] + _optimistic(gain, min(most - below[0], 1.0)))
             out.append(value)

@@ -73,6 +73,14 @@ class Proposer(ABC):
         """One tree per request, rooted at its pending token (`request.tokens[-1]`): the
         tree of the largest of its sizes within `budgets[i]` (a budget of 1: the root alone)."""
 
+    def exact_cuts(self, params: Any) -> bool:
+        """Whether the tree of each smaller size is the tree of a larger size cut (trees cut
+        after fewer levels, chains cut shorter), so that a larger tree measures exactly what
+        a smaller one would have accepted. Not for sizes that are beam widths: a wider
+        search keeps a different top beam, and load-aware speculation prices those sizes by
+        each size's own measurements (`SpeculationPolicy.kind_taus`). Default: yes."""
+        return True
+
     def lag(self, request: Request) -> int:
         """Tokens of `request` its drafter must read before it can draft again (a draft LM's
         catch-up on what was decoded without it; load-aware speculation charges them to a

@@ -131,6 +131,9 @@ class ReDrafterProposer(Proposer):
     def levels(self, params: ReDrafterParams) -> list[int]:
         return [0 if s == 1 else params.beam_length for s in self.sizes(params)]
 
+    def exact_cuts(self, params: ReDrafterParams) -> bool:
+        return False  # sizes are beam widths, and a wider search keeps a different top beam
+
     def draft_cost_samples(self, method: str) -> list[tuple[int, int, int, float]]:
         """Beam searches from zero states, twice each: every width load-aware speculation may
         pick for one request, and one beam for 8 and 32 requests (so the fit sees nodes
