@@ -641,3 +641,19 @@ def test_the_catch_up_horizon_is_how_long_runs_of_drafting_last() -> None:
     assert runs([]) == speculation_policy.CATCH_UP_HORIZON
     assert runs([1] * 12) < 2.5
     assert runs([60] * 12) > 50
+
+
+def test_sizes_that_are_beam_widths_are_priced_by_their_own_trees() -> None:
+    """A wider beam search keeps a different top beam, so a 2-beam tree need not accept
+    what the 1-beam tree inside a 4-beam tree did: for ReDrafter's widths
+    (`Offer.exact` False) each size is priced by its own measurements, even below a
+    smaller size; for cuts of one tree (chains, trees cut after fewer levels) a larger size
+    is never priced below a smaller one, and is priced by the gains measured inside it."""
+    p = SpeculationPolicy()
+    for i in range(30):  # 1-beam trees accept 3, 2-beam trees 2 (measured apart, as drafted)
+        p.observe(StepStats(5, 0.01, outcomes=[Outcome(f"a{i}", KIND, 5, BEAMS, 3, [], list(range(4)), 5)]))
+        p.observe(StepStats(9, 0.01, outcomes=[Outcome(f"b{i}", KIND, 9, BEAMS, 1, [], [0, 1], 9)]))
+    widths = p.taus(Offer("r", KIND, "redrafter", BEAMS, LEVELS, exact=False))
+    cuts = p.taus(Offer("r", KIND, "redrafter", BEAMS, LEVELS))
+    assert widths[1] == pytest.approx(4.0, abs=0.15) and widths[2] == pytest.approx(2.0, abs=0.15)  # + KIND_PRIOR
+    assert cuts[:3] == pytest.approx([1.0, widths[1], widths[1]])
