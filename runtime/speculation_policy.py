@@ -280,7 +280,9 @@ class ForwardCost:
             # read -0.4 ms made a 32-request forward -6 ms and drafting at batch 32 look free
             value = extra[near]
             return max(value, 0.0) * requests / near + min(value, 0.0)
-        return float(np.interp(requests, known, [extra[r] for r in known]))
+        i = bisect.bisect_left(known, requests)  # between two measured counts: linear (np.interp cost ~10 us a call)
+        lo, hi = known[i - 1], known[i]
+        return extra[lo] + (extra[hi] - extra[lo]) * (requests - lo) / (hi - lo)
 
     def slope(self, lo: float, hi: float) -> float:
         """Marginal seconds per token between lo and hi tokens (the request count fixed)."""
@@ -308,9 +310,9 @@ class LinearCost:
 
     def __init__(self) -> None:
         self._shapes: dict[tuple[float, ...], deque[tuple[tuple[float, ...], float]]] = {}
-        self._coef: np.ndarray | None = None
-        self._gram: np.ndarray | None = None  # A^T A over the kept samples (rows (1, *features))
-        self._moment: np.ndarray | None = None  # A^T t
+        self._gram: list[list[float]] = []  # A^T A over the kept samples (rows (1, *features))
+        self._moment: list[float] = []  # A^T t
+        self._coef: tuple[float, ...] | None = None  # [intercept, slopes...] of the last fit
 
     @property
     def samples(self) -> list[tuple[tuple[float, ...], float]]:
@@ -330,37 +332,57 @@ class LinearCost:
         self._coef = None
 
     def _account(self, x: tuple[float, ...], seconds: float, sign: float) -> None:
-        row = np.array((1.0, *x))
-        if self._gram is None or self._moment is None:
-            self._gram, self._moment = np.zeros((len(row), len(row))), np.zeros(len(row))
-        self._gram += sign * np.outer(row, row)
-        self._moment += sign * seconds * row
+        row = (1.0, *x)
+        if not self._gram:
+            self._gram, self._moment = [[0.0] * len(row) for _ in row], [0.0] * len(row)
+        for i, a in enumerate(row):
+            self._moment[i] += sign * seconds * a
+            gram_i = self._gram[i]
+            for j, b in enumerate(row):
+                gram_i[j] += sign * a * b
 
     def __call__(self, *x: float) -> float:
         if not self._shapes:
             return 0.0
-        coef = self._fitted()
-        return float(coef[0] + np.dot(coef[1:], x))
+        intercept, *slopes = self._fitted()
+        return intercept + sum(c * v for c, v in zip(slopes, x, strict=True))
 
-    def slopes(self) -> np.ndarray:
-        return self._fitted()[1:] if self._shapes else np.zeros(0)
+    def slopes(self) -> tuple[float, ...]:
+        return self._fitted()[1:] if self._shapes else ()
 
-    def _fitted(self) -> np.ndarray:
-        """[intercept, slopes...], refitted after a new sample (there is at least one)."""
+    def _fitted(self) -> tuple[float, ...]:
+        """[intercept, slopes...], refitted after a new sample (there is at least one). Plain
+        floats and a 4 x 4 elimination: numpy's solve cost ~0.16 ms a refit in the engine
+        (its per-call overhead, with caches cold after a forward), ~2% of a batch-1 step."""
         if self._coef is None:
-            assert self._gram is not None and self._moment is not None
-            gram, moment = self._gram, self._moment
-            ridge = 1e-6 * np.eye(len(moment))  # features without spread: shrink their coefficient, not blow up
-            coef = np.linalg.solve(gram + ridge, moment)
-            if coef.min() < 0:  # a negative intercept/slope: refit without it (costs never shrink with work)
-                keep = coef > 0
-                coef = np.zeros_like(coef)
-                if keep.any():
-                    sub = np.ix_(keep, keep)
-                    coef[keep] = np.linalg.solve(gram[sub] + ridge[sub], moment[keep])
-                coef = np.maximum(coef, 0.0)
-            self._coef = coef
+            n = len(self._moment)
+            ridge = 1e-6  # features without spread: shrink their coefficient, not blow up
+            keep = list(range(n))
+            while True:
+                gram = [[self._gram[i][j] + (ridge if i == j else 0.0) for j in keep] for i in keep]
+                coef = dict(zip(keep, _solve(gram, [self._moment[i] for i in keep]), strict=True))
+                if min(coef.values(), default=0.0) >= 0 or len(keep) < n:  # costs never shrink with work:
+                    break  # a negative intercept/slope is refitted once without every negative one
+                keep = [i for i in keep if coef[i] > 0]
+            self._coef = tuple(max(coef.get(i, 0.0), 0.0) for i in range(n))
         return self._coef
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """x with a x = b (a small, symmetric positive definite: Gaussian elimination, partial pivoting)."""
+    n = len(b)
+    m = [[*row, rhs] for row, rhs in zip(a, b, strict=True)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            for c in range(col, n + 1):
+                m[r][c] -= f * m[col][c]
+    x = [0.0] * n
+    for r in reversed(range(n)):
+        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+    return x
 
 
 @dataclass
@@ -567,13 +589,16 @@ class SpeculationPolicy:
         return fixed | chosen
 
     def _best(self, batch: list[_Group], others: int) -> _Choice:
-        """The best of every uniform choice and a few Dinkelbach rounds."""
+        """The best of every uniform choice and a few Dinkelbach rounds (none for one group:
+        its uniform choices are all its choices)."""
         sizes = [[e[0] for e in g.row] for g in batch]
         uniform = sorted({s for offered in sizes for s in offered})
         best = max(
             (self._evaluate(batch, [largest_fitting(offered, c) for offered in sizes], others) for c in uniform),
             key=lambda c: c.rate,
         )
+        if len(batch) == 1:
+            return best
         requests = sum(g.count for g in batch)
         lo = others + requests
         hi = others + sum(g.count * g.row[-1][2] for g in batch)
