@@ -90,7 +90,7 @@ class EngineCore:
         self._failed_steps = 0
         self._calibrated = False
         self._options: dict[tuple[str, object], tuple[list[int], list[int], bool]] = {}
-        """(method, draft params) -> (tree sizes, drafter levels) it offers."""
+        """(method, draft params) -> (tree sizes, drafter levels, exact cuts) it offers (`_offered`)."""
 
     def prepare(self) -> None:
         """Calibrate load-aware speculation now, as vLLM profiles at start-up, rather than at

@@ -84,7 +84,8 @@ class Proposer(ABC):
     def lag(self, request: Request) -> int:
         """Tokens of `request` its drafter must read before it can draft again (a draft LM's
         catch-up on what was decoded without it; load-aware speculation charges them to a
-        probe, not to the levels). Default: none (drafters that read the target's state)."""
+        probe in full, and to a steady choice spread over a run of drafting, not to the
+        levels). Default: none (drafters that read the target's state)."""
         return 0
 
     def draft_cost_samples(self, method: str) -> list[tuple[int, int, int, float]]:
