@@ -228,7 +228,8 @@ class TokenCost:
 class ForwardCost:
     """Seconds of a target forward of n tokens from r requests: `tokens` (one request,
     timed at engine start) plus the decayed mean of what live forwards of r requests cost
-    beyond it (interpolated between measured r, proportional to r beyond), kept apart for
+    beyond it (interpolated between measured r; beyond, proportional to r for one-token
+    steps and what trees add unscaled, `residual`), kept apart for
     steps of one token per request (`extra`) and steps with trees (`extra_trees`: each
     request's rows attend over its own context, so r requests of several tokens cost more
     beyond the one-request table than r single tokens). One residual for both charged a
@@ -503,7 +504,7 @@ class SpeculationPolicy:
         (`KIND_PRIOR` trees' worth of the `ceiling`; for a gain, of one more token, within
         the ceiling); a size never measured is its ceiling."""
         out: list[float] = []
-        below: tuple[float, float] | None = None  # (estimate, ceiling) of the next smaller drafted size
+        below: float | None = None  # the estimate of the next smaller drafted size
         for size in offer.sizes:
             if size == 1:
                 out.append(1.0)
@@ -512,9 +513,9 @@ class SpeculationPolicy:
             value = _optimistic(self.kinds.get((offer.kind, size)), most)
             gain = self.gains.get((offer.kind, size)) if below is not None and offer.exact else None
             if below is not None and gain is not None:
-                value = max(value, below[0] + _optimistic(gain, min(most - below[0], 1.0)))
+                value = max(value, below + _optimistic(gain, min(most - below, 1.0)))
             out.append(value)
-            below = (value, most)
+            below = value
         return out
 
     def _shift(self, key: str, size: int, shared: float) -> float:
@@ -776,10 +777,9 @@ class SpeculationPolicy:
                     for c in o.sizes
                     if 1 < c < o.size
                 ]
-            measured.sort()
-            for (below, kept_below, _), (size, accepted, _) in itertools.pairwise(measured):
-                if o.sizes[o.sizes.index(size) - 1] == below:  # the next smaller offered size
-                    gains.setdefault((o.kind, size), []).append((float(accepted - kept_below), 0.0))
+            measured.sort()  # every offered size up to the tree's: each pair is a size and the next smaller
+            for (_, kept_below, _), (size, accepted, _) in itertools.pairwise(measured):
+                gains.setdefault((o.kind, size), []).append((float(accepted - kept_below), 0.0))
             for size, accepted, nodes in measured:
                 tau = 1.0 + accepted
                 step.setdefault((o.kind, size), []).append((tau, nodes))
