@@ -166,7 +166,14 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     share its batch: `inverse_cdf` at a 53-bit uniform. `torch.multinomial` draws from the
     same law but costs ~15x as much on the CPU (~180 vs ~12 us over 8192 tokens), and this
     runs once per sampled request per step (~10% of an auto-regressive step at batch 8)."""
-    return inverse_cdf(probs, torch.rand((), dtype=torch.float64, generator=generator, device=probs.device))
+    return inverse_cdf(probs, uniform(generator, probs.device))
+
+
+def uniform(generator: torch.Generator, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The 53-bit uniform `sample` draws from `generator`: a 0-d fp64 tensor. Drawn apart,
+    it lets a batch of draws share one `inverse_cdf_rows` (each request's uniform still
+    comes from its own generator, in its own order)."""
+    return torch.rand((), dtype=torch.float64, generator=generator, device=device)
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> int:

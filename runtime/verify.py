@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from runtime.sampling import SamplingParams, sample, target_probs, target_probs_rows
+from runtime.sampling import SamplingParams, inverse_cdf_rows, target_probs, target_probs_rows, uniform
 from runtime.tree import DraftTree, children_lists
 
 
@@ -118,23 +118,33 @@ def accept_sampled_batch(
 
     Tree by tree (`_walk_tree`), with one-row laws and the decisions read on the host. Every
     uniform comes from the request's own generator (one per node: a node is tried at most
-    once), so a request's tokens do not depend on its batch.
+    once, then one for the bonus), so a request's tokens do not depend on its batch.
 
     A root alone (an auto-regressive step) has no child to try: its token is the bonus
     drawn from q at the root, as the walk would draw it; the roots' laws are one softmax
-    over all their rows."""
+    over all their rows. The bonus tokens of every tree are one `inverse_cdf_rows` over the
+    batch's final laws, each at the uniform its request drew after its walk: what `sample`
+    draws row by row, bit for bit (its cumulative sums run along each row), for ~80 us at
+    batch 8 instead of ~260 (8 calls of ~5 ATen ops each)."""
     alone = [i for i, t in enumerate(trees) if len(t.tokens) == 1]
-    drawn: dict[int, Acceptance] = {}
-    if alone:
-        q_rows = target_probs_rows(torch.cat([logits[i] for i in alone]), [params[i] for i in alone])
-        drawn = {i: Acceptance([0], [sample(q, generators[i])]) for i, q in zip(alone, q_rows, strict=True)}
+    roots = iter(target_probs_rows(torch.cat([logits[i] for i in alone]), [params[i] for i in alone]) if alone else ())
+    walks: list[tuple[list[int], torch.Tensor]] = []  # per tree: its accepted path, the law its bonus is drawn from
+    draws = []
+    for tree, rows, prm, gen in zip(trees, logits, params, generators, strict=True):
+        walks.append(([0], next(roots)) if len(tree.tokens) == 1 else _walk_tree(tree, rows, prm, gen))
+        draws.append(uniform(gen, rows.device))  # after the walk's node uniforms, as `sample` would
+    bonus = inverse_cdf_rows(torch.stack([q for _, q in walks]), torch.stack(draws)).tolist()
     return [
-        drawn[i] if i in drawn else _walk_tree(trees[i], logits[i], params[i], generators[i]) for i in range(len(trees))
+        Acceptance(path, [*(tree.tokens[c] for c in path[1:]), token])
+        for tree, (path, _), token in zip(trees, walks, bonus, strict=True)
     ]
 
 
-def _walk_tree(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> Acceptance:
-    """Recursive rejection sampling down one tree. The laws are computed where the walk
+def _walk_tree(
+    tree: DraftTree, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
+) -> tuple[list[int], torch.Tensor]:
+    """Recursive rejection sampling down one tree: the accepted path and the law q its
+    bonus token is drawn from (the caller draws it, `accept_sampled_batch`). The laws are computed where the walk
     reaches them: q and the children's draft law p at the root, then at each accepted node;
     a rejected child changes them to the residuals (`rejection_step`). The tensors are one
     row each, and the accept/reject decisions are read on the host: a [B, N, V] table of
@@ -143,7 +153,7 @@ def _walk_tree(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, ge
     5-node chain at batch 1, where this costs ~0.2 ms).
 
     The uniforms are one per node, drawn up front (`torch.rand`) from the request's own
-    generator, then the bonus (`sample`); the acceptance test u < min(1, q(x)/p(x)) is
+    generator (the bonus's comes after them); the acceptance test u < min(1, q(x)/p(x)) is
     computed as in fp32 (a correctly rounded fp32 quotient: the fp64 quotient rounded to
     fp32, which double rounding cannot change for a division)."""
     kids = children_lists(tree.parents)
@@ -171,8 +181,7 @@ def _walk_tree(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, ge
         _, q_next, p_next = rejection_step(q[None], p_k[None], torch.tensor([x], device=q.device))
         q, p = q_next[0], (None if p is None else p_next[0])
         tried += 1
-    # a leaf, or every child rejected: the bonus comes from q
-    return Acceptance(path, [*(tree.tokens[c] for c in path[1:]), sample(q, gen)])
+    return path, q  # a leaf, or every child rejected: the bonus comes from q
 
 
 def host_acceptance(qx: float, px: float) -> float:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from runtime.sampling import SamplingParams, target_probs
+from runtime.sampling import SamplingParams, sample, target_probs
 from runtime.tree import DraftTree, children_lists
-from runtime.verify import Acceptance, accept_greedy, accept_sampled_batch, acceptance, host_acceptance
+from runtime.verify import Acceptance, _walk_tree, accept_greedy, accept_sampled_batch, acceptance, host_acceptance
 from tests.device import TEST_DEVICE
 from tests.stats import passes_chi_square
 
@@ -128,6 +128,30 @@ def test_a_root_alone_draws_its_bonus_from_the_target_and_ignores_its_batch() ->
     mixed = accept_sampled_batch(trees, rows, [params] * len(trees), gens_())
     alone = [accept_sampled_batch([t], [r], [params], [g])[0] for t, r, g in zip(trees, rows, gens_(), strict=True)]
     assert mixed == alone
+
+
+def test_the_batched_bonus_is_what_sample_draws_tree_by_tree() -> None:
+    """The bonus tokens of a batch are one inverse CDF over every tree's final law; each
+    must be the token `sample` draws from that law with the request's generator right
+    after its walk, bit for bit: on the toy trees mixed with roots alone, and on
+    full-vocabulary roots (8192 tokens, where fp64 cumulative sums of another length or
+    order would move draws)."""
+    params = SamplingParams(temperature=0.9)
+    root = DraftTree([0], [-1])
+    wide = list(torch.randn(5, 1, 8192, generator=torch.Generator().manual_seed(7)).to(TEST_DEVICE))
+    toy = [node_logits(), LOGITS[:1].to(TEST_DEVICE), node_logits(), LOGITS[2:3].to(TEST_DEVICE), node_logits()]
+    for trees, rows in [([TREE, root, TREE, root, TREE], toy), ([root] * len(wide), wide)]:
+
+        def gens(n: int = len(trees)) -> list[torch.Generator]:
+            return [torch.Generator(TEST_DEVICE).manual_seed(300 + i) for i in range(n)]
+
+        want = []
+        for tree, r, g in zip(trees, rows, gens(), strict=True):
+            path, q = _walk_tree(tree, r, params, g) if len(tree.tokens) > 1 else ([0], target_probs(r[0], params))
+            want.append(Acceptance(path, [*(tree.tokens[c] for c in path[1:]), sample(q, g)]))
+        assert accept_sampled_batch(trees, rows, [params] * len(trees), gens()) == want
+        backwards = accept_sampled_batch(trees[::-1], rows[::-1], [params] * len(trees), gens()[::-1])
+        assert backwards == want[::-1]
 
 
 def test_the_walks_host_acceptance_is_the_fp32_acceptance() -> None:
