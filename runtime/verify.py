@@ -89,14 +89,19 @@ def rejection_step(
     A point-mass candidate is p^(k) = delta_x: acceptance q(x), residual q without x."""
     qx = q.gather(-1, x[..., None]).squeeze(-1)
     px = p.gather(-1, x[..., None]).squeeze(-1)
-    accept_prob = acceptance(qx, px)
-    residual = (q - p).clamp(min=0.0)
-    mass = residual.sum(-1, keepdim=True)
-    # mass 0 only when q == p, where nothing is ever rejected; keep q rather than divide by 0
-    q_next = torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(q.dtype).tiny), q)
     rest = p.scatter(-1, x[..., None], 0.0)
     p_next = rest / rest.sum(-1, keepdim=True).clamp(min=torch.finfo(p.dtype).tiny)
-    return accept_prob, q_next, p_next
+    return acceptance(qx, px), residual(q, p), p_next
+
+
+def residual(q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The next target residual q^(k+1) = norm([q^(k) - p^(k)]^+) (RSD eq. 4) alone: what
+    `rejection_step` returns second, for a walk whose rejected child was its node's last
+    (the bonus needs q^(k+1), no next draft law: a chain's every rejection)."""
+    positive = (q - p).clamp(min=0.0)
+    mass = positive.sum(-1, keepdim=True)
+    # mass 0 only when q == p, where nothing is ever rejected; keep q rather than divide by 0
+    return torch.where(mass > 0, positive / mass.clamp(min=torch.finfo(q.dtype).tiny), q)
 
 
 def acceptance(qx: torch.Tensor, px: torch.Tensor) -> torch.Tensor:
@@ -144,9 +149,10 @@ def _walk_tree(
     tree: DraftTree, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
 ) -> tuple[list[int], torch.Tensor]:
     """Recursive rejection sampling down one tree: the accepted path and the law q its
-    bonus token is drawn from (the caller draws it, `accept_sampled_batch`). The laws are computed where the walk
-    reaches them: q and the children's draft law p at the root, then at each accepted node;
-    a rejected child changes them to the residuals (`rejection_step`). The tensors are one
+    bonus token is drawn from (the caller draws it, `accept_sampled_batch`). The laws are
+    computed where the walk reaches them: q and the children's draft law p at the root,
+    then at each accepted node; a rejected child changes them to the residuals
+    (`rejection_step`; `residual` alone after a node's last child). The tensors are one
     row each, and the accept/reject decisions are read on the host: a [B, N, V] table of
     every node's laws cost more to fill than the walk (4-9 ms a step at batch 8 x 18 nodes),
     and a walk vectorised over the batch paid ~25 small tensor ops per level (~1.4 ms for a
@@ -178,9 +184,12 @@ def _walk_tree(
             tried = 0
             continue
         p_k = F.one_hot(torch.tensor(x, device=q.device), q.shape[-1]).to(q.dtype) if p is None else p
+        tried += 1
+        if tried == len(kids[path[-1]]):  # no sibling left to try: only the residual is needed
+            q = residual(q, p_k)
+            continue
         _, q_next, p_next = rejection_step(q[None], p_k[None], torch.tensor([x], device=q.device))
         q, p = q_next[0], (None if p is None else p_next[0])
-        tried += 1
     return path, q  # a leaf, or every child rejected: the bonus comes from q
 
 

@@ -12,7 +12,16 @@ import torch
 
 from runtime.sampling import SamplingParams, sample, target_probs
 from runtime.tree import DraftTree, children_lists
-from runtime.verify import Acceptance, _walk_tree, accept_greedy, accept_sampled_batch, acceptance, host_acceptance
+from runtime.verify import (
+    Acceptance,
+    _walk_tree,
+    accept_greedy,
+    accept_sampled_batch,
+    acceptance,
+    host_acceptance,
+    rejection_step,
+    residual,
+)
 from tests.device import TEST_DEVICE
 from tests.stats import passes_chi_square
 
@@ -152,6 +161,21 @@ def test_the_batched_bonus_is_what_sample_draws_tree_by_tree() -> None:
         assert accept_sampled_batch(trees, rows, [params] * len(trees), gens()) == want
         backwards = accept_sampled_batch(trees[::-1], rows[::-1], [params] * len(trees), gens()[::-1])
         assert backwards == want[::-1]
+
+
+def test_the_residual_alone_is_the_rejection_steps_bit_for_bit() -> None:
+    """After a node's last child the walk computes only the residual (`residual`, one row);
+    it must be the q^(k+1) of `rejection_step` over a batch row, bits included, for draft
+    laws and point masses, and where the residual's mass is 0 (q == p: q kept)."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.softmax(torch.randn(6, 8192, generator=gen) * 3, -1).to(TEST_DEVICE)
+    p = torch.softmax(torch.randn(6, 8192, generator=gen) * 3, -1).to(TEST_DEVICE)
+    x = torch.randint(0, 8192, (6,), generator=gen).to(TEST_DEVICE)
+    point = torch.nn.functional.one_hot(x, 8192).to(q.dtype)
+    for law in (p, point, q):
+        _, q_next, _ = rejection_step(q, law, x)
+        for row in range(6):
+            assert torch.equal(residual(q[row], law[row]), q_next[row])
 
 
 def test_the_walks_host_acceptance_is_the_fp32_acceptance() -> None:
