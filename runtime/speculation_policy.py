@@ -81,7 +81,12 @@ to average noise, few enough to follow drift. Per shape, so that a run of one sh
 push every other shape out of the fit (a single shape leaves the per-node slope undetermined,
 and a fit that believes drafting 4 nodes costs what 16 did never leaves the 16)."""
 GROUP_EMA = 0.05
-"""Least weight of a step's mean observation in an estimate shared by a kind of request (1/n before)."""
+"""Least weight of a step's mean observation in an estimate shared by a kind of request.
+Before that floor, the estimate is the mean over its trees (a step of n trees weighs n):
+weighed per step instead, a batch-1 warm-up's few trees counted as much as 32 requests'
+first trees, and ReDrafter at batch 32 priced its 6-node trees at 4.4-4.5 tokens for
+steps after a first step's 32 trees made 3.2 (drafting ~20% slower than auto-regression
+then)."""
 KIND_PRIOR = 1.0
 """Trees' worth of optimism in a kind's estimate: it counts as if `KIND_PRIOR` trees had
 yielded the most a tree can (`ceiling`), so its first measured trees outweigh that only
@@ -390,8 +395,6 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
 class Estimate:
     tau: float
     nodes: float
-    count: int = 1
-    """Steps it was updated at."""
     trees: int = 0
     """Trees it was measured on."""
 
@@ -788,16 +791,15 @@ class SpeculationPolicy:
                 # stand for five: started at the first tree, the decayed mean did)
                 weight = max(1.0 / (n + 1), REQUEST_EMA)
                 self.requests[(o.key, size)] = (own + weight * (tau - own), n + 1, self.steps)
-        # one update per step: a step of many requests is one noisy sample less
+        # one update per step, its trees' mean: weighed by its trees while they are few (`GROUP_EMA`)
         for estimates, observed in ((self.kinds, step), (self.gains, gains)):
             for key, values in observed.items():
                 tau, nodes = (sum(v) / len(values) for v in zip(*values, strict=True))  # (numpy's mean: ~0.1 ms a step)
                 e = estimates.get(key)
                 if e is None:
-                    estimates[key] = e = Estimate(tau, nodes, 0)
-                e.count += 1
+                    estimates[key] = e = Estimate(tau, nodes)
                 e.trees += len(values)
-                w = max(1.0 / e.count, GROUP_EMA)
+                w = max(len(values) / e.trees, GROUP_EMA)  # a mean over its trees, then per step
                 e.tau += w * (tau - e.tau)
                 e.nodes += w * (nodes - e.nodes)
 

@@ -46,12 +46,15 @@ from runtime.proposers.level_drafters import DraftLMLevels, RNNLevels
 from runtime.proposers.proposer import KVMoves, Proposer, target_hidden
 from runtime.request import Request
 from runtime.sampling import SamplingParams, target_probs, target_probs_rows
-from runtime.tree import DraftTree
-from runtime.verify import Acceptance
+from runtime.tree import DraftTree, children_lists
+from runtime.verify import Acceptance, accept_batch
 
 RSD_METHODS = ("rsd-c", "rsd-s", "sd")
-CONTEXT = 64
-"""Context tokens of the requests a draft LM's drafting is timed on at engine start."""
+CONTEXTS = (192, 64)
+"""Context tokens of the requests a draft LM's drafting is timed on at engine start: the
+first that fits the block pool (a draft LM attends over the context: at batch 8, four
+levels of sd drafted in 4.8 ms after 64 tokens, 5.4 after 192, and live prompts are
+~100-300 tokens)."""
 DEFAULT_BRANCHING = (2, 2, 1, 1)
 """rsd-c's default b: 15 nodes, about the budget of ReDrafter's default 4 x 4 beams."""
 
@@ -245,6 +248,21 @@ def draft_rsd_trees(
             break
         logits = drafter.extend(rows, new_parents, nodes, new_tokens)
     return _packed_trees(tokens, parents, depths, laws, levels, sampled)
+
+
+def _accepting_logits(tree: DraftTree, vocab: int) -> torch.Tensor:
+    """Target logits `[N, V]` under which verification at temperature 1 accepts the first
+    child of every node it reaches, so the walk is its longest: in a sampled `tree`, the
+    law the children were drawn from (q = p: the acceptance min(1, q/p) is 1); in a
+    deterministic one, nearly all the mass on the first child's token; uniform at leaves."""
+    laws = tree.draft_log_probs if tree.sampled else None
+    rows = torch.zeros((len(tree.tokens), vocab)) if laws is None else torch.zeros_like(laws)
+    for node, kids in enumerate(children_lists(tree.parents)):
+        if kids and laws is not None:
+            rows[node] = laws[kids[0]]
+        elif kids:
+            rows[node, tree.tokens[kids[0]]] = 40.0  # q = 1 - ~V e^-40
+    return rows
 
 
 def _packed_trees(
@@ -474,13 +492,20 @@ class LevelTreeProposer(Proposer):
         return list(range(params.length + 1))
 
     def draft_cost_samples(self, method: str) -> list[tuple[int, int, int, float]]:
-        """A draft LM's drafting timed at engine start, for 1 and 8 requests of `CONTEXT`
+        """A draft LM's drafting timed at engine start, for 1 and 8 requests of `CONTEXTS`
         tokens in scratch blocks, sampled at temperature 1 (the dearer path): one call that
         first catches the draft LM up on the whole context (its cost per token read), then
         the method's default tree cut at every depth. Without them the fit started from the
         first live call, which catches up on a whole prompt: one such sample priced a token
         read at ~0.45 ms (~50 us measured), so a probe of a request the policy had switched off looked
-        far too dear and came too rarely to switch it back on. None for the RNN drafter."""
+        far too dear and came too rarely to switch it back on. None for the RNN drafter.
+
+        Each sample holds what a live one holds (`EngineCore`: the drafted nodes' share of
+        the step's verification): the trees are verified (`accept_batch`) against target
+        laws equal to their draft laws, so every node is accepted and the walk is its
+        longest. Without that share, the start-up samples priced a 3-node chain at batch 8,
+        T=1 at 2.3 ms where live steps took 3.7-4.4, and the fit crept up over ~12 drafting
+        steps, drafting at a loss meanwhile."""
         if self.draft_cache is None:
             return []
         spec: TreeSpec = self.params(method, {})
@@ -488,25 +513,36 @@ class LevelTreeProposer(Proposer):
         samples: list[tuple[int, int, int, float]] = []
         for rows in (1, 8):
             ids = [f"\0draft-cost-{i}" for i in range(rows)]
+            room = self.blocks.num_free // rows
+            fitting = [c for c in CONTEXTS if self.blocks.blocks_for(c + spec.max_nodes) <= room]
+            if not fitting:
+                break  # no room now: the fit learns from live steps
+            context = fitting[0]
             try:
-                if not all(self.blocks.ensure(i, CONTEXT + spec.max_nodes) for i in ids):
-                    break  # no room now: the fit learns from live steps
+                for i in ids:
+                    self.blocks.ensure(i, context + spec.max_nodes)
                 requests = []
                 for n, request_id in enumerate(ids):
                     prm = SamplingParams(temperature=1.0, seed=n)
-                    prompt = [(7 * k + n) % vocab for k in range(CONTEXT + 1)]
+                    prompt = [(7 * k + n) % vocab for k in range(context + 1)]
                     requests.append(Request(request_id, prompt, prm, method, spec, prm.generator(), set()))
                 for r in requests:
-                    r.num_computed = CONTEXT  # the root sits at position CONTEXT
-                shapes = [(spec.length, CONTEXT)] + [(depth, 0) for depth in range(1, spec.length + 1)]
+                    r.num_computed = context  # the root sits at position `context`
+                shapes = [(spec.length, context)] + [(depth, 0) for depth in range(1, spec.length + 1)]
                 for n, (depth, catch_up) in enumerate([shapes[0], *shapes]):  # the first call is untimed
                     for r in requests:
-                        r.draft_state = CONTEXT - catch_up
+                        r.draft_state = context - catch_up
                     start = time.perf_counter()
-                    self.propose(requests, [spec.level_sizes[depth]] * rows)
+                    trees = self.propose(requests, [spec.level_sizes[depth]] * rows)
+                    drafting = time.perf_counter() - start
+                    logits = [_accepting_logits(tree, vocab) for tree in trees]
+                    start = time.perf_counter()
+                    accept_batch(trees, logits, [r.params for r in requests], [r.generator for r in requests])
+                    verify = time.perf_counter() - start
                     if n:
-                        seconds = time.perf_counter() - start
-                        samples.append((depth, rows * (spec.level_sizes[depth] - 1), rows * catch_up, seconds))
+                        drafted = rows * (spec.level_sizes[depth] - 1)
+                        share = verify * drafted / sum(len(tree.tokens) for tree in trees)
+                        samples.append((depth, drafted, rows * catch_up, drafting + share))
             finally:
                 for i in ids:
                     self.blocks.free(i)

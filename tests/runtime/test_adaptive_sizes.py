@@ -13,7 +13,7 @@ import pytest
 
 from runtime import llm_engine
 from runtime.config import RuntimeConfig
-from runtime.proposers.rsd import CONTEXT
+from runtime.proposers.rsd import CONTEXTS
 from runtime.sampling import SamplingParams
 from runtime.speculation_policy import Offer, SpeculationPolicy
 from tests import toy_sampling
@@ -94,7 +94,7 @@ def test_prepare_calibrates_once_before_any_request(monkeypatch: pytest.MonkeyPa
 def test_a_draft_lm_times_its_levels_and_a_catch_up_at_start_up(max_batch_size: int | None) -> None:
     """`prepare()` seeds each draft-LM method's drafting-cost fit with real drafting calls in
     scratch blocks (`LevelTreeProposer.draft_cost_samples`): the method's default tree cut at
-    every depth with nothing to read, and one call that first reads `CONTEXT` tokens per
+    every depth with nothing to read, and one call that first reads a context per
     request, so a token read is priced from a measured catch-up (not from a live call's
     whole prompt); every scratch block is free again. Also at batch 1, whose block pool the
     forward calibration's scratch once took whole: no drafting call could be timed, and
@@ -108,8 +108,36 @@ def test_a_draft_lm_times_its_levels_and_a_catch_up_at_start_up(max_batch_size: 
         shapes = {x for x, _ in fit.samples}
         spec = llm.proposers[method].params(method, {})
         assert {levels for levels, _, caught_up in shapes if caught_up == 0} == set(range(1, spec.length + 1))
-        assert CONTEXT in {caught_up for _, _, caught_up in shapes} <= {0, CONTEXT, 8 * CONTEXT}
+        catch_ups = {caught_up for _, _, caught_up in shapes} - {0}
+        assert catch_ups and catch_ups <= {rows * c for c in CONTEXTS for rows in (1, 8)}
         assert all(seconds > 0 for _, seconds in fit.samples)
+
+
+def test_start_up_drafting_samples_carry_their_share_of_verification(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A start-up sample holds what a live one holds: the drafting call plus its drafted
+    nodes' share of verifying the trees (`verify_seconds * drafted / nodes`), verified
+    against target laws equal to the draft laws, so that every node is accepted (the
+    longest walk). With verification made 20 ms slower, every sample carries that share;
+    without it (the samples before), a 3-node chain at batch 8, T=1 was priced at 2.3 ms
+    where live steps took 3.7-4.4."""
+    from runtime.proposers import rsd
+
+    real, delay, paths = rsd.accept_batch, 0.020, []
+
+    def slow(trees, *args, **kwargs):  # type: ignore[no-untyped-def]
+        time.sleep(delay)
+        accepted = real(trees, *args, **kwargs)
+        paths.extend((len(a.path), max(t.depths) + 1) for a, t in zip(accepted, trees, strict=True))
+        return accepted
+
+    monkeypatch.setattr(rsd, "accept_batch", slow)
+    llm = llm_engine.LLMEngine(toy_sampling.toy_engine("draft-lm", SETTINGS), RuntimeConfig(max_num_tokens=512))
+    llm.prepare()
+    fit = llm.policy.draft_cost["sd"]  # chains: a request's nodes are its drafted nodes + its root
+    for (levels, drafted, _), seconds in fit.samples:
+        rows = drafted // levels
+        assert seconds > delay * drafted / (drafted + rows)
+    assert paths and all(walked == deepest for walked, deepest in paths)  # every node accepted
 
 
 def test_verifying_drafts_is_charged_to_drafting(monkeypatch: pytest.MonkeyPatch) -> None:

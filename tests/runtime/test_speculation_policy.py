@@ -657,3 +657,23 @@ def test_sizes_that_are_beam_widths_are_priced_by_their_own_trees() -> None:
     cuts = p.taus(Offer("r", KIND, "redrafter", BEAMS, LEVELS))
     assert widths[1] == pytest.approx(4.0, abs=0.15) and widths[2] == pytest.approx(2.0, abs=0.15)  # + KIND_PRIOR
     assert cuts[:3] == pytest.approx([1.0, widths[1], widths[1]])
+
+
+def test_a_kinds_estimate_is_a_mean_over_its_trees_while_they_are_few() -> None:
+    """A batch-1 warm-up's five trees accept 4 each; then one step of 32 requests' trees
+    accepts 1 each. The kind's estimate is the mean of all 37 trees (~1.8 tokens), not of
+    the six steps: weighed per step, the warm-up counted as much as 160 trees (4.5 tokens
+    after the big step) and ReDrafter at batch 32 went on drafting trees that lost ~20%.
+    Once the trees are many, a step weighs `GROUP_EMA` whatever its size (drift is followed)."""
+    p = SpeculationPolicy()
+    for _ in range(5):
+        p.observe(StepStats(17, 0.01, outcomes=[Outcome("w", KIND, 17, BEAMS, 4, [], [0, 1, 2, 3, 4], 17)]))
+    batch = [Outcome(f"r{i}", KIND, 17, BEAMS, 1, [], [0, 1], 17) for i in range(32)]
+    p.observe(StepStats(32 * 17, 0.05, num_requests=32, outcomes=batch))
+    assert p.kinds[(KIND, 17)].tau == pytest.approx((5 * 5 + 32 * 2) / 37)
+    assert p.kinds[(KIND, 17)].trees == 37
+    for _ in range(40):
+        p.observe(StepStats(32 * 17, 0.05, num_requests=32, outcomes=batch))
+    before = p.kinds[(KIND, 17)].tau
+    p.observe(StepStats(17, 0.01, outcomes=[Outcome("w", KIND, 17, BEAMS, 4, [], [0, 1, 2, 3, 4], 17)]))
+    assert p.kinds[(KIND, 17)].tau - before == pytest.approx(speculation_policy.GROUP_EMA * (5 - before))
