@@ -191,6 +191,11 @@ class StepStats:
     prefill: bool = False
     """The forward held prefill chunks: their cost (long causal chunks) is not what the
     per-request residual of decoding steps models, so it is not learned from."""
+    overhead_seconds: float | None = None
+    """The step's seconds beyond the target forward and the drafting calls (their share of
+    verification included): choosing, scheduling, packing the batch, verifying the roots,
+    committing. Paid once a step whatever is drafted (`SpeculationPolicy.overhead`). None:
+    not measured (a step that also calibrated the policy)."""
 
 
 class TokenCost:
@@ -261,34 +266,16 @@ class ForwardCost:
         load-aware sd at batch 8 stayed auto-regressive (504 of 506 request-steps) where
         5-node chains ran 1.06x. Priced too low instead, the first tree step at that count
         measures it."""
-        one_token = self._residual(self.extra, requests)
+        one_token = by_requests(self.extra, requests)
         if not trees or not self.extra_trees:
             return one_token
         known = sorted(self.extra_trees)
         if known[0] <= requests <= known[-1]:
-            tree = self._residual(self.extra_trees, requests)
+            tree = by_requests(self.extra_trees, requests)
         else:
             near = known[0] if requests < known[0] else known[-1]
-            tree = one_token + self.extra_trees[near] - self._residual(self.extra, near)
+            tree = one_token + self.extra_trees[near] - by_requests(self.extra, near)
         return max(tree, one_token)
-
-    @staticmethod
-    def _residual(extra: dict[int, float], requests: int) -> float:
-        if requests in extra:
-            return extra[requests]
-        if not extra:
-            return 0.0
-        known = sorted(extra)
-        if requests < known[0] or requests > known[-1]:  # beyond the measured: per request like the nearest
-            near = known[0] if requests < known[0] else known[-1]
-            # what requests add scales with them; a negative residual is the table's own bias
-            # (its timing was slow), the same for any batch: scaled, a warm-up at batch 1 that
-            # read -0.4 ms made a 32-request forward -6 ms and drafting at batch 32 look free
-            value = extra[near]
-            return max(value, 0.0) * requests / near + min(value, 0.0)
-        i = bisect.bisect_left(known, requests)  # between two measured counts: linear (np.interp cost ~10 us a call)
-        lo, hi = known[i - 1], known[i]
-        return extra[lo] + (extra[hi] - extra[lo]) * (requests - lo) / (hi - lo)
 
     def slope(self, lo: float, hi: float) -> float:
         """Marginal seconds per token between lo and hi tokens (the request count fixed)."""
@@ -307,6 +294,27 @@ class ForwardCost:
         extra[requests] = residual if old is None else old + FORWARD_EMA * (residual - old)
 
 
+def by_requests(table: dict[int, float], requests: int) -> float:
+    """`table`'s value (seconds, learned per request count) at `requests`: linear between
+    measured counts; beyond them, the nearest count's non-negative part per request times
+    `requests`, plus its negative part unscaled. 0 before any."""
+    if requests in table:
+        return table[requests]
+    if not table:
+        return 0.0
+    known = sorted(table)
+    if requests < known[0] or requests > known[-1]:  # beyond the measured: per request like the nearest
+        near = known[0] if requests < known[0] else known[-1]
+        # what requests add scales with them; a negative residual is the table's own bias
+        # (its timing was slow), the same for any batch: scaled, a warm-up at batch 1 that
+        # read -0.4 ms made a 32-request forward -6 ms and drafting at batch 32 look free
+        value = table[near]
+        return max(value, 0.0) * requests / near + min(value, 0.0)
+    i = bisect.bisect_left(known, requests)  # between two measured counts: linear (np.interp cost ~10 us a call)
+    lo, hi = known[i - 1], known[i]
+    return table[lo] + (table[hi] - table[lo]) * (requests - lo) / (hi - lo)
+
+
 class LinearCost:
     """seconds = c0 + c . x (non-negative coefficients), least squares over the latest
     `PER_SHAPE` (features, seconds) samples of every shape seen (the feature vector, or
@@ -316,6 +324,8 @@ class LinearCost:
 
     def __init__(self) -> None:
         self._shapes: dict[tuple[float, ...], deque[tuple[tuple[float, ...], float]]] = {}
+        self._start_up: set[tuple[float, ...]] = set()
+        """Shapes holding start-up samples only (`add(..., start_up=True)`)."""
         self._gram: list[list[float]] = []  # A^T A over the kept samples (rows (1, *features))
         self._moment: list[float] = []  # A^T t
         self._coef: tuple[float, ...] | None = None  # [intercept, slopes...] of the last fit
@@ -328,8 +338,21 @@ class LinearCost:
     def __len__(self) -> int:
         return sum(len(samples) for samples in self._shapes.values())
 
-    def add(self, x: tuple[float, ...], seconds: float, shape: tuple[float, ...] | None = None) -> None:
+    def add(
+        self, x: tuple[float, ...], seconds: float, shape: tuple[float, ...] | None = None, start_up: bool = False
+    ) -> None:
+        """A sample; `start_up`: timed at engine start, a stand-in until a live sample of its
+        shape comes, which replaces every start-up sample of that shape at once (start-up
+        calls miss what live ones meet: longer contexts, colder caches, the verification of
+        real trees; ReDrafter's beam searches for 32 requests read 4.1 ms where live ones
+        took 7.5, and 16 live samples would have been needed to outvote them)."""
         key = tuple(x) if shape is None else shape
+        if start_up:
+            self._start_up.add(key)
+        elif key in self._start_up:
+            self._start_up.discard(key)
+            for sample in self._shapes.pop(key, ()):
+                self._account(*sample, -1.0)
         kept = self._shapes.setdefault(key, deque(maxlen=PER_SHAPE))
         if len(kept) == PER_SHAPE:
             self._account(*kept[0], -1.0)  # the oldest of its shape leaves the fit
@@ -473,6 +496,13 @@ class SpeculationPolicy:
     """The standing all-auto-regressive decision, if any (module docstring)."""
     reused: int = 0
     """Steps that reused a settled decision instead of solving again (for tests and reports)."""
+    overhead: dict[int, float] = field(default_factory=dict)
+    """requests -> decayed mean of a decoding step's host seconds outside the forward and
+    drafting (`StepStats.overhead_seconds`; `by_requests` between and beyond counts). Every
+    choice pays it once a step, so it is part of each choice's time: left out, goodput
+    compared forwards alone, and at batch 8 (~1.2 ms of host work on a ~5 ms forward)
+    drafting looked ~15% worse against auto-regression than it was; sd at T=1 stayed
+    auto-regressive where 5-node chains ran 2-7% faster."""
 
     # ---- estimates ----------------------------------------------------------------------
 
@@ -697,7 +727,7 @@ class SpeculationPolicy:
                 acc[0] = max(acc[0], levels)
                 acc[1] += g.count * (s - 1)
                 acc[2] += g.lag
-        seconds = self.forward_cost(nodes, requests)
+        seconds = by_requests(self.overhead, requests) + self.forward_cost(nodes, requests)
         for method, (most, drafted, lag) in drafting.items():
             cost = self.draft_cost.get(method)
             seconds += cost(most, drafted, lag / self._horizon(method)) if cost is not None else 0.0
@@ -752,18 +782,24 @@ class SpeculationPolicy:
     def add_draft_samples(self, method: str, samples: Iterable[tuple[int, int, int, float]]) -> None:
         """(levels, drafted nodes, tokens caught up, seconds) of drafting calls timed at engine start."""
         for levels, drafted, caught_up, seconds in samples:
-            self._add_draft_sample(method, levels, drafted, caught_up, seconds)
+            self._add_draft_sample(method, levels, drafted, caught_up, seconds, start_up=True)
 
-    def _add_draft_sample(self, method: str, levels: int, drafted: int, caught_up: int, seconds: float) -> None:
+    def _add_draft_sample(
+        self, method: str, levels: int, drafted: int, caught_up: int, seconds: float, start_up: bool = False
+    ) -> None:
         # catch-ups come in every length: one shape per power of two keeps the fit's memory bounded
         shape = (levels, drafted, 1 << caught_up.bit_length() if caught_up else 0)
-        self.draft_cost.setdefault(method, LinearCost()).add((levels, drafted, caught_up), seconds, shape)
+        fit = self.draft_cost.setdefault(method, LinearCost())
+        fit.add((levels, drafted, caught_up), seconds, shape, start_up)
 
     def observe(self, stats: StepStats) -> None:
         if stats.outcomes or any(drafted for _, drafted, _, _ in stats.drafting.values()):
             self._settled = None  # new evidence: decide afresh
         if not stats.prefill:
             self.forward_cost.observe(stats.num_tokens, stats.num_requests, stats.forward_seconds)
+            if (new := stats.overhead_seconds) is not None:
+                old = self.overhead.get(stats.num_requests)
+                self.overhead[stats.num_requests] = new if old is None else old + FORWARD_EMA * (new - old)
         for method, (levels, drafted, caught_up, seconds) in stats.drafting.items():
             if drafted:
                 self._add_draft_sample(method, levels, drafted, caught_up, seconds)

@@ -167,3 +167,18 @@ def test_verifying_drafts_is_charged_to_drafting(monkeypatch: pytest.MonkeyPatch
     assert max(seconds for *_, seconds in quick) < delay / 2
     for _, drafted, _, seconds in seen:
         assert seconds >= delay * drafted / (drafted + 1)  # one request: the root and its drafted nodes
+
+
+def test_the_host_overhead_a_step_reports_leaves_out_calibration(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each decoding step reports its host seconds outside the forward and drafting; the
+    step that calibrates the policy on the way (no `prepare()` first) reports none, else
+    its ~0.2-0.8 s of timed forwards became a per-step cost: at the next batch size the
+    policy priced an auto-regressive step at ~5 s."""
+    llm = llm_engine.LLMEngine(toy_sampling.toy_engine("draft-lm", SETTINGS), RuntimeConfig(max_num_tokens=512))
+    reported: list[float | None] = []
+    observe = llm.policy.observe
+    monkeypatch.setattr(llm.policy, "observe", lambda stats: (reported.append(stats.overhead_seconds), observe(stats)))
+    llm.generate([[1, 3, 2]], [SamplingParams(max_tokens=12, ignore_eos=True)], "sd")
+    assert None in reported[:2]  # the step that calibrated (after the prompt's)
+    measured = [r for r in reported if r is not None]
+    assert measured and max(measured) < 0.05 and llm.policy.overhead
