@@ -132,7 +132,7 @@ class EngineCore:
     def _step(self) -> list[Request]:
         clock = self.clock
         clock.start()
-        calibrated = self._calibrated  # a step that calibrates (`_schedule`) reports no host overhead
+        calibrating = not self._calibrated  # a step that calibrates (`_schedule`) reports no host overhead
         finished = self._drop_cancelled()
         work = self._schedule()
         self.faults.check("step", (item.request.params for item in work))
@@ -193,7 +193,7 @@ class EngineCore:
         clock.lap("commit")
         if not drafting and not stats.prefill:
             clock.count_plain()
-        if calibrated or not self.policy.adaptive:
+        if not (calibrating and self._calibrated):
             drafted_seconds = sum(seconds for *_, seconds in drafting.values())
             stats.overhead_seconds = max(sum(clock.step.values()) - stats.forward_seconds - drafted_seconds, 0.0)
         self.policy.observe(stats)

@@ -500,9 +500,8 @@ class SpeculationPolicy:
     """requests -> decayed mean of a decoding step's host seconds outside the forward and
     drafting (`StepStats.overhead_seconds`; `by_requests` between and beyond counts). Every
     choice pays it once a step, so it is part of each choice's time: left out, goodput
-    compared forwards alone, and at batch 8 (~1.2 ms of host work on a ~5 ms forward)
-    drafting looked ~15% worse against auto-regression than it was; sd at T=1 stayed
-    auto-regressive where 5-node chains ran 2-7% faster."""
+    compared forwards alone, and at batch 8 (~1.1 ms of host work on a ~5 ms forward)
+    drafting looked ~15% worse against auto-regression than it was."""
 
     # ---- estimates ----------------------------------------------------------------------
 

@@ -131,6 +131,8 @@ def accept_sampled_batch(
     batch's final laws, each at the uniform its request drew after its walk: what `sample`
     draws row by row, bit for bit (its cumulative sums run along each row), for ~80 us at
     batch 8 instead of ~260 (8 calls of ~5 ATen ops each)."""
+    if not trees:
+        return []
     alone = [i for i, t in enumerate(trees) if len(t.tokens) == 1]
     roots = iter(target_probs_rows(torch.cat([logits[i] for i in alone]), [params[i] for i in alone]) if alone else ())
     walks: list[tuple[list[int], torch.Tensor]] = []  # per tree: its accepted path, the law its bonus is drawn from

@@ -250,13 +250,13 @@ def draft_rsd_trees(
     return _packed_trees(tokens, parents, depths, laws, levels, sampled)
 
 
-def _accepting_logits(tree: DraftTree, vocab: int) -> torch.Tensor:
+def _accepting_logits(tree: DraftTree, vocab: int, device: torch.device | str) -> torch.Tensor:
     """Target logits `[N, V]` under which verification at temperature 1 accepts the first
     child of every node it reaches, so the walk is its longest: in a sampled `tree`, the
     law the children were drawn from (q = p: the acceptance min(1, q/p) is 1); in a
     deterministic one, nearly all the mass on the first child's token; uniform at leaves."""
     laws = tree.draft_log_probs if tree.sampled else None
-    rows = torch.zeros((len(tree.tokens), vocab)) if laws is None else torch.zeros_like(laws)
+    rows = torch.zeros((len(tree.tokens), vocab), device=device) if laws is None else torch.zeros_like(laws)
     for node, kids in enumerate(children_lists(tree.parents)):
         if kids and laws is not None:
             rows[node] = laws[kids[0]]
@@ -509,7 +509,7 @@ class LevelTreeProposer(Proposer):
         if self.draft_cache is None:
             return []
         spec: TreeSpec = self.params(method, {})
-        vocab = self.engine.model.config.vocab_size
+        vocab, device = self.engine.model.config.vocab_size, self.engine.device
         samples: list[tuple[int, int, int, float]] = []
         for rows in (1, 8):
             ids = [f"\0draft-cost-{i}" for i in range(rows)]
@@ -525,7 +525,7 @@ class LevelTreeProposer(Proposer):
                 for n, request_id in enumerate(ids):
                     prm = SamplingParams(temperature=1.0, seed=n)
                     prompt = [(7 * k + n) % vocab for k in range(context + 1)]
-                    requests.append(Request(request_id, prompt, prm, method, spec, prm.generator(), set()))
+                    requests.append(Request(request_id, prompt, prm, method, spec, prm.generator(device), set()))
                 for r in requests:
                     r.num_computed = context  # the root sits at position `context`
                 shapes = [(spec.length, context)] + [(depth, 0) for depth in range(1, spec.length + 1)]
@@ -535,7 +535,7 @@ class LevelTreeProposer(Proposer):
                     start = time.perf_counter()
                     trees = self.propose(requests, [spec.level_sizes[depth]] * rows)
                     drafting = time.perf_counter() - start
-                    logits = [_accepting_logits(tree, vocab) for tree in trees]
+                    logits = [_accepting_logits(tree, vocab, device) for tree in trees]
                     start = time.perf_counter()
                     accept_batch(trees, logits, [r.params for r in requests], [r.generator for r in requests])
                     verify = time.perf_counter() - start
