@@ -289,9 +289,14 @@ class ForwardCost:
             self.tokens.add(n, seconds)
             return
         residual = seconds - self.tokens(n)
-        extra = self.extra_trees if n > requests else self.extra
-        old = extra.get(requests)
-        extra[requests] = residual if old is None else old + FORWARD_EMA * (residual - old)
+        decay_into(self.extra_trees if n > requests else self.extra, requests, residual)
+
+
+def decay_into(table: dict[int, float], requests: int, seconds: float) -> None:
+    """A new timing for `requests` into `table` (read by `by_requests`): the first as it
+    is, later ones with weight `FORWARD_EMA`."""
+    old = table.get(requests)
+    table[requests] = seconds if old is None else old + FORWARD_EMA * (seconds - old)
 
 
 def by_requests(table: dict[int, float], requests: int) -> float:
@@ -796,9 +801,8 @@ class SpeculationPolicy:
             self._settled = None  # new evidence: decide afresh
         if not stats.prefill:
             self.forward_cost.observe(stats.num_tokens, stats.num_requests, stats.forward_seconds)
-            if (new := stats.overhead_seconds) is not None:
-                old = self.overhead.get(stats.num_requests)
-                self.overhead[stats.num_requests] = new if old is None else old + FORWARD_EMA * (new - old)
+            if stats.overhead_seconds is not None:
+                decay_into(self.overhead, stats.num_requests, stats.overhead_seconds)
         for method, (levels, drafted, caught_up, seconds) in stats.drafting.items():
             if drafted:
                 self._add_draft_sample(method, levels, drafted, caught_up, seconds)
