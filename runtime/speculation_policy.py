@@ -299,15 +299,21 @@ def decay_into(table: dict[int, float], requests: int, seconds: float) -> None:
     table[requests] = seconds if old is None else old + FORWARD_EMA * (seconds - old)
 
 
-def by_requests(table: dict[int, float], requests: int) -> float:
+def by_requests(table: dict[int, float], requests: int, per_request: bool = True) -> float:
     """`table`'s value (seconds, learned per request count) at `requests`: linear between
     measured counts; beyond them, the nearest count's non-negative part per request times
-    `requests`, plus its negative part unscaled. 0 before any."""
+    `requests`, plus its negative part unscaled (`per_request`), or else the line through
+    the nearest two counts (flat from a single one; never decreasing, never negative). 0
+    before any."""
     if requests in table:
         return table[requests]
     if not table:
         return 0.0
     known = sorted(table)
+    if not per_request and (requests < known[0] or requests > known[-1]):
+        near, other = (known[0], known[1:2]) if requests < known[0] else (known[-1], known[-2:-1])
+        slope = max((table[near] - table[other[0]]) / (near - other[0]), 0.0) if other else 0.0  # flat from one
+        return max(table[near] + slope * (requests - near), 0.0)
     if requests < known[0] or requests > known[-1]:  # beyond the measured: per request like the nearest
         near = known[0] if requests < known[0] else known[-1]
         # what requests add scales with them; a negative residual is the table's own bias
@@ -503,10 +509,14 @@ class SpeculationPolicy:
     """Steps that reused a settled decision instead of solving again (for tests and reports)."""
     overhead: dict[int, float] = field(default_factory=dict)
     """requests -> decayed mean of a decoding step's host seconds outside the forward and
-    drafting (`StepStats.overhead_seconds`; `by_requests` between and beyond counts). Every
-    choice pays it once a step, so it is part of each choice's time: left out, goodput
-    compared forwards alone, and at batch 8 (~1.1 ms of host work on a ~5 ms forward)
-    drafting looked ~15% worse against auto-regression than it was."""
+    drafting (`StepStats.overhead_seconds`; `by_requests` between counts, and beyond them
+    along the line through the nearest two). Every choice pays it once a step, so it is
+    part of each choice's time: left out, goodput compared forwards alone, and at batch 8
+    (~1.1 ms of host work on a ~5 ms forward) drafting looked ~15% worse against
+    auto-regression than it was. It is mostly per step (~0.5 ms at batch 1, ~1.1 at 8):
+    scaled per request from a batch-1 warm-up instead, it priced the first
+    auto-regressive steps of 32 ReDrafter requests at 33 ms where they took ~13, and the
+    batch drafted 11-node trees at ~0.4x auto-regression's rate."""
 
     # ---- estimates ----------------------------------------------------------------------
 
@@ -731,7 +741,7 @@ class SpeculationPolicy:
                 acc[0] = max(acc[0], levels)
                 acc[1] += g.count * (s - 1)
                 acc[2] += g.lag
-        seconds = by_requests(self.overhead, requests) + self.forward_cost(nodes, requests)
+        seconds = by_requests(self.overhead, requests, per_request=False) + self.forward_cost(nodes, requests)
         for method, (most, drafted, lag) in drafting.items():
             cost = self.draft_cost.get(method)
             seconds += cost(most, drafted, lag / self._horizon(method)) if cost is not None else 0.0

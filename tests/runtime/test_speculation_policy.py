@@ -720,3 +720,22 @@ def test_a_live_drafting_sample_replaces_the_start_up_samples_of_its_shape() -> 
     assert [x for x, _ in replaced.samples].count((4, 128, 0)) == 1
     assert replaced(1, 4, 0) == pytest.approx(0.001, rel=1e-2)
     assert outvoted(4, 128, 0) < 0.0055
+
+
+def test_host_work_seen_at_batch_1_is_not_multiplied_by_a_larger_batch() -> None:
+    """Host work per step is mostly per step (~0.5 ms at batch 1, ~1.1 at 8 on the demo
+    engines): learned at batch 1 alone, it is what the first steps of a larger batch are
+    priced with, and beyond the measured counts it follows the line through the nearest
+    two. Scaled per request instead (as the forward residual is), 0.7 ms at batch 1 priced
+    a 32-request auto-regressive step ~22 ms dearer than it is, and the whole batch
+    drafted one-beam trees that run at ~0.64x auto-regression's rate here (the demo
+    ReDrafter engine after a batch-1 warm-up: 11-node trees at batch 32, ~0.6x)."""
+    world = World(a=8.0, b=0.35, c=9.0, d=0.1, alpha=0.7, h=0.7)
+    assert fixed(world, 32, 5, 100) < 0.7 * fixed(world, 32, 1, 100)  # drafting loses at batch 32
+    p = calibrated(world)
+    run(p, world, batch=1, steps=30)
+    assert p.overhead == {1: pytest.approx(0.0007)}
+    first = p.choose([Offer(f"n{i}", KIND, "redrafter", BEAMS, LEVELS) for i in range(32)])
+    assert set(first.values()) == {1}
+    assert speculation_policy.by_requests({1: 0.5, 8: 1.2}, 32, per_request=False) == pytest.approx(3.6)
+    assert speculation_policy.by_requests({8: 1.2, 16: 2.0}, 1, per_request=False) == pytest.approx(0.5)
