@@ -35,6 +35,7 @@ SOURCES = [
         "tree_attention_cpu.cpp",
         "rope_kv_write_cpu.cpp",
         "gumbel_top_k_cpu.cpp",
+        "inverse_cdf_cpu.cpp",
         "redrafter_beam_search_cpu.cpp",
         "int8_linear_cpu.cpp",
         "draft_lm_forward_cpu.cpp",

@@ -14,6 +14,8 @@ from numbers import Integral
 
 import torch
 
+from plugins.inverse_cdf import draw
+
 MIN_TEMPERATURE = 1e-5
 """Temperatures below this are greedy (vLLM's `_SAMPLING_EPS`): dividing logits by a
 tiny temperature overflows to inf/NaN, and the distribution is a point mass anyway."""
@@ -184,14 +186,9 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> int:
 
 
 def inverse_cdf_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """`inverse_cdf` of every row of `probs` `[M, V]` at its own `u` `[M]`: tokens `[M]`."""
-    cdf = probs.double().cumsum(-1)
-    tokens = torch.searchsorted(cdf, (u.double() * cdf[:, -1])[:, None], right=True)[:, 0]
-    over = tokens == probs.shape[-1]  # u * total rounded up to total: the last token with mass
-    if bool(over.any()):
-        last = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(-1)
-        tokens = torch.where(over, last, tokens)
-    return tokens
+    """`inverse_cdf` of every row of `probs` `[M, V]` at its own `u` `[M]`: tokens `[M]`
+    (`plugins/inverse_cdf.py`: a C++ kernel on the CPU, the same tokens bit for bit)."""
+    return draw(probs, u)
 
 
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:

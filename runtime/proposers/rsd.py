@@ -312,26 +312,31 @@ def _branch_step(
     One child (b = 1) is a plain draw (`draw_one`, the law of the Gumbel argmax). Per
     request, its picks (row within its frontier, token), parent by parent and within a
     parent in draw order."""
-    owners = _row_owners(counts)
-    drawn = [m for m, i in enumerate(owners) if gens[i] is not None]
-    if len(drawn) < len(log_probs):  # ranked rows (greedy requests): the b most likely
+    sampled = [(count, gen) for count, gen in zip(counts, gens, strict=True) if count and gen is not None]
+    width = min(b, log_probs.shape[-1])
+    if sum(count for count, _ in sampled) == len(log_probs):  # every row drawn (a batch at T > 0)
+        index = _draw_rows(log_probs, sampled, b)[:, :width]
+    else:  # ranked rows (greedy requests): the b most likely
         index = top_k_valid_rows(log_probs.double(), b)
-    else:
-        index = torch.empty((len(log_probs), min(b, log_probs.shape[-1])), dtype=torch.long, device=log_probs.device)
-    if drawn:
-        rows = log_probs[drawn] if len(drawn) < len(log_probs) else log_probs
-        sampled = [(count, gen) for count, gen in zip(counts, gens, strict=True) if count and gen is not None]
-        if b == 1:
-            index[drawn, 0] = draw_one(rows, [gen for count, gen in sampled for _ in range(count)])
-        else:
-            tokens, _ = gumbel_top_k_rows(rows, [c for c, _ in sampled], [g for _, g in sampled], b)
-            index[drawn] = tokens[:, : index.shape[1]]
+        if sampled:
+            owners = _row_owners(counts)
+            drawn = [m for m, i in enumerate(owners) if gens[i] is not None]
+            index[drawn] = _draw_rows(log_probs[drawn], sampled, b)[:, :width]
     listed = index.tolist()  # the level's one device-to-host transfer
     out, start = [], 0
     for count in counts:
         out.append([(k, token) for k in range(count) for token in listed[start + k] if token >= 0])
         start += count
     return out
+
+
+def _draw_rows(log_probs: torch.Tensor, sampled: list[tuple[int, torch.Generator]], b: int) -> torch.Tensor:
+    """`b` children of every row of `log_probs` (rows of the requests of `sampled`, as
+    (rows, generator) in order): `[M, b]` tokens in draw order, -1 past a row's last token
+    of non-zero probability; one child is a plain draw (`draw_one`)."""
+    if b == 1:
+        return draw_one(log_probs, [gen for count, gen in sampled for _ in range(count)])[:, None]
+    return gumbel_top_k_rows(log_probs, [c for c, _ in sampled], [g for _, g in sampled], b)[0]
 
 
 def _row_owners(counts: list[int]) -> list[int]:
