@@ -28,6 +28,7 @@ from runtime.attention_batch import Segment
 from runtime.block_manager import BlockManager
 from runtime.request import Request
 from runtime.step_batch import step_input
+from runtime.tree import bit_rows
 
 
 class RNNLevels:
@@ -127,8 +128,7 @@ class DraftLMLevels:
             for k in ks:
                 depths.append(depths[parents[k]] + 1)
                 anc.append(anc[parents[k]] | 1 << nodes[k])
-            # [m, width] over the whole tree so far: bit j of a node's set is column j
-            mask = torch.tensor([[c == "1" for c in f"{anc[n]:0{width}b}"[::-1]] for n in range(first, width)])
+            mask = bit_rows(anc[first:width], width)  # [m, width] over the whole tree so far
             context = r.num_computed
             segments.append(Segment(len(flat_tokens), context + first, self.slots[row][: context + width], mask))
             flat_tokens += [tokens[k] for k in ks]

@@ -286,20 +286,9 @@ def _packed_trees(
         for i, table in zip(drafted, stacked.index_select(0, index).split([sizes[i] for i in drafted]), strict=True):
             tables[i] = table
     return [
-        DraftTree(t, p, table, depths=d, mask=_ancestor_mask(p), sampled=s)
+        DraftTree(t, p, table, depths=d, sampled=s)
         for t, p, d, table, s in zip(tokens, parents, depths, tables, sampled, strict=True)
     ]
-
-
-def _ancestor_mask(parents: list[int]) -> torch.Tensor:
-    """[N, N] bool ancestor-or-self mask of a packed tree (what `DraftTree` would derive
-    node by node with tensor ops), built on the host in one go."""
-    rows: list[list[bool]] = []
-    for node, parent in enumerate(parents):
-        row = rows[parent].copy() if parent >= 0 else [False] * len(parents)
-        row[node] = True
-        rows.append(row)
-    return torch.tensor(rows, dtype=torch.bool)
 
 
 def _branch_step(
