@@ -135,10 +135,11 @@ def accept_sampled_batch(
         return []
     alone = [i for i, t in enumerate(trees) if len(t.tokens) == 1]
     roots = iter(target_probs_rows(torch.cat([logits[i] for i in alone]), [params[i] for i in alone]) if alone else ())
+    tables = _tree_laws(trees, logits, params)
     walks: list[tuple[list[int], torch.Tensor]] = []  # per tree: its accepted path, the law its bonus is drawn from
     draws = []
-    for tree, rows, prm, gen in zip(trees, logits, params, generators, strict=True):
-        walks.append(([0], next(roots)) if len(tree.tokens) == 1 else _walk_tree(tree, rows, prm, gen))
+    for i, (tree, rows, prm, gen) in enumerate(zip(trees, logits, params, generators, strict=True)):
+        walks.append(([0], next(roots)) if len(tree.tokens) == 1 else _walk_tree(tree, rows, prm, gen, tables.get(i)))
         draws.append(uniform(gen, rows.device))  # after the walk's node uniforms, as `sample` would
     bonus = inverse_cdf_rows(torch.stack([q for _, q in walks]), torch.stack(draws)).tolist()
     return [
@@ -147,8 +148,75 @@ def accept_sampled_batch(
     ]
 
 
+@dataclass
+class _Laws:
+    """One tree's laws, computed before its walk (`_tree_laws`)."""
+
+    q: torch.Tensor
+    """[N, V] the target law at every node."""
+    p: torch.Tensor | None
+    """[N, V] the draft law every node was drawn from (None: point masses)."""
+    first: list[tuple[float, float]]
+    """Per node c >= 1: (q at its parent at its token, p at its token; 1 for a point mass),
+    what the walk tests c against when c is the first child its parent tries."""
+
+
+def _tree_laws(
+    trees: list[DraftTree], logits: list[torch.Tensor], params: list[SamplingParams], chains_only: bool = True
+) -> dict[int, _Laws]:
+    """Every node's laws of the chains (by index) whose warp is a temperature alone, in one
+    softmax, one exp and one read to the host for the batch, where the walk computed them
+    node by node (~40 us a visited node: ~1.4 ms a step at batch 8 over 6-node sd chains,
+    ~0.45 ms with the table). Rows of one softmax or exp are the values each row gets
+    alone, bit for bit, so the walk is unchanged. Only chains (sd, one-beam trees): a walk
+    visits about half of a chain's nodes at T=1, a quarter of a branching tree's, whose
+    table costs more than its walk (~12 us a row: rsd-c's 15-node trees at batch 8
+    verified in 3.1 ms with it, 2.3 without); top-k/top-p warps sort every row."""
+    chosen = [
+        i
+        for i, t in enumerate(trees)
+        if len(t.tokens) > 1
+        and (len(t.tokens) == max(t.depths) + 1 or not chains_only)
+        and not params[i].top_k
+        and params[i].top_p >= 1.0
+    ]
+    if not chosen:
+        return {}
+    sizes = [len(trees[i].tokens) for i in chosen]
+    warps = [params[i] for i, n in zip(chosen, sizes, strict=True) for _ in range(n)]
+    q = target_probs_rows(torch.cat([logits[i] for i in chosen]), warps)
+    drafts = {i: t.draft_log_probs for i in chosen if (t := trees[i]).sampled and t.draft_log_probs is not None}
+    p = torch.cat(list(drafts.values())).exp() if drafts else None
+    p_start: dict[int, int] = {}  # tree -> its first row in p
+    rows_before = 0
+    for i, table in drafts.items():
+        p_start[i], rows_before = rows_before, rows_before + table.shape[0]
+    q_rows, p_rows, columns = [], [], []  # per non-root node: its parent's q row, its own p row, its token
+    offset = 0
+    for i, n in zip(chosen, sizes, strict=True):
+        tree = trees[i]
+        for c in range(1, n):
+            q_rows.append(offset + tree.parents[c])
+            p_rows.append(p_start[i] + c if i in p_start else 0)
+            columns.append(tree.tokens[c])
+        offset += n
+    cols = torch.tensor(columns, device=q.device)
+    qx = q[torch.tensor(q_rows, device=q.device), cols]
+    px = p[torch.tensor(p_rows, device=q.device), cols] if p is not None else torch.ones_like(qx)
+    pairs = torch.stack((qx, px), 1).tolist()  # the one read to the host
+    out: dict[int, _Laws] = {}
+    offset = at = 0
+    for i, n in zip(chosen, sizes, strict=True):
+        drawn_here = i in p_start
+        first = [(0.0, 0.0), *((a, b if drawn_here else 1.0) for a, b in pairs[at : at + n - 1])]
+        table = p[p_start[i] : p_start[i] + n] if p is not None and drawn_here else None
+        out[i] = _Laws(q[offset : offset + n], table, first)
+        offset, at = offset + n, at + n - 1
+    return out
+
+
 def _walk_tree(
-    tree: DraftTree, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
+    tree: DraftTree, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator, laws: _Laws | None = None
 ) -> tuple[list[int], torch.Tensor]:
     """Recursive rejection sampling down one tree: the accepted path and the law q its
     bonus token is drawn from (the caller draws it, `accept_sampled_batch`). The laws are
@@ -168,21 +236,26 @@ def _walk_tree(
     uniform = torch.rand(len(tree.tokens) - 1, generator=gen, device=logits.device).tolist()  # node c: [c - 1]
     draft = tree.draft_log_probs if tree.sampled else None
 
-    def laws(node: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def laws_at(node: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """q at `node`, and the draft law its children were drawn from (None: point masses)."""
+        if laws is not None:
+            return laws.q[node], (laws.p[kids[node][0]] if laws.p is not None and kids[node] else None)
         q = target_probs(logits[node : node + 1], params)[0]
         return q, (draft[kids[node][0]].exp() if draft is not None and kids[node] else None)
 
     path = [0]
-    q, p = laws(0)
+    q, p = laws_at(0)
     tried = 0  # children of the path's last node rejected so far
     while tried < len(kids[path[-1]]):
         c = kids[path[-1]][tried]
         x = tree.tokens[c]
-        qx, px = (q[x].item(), 1.0) if p is None else torch.stack((q[x], p[x])).tolist()
+        if laws is not None and not tried:  # the node's own laws, read up front
+            qx, px = laws.first[c]
+        else:
+            qx, px = (q[x].item(), 1.0) if p is None else torch.stack((q[x], p[x])).tolist()
         if uniform[c - 1] < host_acceptance(qx, px):
             path.append(c)
-            q, p = laws(c)
+            q, p = laws_at(c)
             tried = 0
             continue
         p_k = F.one_hot(torch.tensor(x, device=q.device), q.shape[-1]).to(q.dtype) if p is None else p

@@ -14,6 +14,7 @@ from runtime.sampling import SamplingParams, sample, target_probs
 from runtime.tree import DraftTree, children_lists
 from runtime.verify import (
     Acceptance,
+    _tree_laws,
     _walk_tree,
     accept_greedy,
     accept_sampled_batch,
@@ -190,3 +191,47 @@ def test_the_walks_host_acceptance_is_the_fp32_acceptance() -> None:
     assert [host_acceptance(a, b) for a, b in zip(q.tolist(), p.tolist(), strict=True)] == want
     unrounded = [min(1.0, a / max(b, 1.1754943508222875e-38)) for a, b in zip(q.tolist(), p.tolist(), strict=True)]
     assert unrounded != want
+
+
+def test_laws_read_up_front_walk_as_the_node_by_node_walk() -> None:
+    """Where every node's laws are computed before the walks (`_tree_laws`: temperature-only
+    warps, one softmax and one exp for the batch), each walk must be the node-by-node walk
+    bit for bit: the same path and the same law for its bonus, for sampled chains and
+    point-mass chains over 8192 tokens, and a sampled tree with siblings (rejections that
+    move to the next sibling), mixed in one batch with a top-k request (which keeps the
+    node-by-node walk, as branching trees do)."""
+    gen = torch.Generator().manual_seed(11)
+    vocab = 8192
+
+    def random_tree(n: int, sampled: bool, chain: bool) -> tuple[DraftTree, torch.Tensor]:
+        if chain:
+            parents = list(range(-1, n - 1))
+        else:
+            parents = [-1] + [int(torch.randint(0, c, (1,), generator=gen)) for c in range(1, n)]
+        tokens = [0, *torch.randperm(vocab, generator=gen)[: n - 1].tolist()]  # siblings distinct
+        peaked = torch.randn(n, vocab, generator=gen) * 4
+        laws = torch.log_softmax(peaked, -1) if sampled else None
+        logits = peaked + torch.randn(n, vocab, generator=gen)  # the target near the drafter
+        if sampled:  # siblings share their first sibling's row (the law they were drawn from)
+            assert laws is not None
+            for c in range(1, n):
+                laws[c] = laws[children_lists(parents)[parents[c]][0]]
+        return DraftTree(tokens, parents, laws, sampled=sampled), logits.to(TEST_DEVICE)
+
+    shapes = [(6, True), (15, True), (1, True), (9, False), (5, True), (17, True), (12, False), (6, True)]
+    trees, rows = zip(*(random_tree(n, s, chain=n != 15) for n, s in shapes), strict=True)
+    params = [SamplingParams(temperature=t) for t in (1.0, 0.7, 1.0, 1.3, 1.0, 1.0, 0.8, 1.0)]
+    params[5] = SamplingParams(temperature=1.0, top_k=50)
+    tables = _tree_laws(list(trees), list(rows), params)
+    assert sorted(tables) == [0, 3, 4, 6, 7]  # the branching tree, the root alone and the top-k chain have none
+    tables |= {1: _tree_laws([trees[1]], [rows[1]], [params[1]], chains_only=False)[0]}  # a branching tree's table too
+    walked_to = set()
+    for seed in range(40):
+        for i, (tree, r, prm) in enumerate(zip(trees, rows, params, strict=True)):
+            if i not in tables:
+                continue
+            by_node = _walk_tree(tree, r, prm, torch.Generator(TEST_DEVICE).manual_seed(seed))
+            up_front = _walk_tree(tree, r, prm, torch.Generator(TEST_DEVICE).manual_seed(seed), tables[i])
+            assert by_node[0] == up_front[0] and torch.equal(by_node[1], up_front[1])
+            walked_to.add(len(by_node[0]))
+    assert max(walked_to) >= 3 and 1 in walked_to  # deep walks and walks that rejected at the root
