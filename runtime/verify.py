@@ -209,8 +209,8 @@ def _tree_laws(
     for i, n in zip(chosen, sizes, strict=True):
         drawn_here = i in p_start
         first = [(0.0, 0.0), *((a, b if drawn_here else 1.0) for a, b in pairs[at : at + n - 1])]
-        table = p[p_start[i] : p_start[i] + n] if p is not None and drawn_here else None
-        out[i] = _Laws(q[offset : offset + n], table, first)
+        laws = p[p_start[i] : p_start[i] + n] if p is not None and drawn_here else None
+        out[i] = _Laws(q[offset : offset + n], laws, first)
         offset, at = offset + n, at + n - 1
     return out
 
