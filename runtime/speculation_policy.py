@@ -516,7 +516,7 @@ class SpeculationPolicy:
     auto-regression than it was. It is mostly per step (~0.5 ms at batch 1, ~1.1 at 8):
     scaled per request from a batch-1 warm-up instead, it priced the first
     auto-regressive steps of 32 ReDrafter requests at 33 ms where they took ~13, and the
-    batch drafted 11-node trees at ~0.4x auto-regression's rate."""
+    batch drafted 11-node trees: 86 tokens in ~84 ms, where auto-regression makes 32 in ~15."""
 
     # ---- estimates ----------------------------------------------------------------------
 

@@ -171,7 +171,8 @@ def _tree_laws(
     alone, bit for bit, so the walk is unchanged. Only chains (sd, one-beam trees): a walk
     visits about half of a chain's nodes at T=1, a quarter of a branching tree's, whose
     table costs more than its walk (~12 us a row: rsd-c's 15-node trees at batch 8
-    verified in 3.1 ms with it, 2.3 without); top-k/top-p warps sort every row."""
+    verified in 3.1 ms with it, 2.3 without); top-k/top-p warps sort every row.
+    `chains_only=False` tables every tree (the walk over siblings is tested through it)."""
     chosen = [
         i
         for i, t in enumerate(trees)
@@ -220,7 +221,8 @@ def _walk_tree(
 ) -> tuple[list[int], torch.Tensor]:
     """Recursive rejection sampling down one tree: the accepted path and the law q its
     bonus token is drawn from (the caller draws it, `accept_sampled_batch`). The laws are
-    computed where the walk reaches them: q and the children's draft law p at the root,
+    read from `laws` where the batch computed them up front (`_tree_laws`), else computed
+    where the walk reaches them: q and the children's draft law p at the root,
     then at each accepted node; a rejected child changes them to the residuals
     (`rejection_step`; `residual` alone after a node's last child). The tensors are one
     row each, and the accept/reject decisions are read on the host: a [B, N, V] table of

@@ -729,7 +729,7 @@ def test_host_work_seen_at_batch_1_is_not_multiplied_by_a_larger_batch() -> None
     two. Scaled per request instead (as the forward residual is), 0.7 ms at batch 1 priced
     a 32-request auto-regressive step ~22 ms dearer than it is, and the whole batch
     drafted one-beam trees that run at ~0.64x auto-regression's rate here (the demo
-    ReDrafter engine after a batch-1 warm-up: 11-node trees at batch 32, ~0.6x)."""
+    ReDrafter engine after a batch-1 warm-up: 11-node trees at batch 32, ~0.5x)."""
     world = World(a=8.0, b=0.35, c=9.0, d=0.1, alpha=0.7, h=0.7)
     assert fixed(world, 32, 5, 100) < 0.7 * fixed(world, 32, 1, 100)  # drafting loses at batch 32
     p = calibrated(world)
