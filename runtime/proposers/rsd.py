@@ -190,8 +190,14 @@ def draft_rsd_trees(
     params: list[SamplingParams],
     generators: list[torch.Generator],
     spec: TreeSpec,
+    lengths: list[int] | None = None,
 ) -> list[DraftTree]:
-    """One tree per request, `spec.length` levels. A level is one drafter call for the
+    """One tree per request, `spec.length` levels, or `lengths[i]` for request i (its tree
+    is then `spec.truncated(lengths[i])`'s: the first levels of a tree are the tree drafted
+    that deep, and a request's draws come from its own generator level by level, so the
+    batch drafts every depth in one call, as the load-aware cost model prices it; one call
+    per depth ran 2 + 3 + 4 draft-LM forwards where sd's 3-, 4- and 5-node chains mixed at
+    batch 8). A level is one drafter call for the
     frontier nodes of every request, then a handful of tensor ops over all of them at
     once: one warp (`draft_log_probs`; none when every request only ranks, greedy SD and
     RSD-C: the top b of the logits are those of their softmax), one Gumbel-top-k
@@ -212,7 +218,8 @@ def draft_rsd_trees(
     gumbels = torch.zeros_like(scores)  # rsd-s: perturbed value per row
     sampled = [spec.stochastic and not p.greedy for p in params]
     ranked = not spec.beamed and not any(sampled)  # only ranks: the logits' order is the law's
-    for depth in range(spec.length):
+    lengths = lengths or [spec.length] * len(roots)
+    for depth in range(max(lengths)):
         counts = [len(f) for f in frontier]
         if ranked:
             log_probs = logits
@@ -227,25 +234,35 @@ def draft_rsd_trees(
         nodes: list[int] = []
         new_tokens: list[int] = []
         start = stored  # the request's first row in the stacked levels
+        kept: list[int] = []  # the picks (in pick order) that go on to the next level
+        picked = 0  # picks of the requests before
         for i, request_picks in enumerate(picks):
             front, frontier[i] = frontier[i], []
+            goes_on = depth + 1 < lengths[i]  # else its tree ends at this level: its nodes are not fed
+            if goes_on:
+                kept += range(picked, picked + len(request_picks))
+            picked += len(request_picks)
             for k, token in request_picks:
                 node, parent = len(tokens[i]), front[k]
                 tokens[i].append(token)
                 parents[i].append(parent)
                 depths[i].append(depth + 1)
                 laws[i].append(start + k)
-                frontier[i].append(node)
-                rows.append(i)
-                new_parents.append(parent)
-                nodes.append(node)
-                new_tokens.append(token)
+                if goes_on:
+                    frontier[i].append(node)
+                    rows.append(i)
+                    new_parents.append(parent)
+                    nodes.append(node)
+                    new_tokens.append(token)
             start += len(front)
         if not ranked:
             levels.append(log_probs)
         stored = start
-        if depth + 1 == spec.length or not nodes:
+        if depth + 1 == max(lengths) or not nodes:
             break
+        if spec.beamed and len(kept) < len(scores):  # beams of trees that ended leave the scores
+            index = torch.tensor(kept, device=scores.device)
+            scores, gumbels = scores[index], gumbels[index]
         logits = drafter.extend(rows, new_parents, nodes, new_tokens)
     return _packed_trees(tokens, parents, depths, laws, levels, sampled)
 
@@ -361,7 +378,7 @@ def _beam_step(
     seen = 0
     starts = [sum(counts[:i]) for i in range(len(counts))]
     for group_sampled in (False, True):
-        members = [i for i, s in enumerate(sampled) if s == group_sampled]
+        members = [i for i, s in enumerate(sampled) if s == group_sampled and counts[i]]  # (a tree that ended: none)
         if not members:
             continue
         rows = torch.tensor([starts[i] + k for i in members for k in range(counts[i])], device=log_probs.device)
@@ -371,7 +388,7 @@ def _beam_step(
             scores[rows],
             gumbels[rows],
             width,
-            [g for g in gens if g is not None] if group_sampled else None,
+            [g for i in members if (g := gens[i]) is not None] if group_sampled else None,
         )
         for i, request_picks in zip(members, picks, strict=True):
             out_picks[i] = request_picks
@@ -551,15 +568,17 @@ class LevelTreeProposer(Proposer):
 
     def propose(self, requests: list[Request], budgets: list[int]) -> list[DraftTree]:
         trees: dict[Request, DraftTree] = {}
-        groups: dict[TreeSpec, list[Request]] = {}
+        groups: dict[TreeSpec, list[tuple[Request, int]]] = {}  # every depth of a spec in one call
         for request, budget in zip(requests, budgets, strict=True):
             spec: TreeSpec = request.draft_params
             depth = max(k for k, size in enumerate(spec.level_sizes) if size <= budget)
             if depth == 0:
                 trees[request] = DraftTree.root(request.tokens[-1])
             else:
-                groups.setdefault(spec.truncated(depth), []).append(request)
-        for spec, group in groups.items():
+                groups.setdefault(spec, []).append((request, depth))
+        for full, members in groups.items():
+            group, lengths = [r for r, _ in members], [d for _, d in members]
+            spec = full.truncated(max(lengths))
             roots = [r.tokens[-1] for r in group]
             drafter: RNNLevels | DraftLMLevels
             if self.draft_cache is not None:
@@ -570,7 +589,7 @@ class LevelTreeProposer(Proposer):
                 embed = self.engine.model.model.embed_tokens
                 drafter = RNNLevels(self.engine.redrafter, embed, target_hidden(group), roots, spec.max_nodes)
             params, gens = [r.params for r in group], [r.generator for r in group]
-            drafted = draft_rsd_trees(drafter, roots, params, gens, spec)
+            drafted = draft_rsd_trees(drafter, roots, params, gens, spec, lengths)
             level_sizes = spec.level_sizes
             for tree in drafted:  # nested by depth: a node is in every tree at least as deep
                 tree.node_budget = [level_sizes[d] for d in tree.depths]
