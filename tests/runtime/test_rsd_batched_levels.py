@@ -187,25 +187,32 @@ def test_greedy_batches_rank_by_the_logits_alone(spec: TreeSpec) -> None:
         assert_same(g, w, f"request {i}")
 
 
+SAMPLED = [SamplingParams(temperature=1.0, seed=20 + i) for i in range(5)]
+
+
+@pytest.mark.parametrize("params", [MIXED, SAMPLED], ids=["mixed", "sampled"])
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.method)
-def test_every_depth_of_a_batch_in_one_call_is_each_request_drafted_that_deep(spec: TreeSpec) -> None:
+def test_every_depth_of_a_batch_in_one_call_is_each_request_drafted_that_deep(
+    spec: TreeSpec, params: list[SamplingParams]
+) -> None:
     """Load-aware speculation gives requests of one spec different depths; they are drafted
     in one call (`draft_rsd_trees(..., lengths)`, one drafter call per level for all), and
     each request's tree must be the tree it gets drafted alone at its depth
-    (`spec.truncated`), bit for bit: greedy and sampled requests, beams whose trees end
-    while others go on included. Ignoring the lengths (every tree at the deepest) fails."""
-    indices = list(range(len(MIXED)))
+    (`spec.truncated`), bit for bit: mixed greedy and sampled batches and all-sampled ones,
+    beams whose trees end while others go on included. Ignoring the lengths (every tree
+    at the deepest) fails."""
+    indices = list(range(len(params)))
     lengths = [1 + i % spec.length for i in indices]  # every depth, mixed
     roots, contexts = [(7 * i + 3) % V for i in indices], [(11 * i + 5) % V for i in indices]
 
     def draft(members: list[int], at: TreeSpec, depths: list[int] | None) -> list[DraftTree]:
-        gens = [MIXED[i].generator(TEST_DEVICE) for i in members]
+        gens = [params[i].generator(TEST_DEVICE) for i in members]
         drafter = NodeLogits([contexts[i] for i in members], [roots[i] for i in members])
-        return draft_rsd_trees(drafter, [roots[i] for i in members], [MIXED[i] for i in members], gens, at, depths)
+        return draft_rsd_trees(drafter, [roots[i] for i in members], [params[i] for i in members], gens, at, depths)
 
     together = draft(indices, spec, lengths)
     for i in indices:
-        if MIXED[i].greedy or not spec.stochastic or ON_CPU:
+        if params[i].greedy or not spec.stochastic or ON_CPU:
             (alone,) = draft([i], spec.truncated(lengths[i]), None)
             assert_same(together[i], alone, f"request {i} at depth {lengths[i]}")
             assert max(together[i].depths) <= lengths[i]
