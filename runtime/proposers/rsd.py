@@ -30,9 +30,11 @@ after k children is a stopping rule the recursive rejection sampler allows.
 from __future__ import annotations
 
 import argparse
+import bisect
 import time
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Protocol
 
 import torch
@@ -117,6 +119,74 @@ class TreeSpec:
             level = self.beam_width if self.beamed else level * self.branching[depth]
             sizes.append(sizes[-1] + level)
         return sizes
+
+    @cached_property
+    def ladder(self) -> list[tuple[TreeSpec, int]]:
+        """The trees load-aware speculation chooses among for this spec, smallest first, each
+        as (tree, levels it is drafted): one chain cut at every depth (sd's tree; RSD with
+        one child per node is plain speculative sampling), then the tree widened from the
+        root down, one sibling at a time: rsd-c b = (2, 1, ..., 1), ..., (b_0, 1, ..., 1),
+        (b_0, 2, 1, ..., 1), ..., b; beams W = 2, ..., W at full length. The spec's own
+        tree is the last (what `--speculation fixed` drafts).
+
+        Why chains first rather than the spec's tree cut after fewer levels: at batch 8
+        every drafted node is a row of the target's forward, and on held-out prompts sd's
+        5-node chains ran 1.09-1.25x auto-regression where rsd-c's and rsd-s's smallest
+        cuts (2 and 4 siblings at depth 1) ran 0.97-1.00x; at T = 1, batch 1, sd ran 1.80x
+        where rsd-s's cuts ran 1.36x. Widening one sibling at a time keeps the trees nested
+        for rsd-c (Gumbel-top-k's first b children are its first b + 1's: `node_budgets`),
+        so every tree measures every smaller one; wider beams keep other top beams, so
+        rsd-s's widths are measured each on its own (`LevelTreeProposer.exact_cuts`)."""
+        if self.beamed:
+            chain = TreeSpec(self.method, beam_width=1, length=self.length)
+            wider = [TreeSpec(self.method, beam_width=w, length=self.length) for w in range(2, self.beam_width + 1)]
+        else:
+            chain = TreeSpec(self.method, branching=(1,) * self.length, length=self.length)
+            ones = (1,) * self.length
+            wider = [
+                TreeSpec(self.method, (*self.branching[:k], w, *ones[k + 1 :]), length=self.length)
+                for k in range(self.length)
+                for w in range(2, self.branching[k] + 1)
+            ]
+        return [(chain, depth) for depth in range(1, self.length + 1)] + [(tree, self.length) for tree in wider]
+
+    @cached_property
+    def sizes(self) -> list[int]:
+        """Most nodes (root included) of each tree of the `ladder`, after the root alone (1)."""
+        return [1] + [tree.level_sizes[levels] for tree, levels in self.ladder]
+
+    def rung(self, budget: int) -> tuple[TreeSpec, int] | None:
+        """The largest tree of the `ladder` within `budget` nodes (None: the root alone)."""
+        k = bisect.bisect_right(self.sizes, budget) - 1
+        return self.ladder[k - 1] if k > 0 else None
+
+    def node_budgets(self, drafted: TreeSpec, parents: list[int], depths: list[int]) -> list[int]:
+        """`DraftTree.node_budget` of a tree drafted as `drafted`, one of this spec's
+        `ladder`: each node's smallest tree of the ladder that holds it. A node whose
+        siblings before it (in draw order) number r_k at depth k + 1 is held by the chain
+        of its depth if every r_k is 0, else first by the tree widened to r_k + 1 siblings
+        at the deepest k with r_k > 0 (widenings go root down, each holding every earlier
+        one). Empty for wider beams, which hold no smaller tree."""
+        if drafted.beamed and drafted.beam_width > 1:
+            return []
+        where: dict[tuple[int, int], int] = {}  # widened tree: (level widened, its width) -> size
+        if not self.beamed:
+            for tree, _ in self.ladder[self.length :]:
+                level = max(d for d in range(self.length) if tree.branching[d] > 1)
+                where[(level, tree.branching[level])] = tree.max_nodes
+        keys: list[tuple[int, int] | None] = []
+        seen = [0] * len(parents)  # children met so far, per node
+        out: list[int] = []
+        for node, parent in enumerate(parents):
+            if parent < 0:
+                keys.append(None)
+                out.append(1)
+                continue
+            rank, seen[parent] = seen[parent], seen[parent] + 1
+            key = keys[parent] if rank == 0 else (depths[node] - 1, rank + 1)
+            keys.append(key)
+            out.append(depths[node] + 1 if key is None else where[key])
+        return out
 
     def truncated(self, levels: int) -> TreeSpec:
         """The same tree drafted `levels` levels deep."""
@@ -497,16 +567,20 @@ class LevelTreeProposer(Proposer):
         return TreeSpec.for_method(method, s["beam_width"], s["beam_length"], tuple(s["branching"]))
 
     def sizes(self, params: TreeSpec) -> list[int]:
-        return params.level_sizes
+        return params.sizes
 
     def levels(self, params: TreeSpec) -> list[int]:
-        return list(range(params.length + 1))
+        return [0] + [levels for _, levels in params.ladder]
+
+    def exact_cuts(self, params: TreeSpec) -> bool:
+        """Beams of every width but one are not (`TreeSpec.ladder`)."""
+        return not params.beamed or params.beam_width == 1
 
     def draft_cost_samples(self, method: str) -> list[tuple[int, int, int, float]]:
         """A draft LM's drafting timed at engine start, for 1 and 8 requests of `CONTEXTS`
         tokens in scratch blocks, sampled at temperature 1 (the dearer path): one call that
         first catches the draft LM up on the whole context (its cost per token read), then
-        the method's default tree cut at every depth. Without them the fit started from the
+        every tree of the method's default `TreeSpec.ladder`. Without them the fit started from the
         first live call, which catches up on a whole prompt: one such sample priced a token
         read at ~0.45 ms (~50 us measured), so a probe of a request the policy had switched off looked
         far too dear and came too rarely to switch it back on. None for the RNN drafter.
@@ -539,21 +613,22 @@ class LevelTreeProposer(Proposer):
                     requests.append(Request(request_id, prompt, prm, method, spec, prm.generator(device), set()))
                 for r in requests:
                     r.num_computed = context  # the root sits at position `context`
-                shapes = [(spec.length, context)] + [(depth, 0) for depth in range(1, spec.length + 1)]
-                for n, (depth, catch_up) in enumerate([shapes[0], *shapes]):  # the first call is untimed
+                levels = self.levels(spec)
+                shapes = [(len(levels) - 1, context)] + [(k, 0) for k in range(1, len(levels))]
+                for n, (k, catch_up) in enumerate([shapes[0], *shapes]):  # the first call is untimed
                     for r in requests:
                         r.draft_state = context - catch_up
                     start = time.perf_counter()
-                    trees = self.propose(requests, [spec.level_sizes[depth]] * rows)
+                    trees = self.propose(requests, [spec.sizes[k]] * rows)
                     drafting = time.perf_counter() - start
                     logits = [_accepting_logits(tree, vocab, device) for tree in trees]
                     start = time.perf_counter()
                     accept_batch(trees, logits, [r.params for r in requests], [r.generator for r in requests])
                     verify = time.perf_counter() - start
                     if n:
-                        drafted = rows * (spec.level_sizes[depth] - 1)
+                        drafted = rows * (spec.sizes[k] - 1)
                         share = verify * drafted / sum(len(tree.tokens) for tree in trees)
-                        samples.append((depth, drafted, rows * catch_up, drafting + share))
+                        samples.append((levels[k], drafted, rows * catch_up, drafting + share))
             finally:
                 for i in ids:
                     self.blocks.free(i)
@@ -568,17 +643,16 @@ class LevelTreeProposer(Proposer):
 
     def propose(self, requests: list[Request], budgets: list[int]) -> list[DraftTree]:
         trees: dict[Request, DraftTree] = {}
-        groups: dict[TreeSpec, list[tuple[Request, int]]] = {}  # every depth of a spec in one call
+        groups: dict[TreeSpec, list[tuple[Request, int]]] = {}  # every depth of a ladder's tree in one call
         for request, budget in zip(requests, budgets, strict=True):
-            spec: TreeSpec = request.draft_params
-            depth = max(k for k, size in enumerate(spec.level_sizes) if size <= budget)
-            if depth == 0:
+            rung = request.draft_params.rung(budget)
+            if rung is None:
                 trees[request] = DraftTree.root(request.tokens[-1])
             else:
-                groups.setdefault(spec, []).append((request, depth))
-        for full, members in groups.items():
+                groups.setdefault(rung[0], []).append((request, rung[1]))
+        for tree_spec, members in groups.items():
             group, lengths = [r for r, _ in members], [d for _, d in members]
-            spec = full.truncated(max(lengths))
+            spec = tree_spec.truncated(max(lengths))
             roots = [r.tokens[-1] for r in group]
             drafter: RNNLevels | DraftLMLevels
             if self.draft_cache is not None:
@@ -590,9 +664,8 @@ class LevelTreeProposer(Proposer):
                 drafter = RNNLevels(self.engine.redrafter, embed, target_hidden(group), roots, spec.max_nodes)
             params, gens = [r.params for r in group], [r.generator for r in group]
             drafted = draft_rsd_trees(drafter, roots, params, gens, spec, lengths)
-            level_sizes = spec.level_sizes
-            for tree in drafted:  # nested by depth: a node is in every tree at least as deep
-                tree.node_budget = [level_sizes[d] for d in tree.depths]
+            for request, tree in zip(group, drafted, strict=True):
+                tree.node_budget = request.draft_params.node_budgets(tree_spec, tree.parents, tree.depths)
             trees |= dict(zip(group, drafted, strict=True))
         return [trees[r] for r in requests]
 

@@ -63,15 +63,19 @@ def test_greedy_output_does_not_depend_on_the_sizes(random_sizes: list[int], dra
     assert 1 in random_sizes and len(set(random_sizes)) >= 2, "no drafting and drafting must both have been chosen"
 
 
-@pytest.mark.slow  # ~1-4 min: 20,000 requests
-def test_sampled_output_follows_the_target_law_whatever_the_sizes(random_sizes: list[int]) -> None:
-    """RSD-S over the draft LM: truncated beams, AR steps that leave the draft cache behind."""
+@pytest.mark.slow  # ~1-4 min each: 20,000 requests
+@pytest.mark.parametrize(("method", "drawn"), [("rsd-s", {1, 2, 4, 7}), ("rsd-c", {1, 2, 4, 7, 11})])
+def test_sampled_output_follows_the_target_law_whatever_the_sizes(
+    random_sizes: list[int], method: str, drawn: set[int]
+) -> None:
+    """Over the draft LM, every tree of the ladder (`TreeSpec.ladder`): chains, wider
+    beams (rsd-s) or siblings (rsd-c), AR steps that leave the draft cache behind."""
     engine = toy_sampling.toy_engine("draft-lm", SETTINGS)
     params = SamplingParams(temperature=0.9, top_p=0.9)
-    counts = toy_sampling.emitted_first_three(engine, params, "rsd-s", accepted_share=8)
+    counts = toy_sampling.emitted_first_three(engine, params, method, accepted_share=8)
     law = toy_sampling.exact_first_three(engine.model, params)
     assert passes_chi_square(counts, law), chi_square(counts, law)
-    assert {1, 4, 7}.issubset(random_sizes)
+    assert drawn.issubset(random_sizes)
 
 
 def test_prepare_calibrates_once_before_any_request(monkeypatch: pytest.MonkeyPatch) -> None:
