@@ -207,7 +207,9 @@ class EngineCore:
             if not r.in_prefill:
                 lag = self.proposers[r.method].lag(r)
                 sizes, levels, exact = self._offered(r)
-                offers.append(Offer(r.request_id, (r.method, r.params.greedy), r.method, sizes, levels, lag, exact))
+                left = r.params.max_tokens - len(r.result.output_ids)  # (no step emits more)
+                kind = (r.method, r.params.greedy)
+                offers.append(Offer(r.request_id, kind, r.method, sizes, levels, lag, exact, left))
         if not self._calibrated and self.policy.adaptive and any(len(o.sizes) > 1 for o in offers):
             self._calibrate()
         chosen = self.policy.choose(offers, len(running) - len(offers))

@@ -155,6 +155,11 @@ class Offer:
     """Whether each smaller size's tree is the larger tree cut (`Proposer.exact_cuts`), so
     that what a size gains over the next smaller one, measured inside a larger tree, is what
     drafting it gains (`SpeculationPolicy.kind_taus`)."""
+    left: int | None = None
+    """Tokens it may still emit (its `max_tokens` less its output; None: no bound). No step
+    yields more, so no tree is expected to: a request 2 tokens from its end gains nothing
+    from a 5-node chain over a 3-node one (or, with one token left, over no drafting), and
+    priced by the chain's tau it drafted rows that could only be cut off."""
 
 
 @dataclass
@@ -463,7 +468,7 @@ class _Settled:
     """An all-auto-regressive decision and what it was made for (`SpeculationPolicy._settled`)."""
 
     signature: tuple[object, ...]
-    """The offers (request, kind, sizes, levels) and the other requests' count."""
+    """The offers (request, kind, sizes, levels, a binding `Offer.left`) and the other requests' count."""
     step: int
     """The step it was made at."""
     seconds: float
@@ -473,7 +478,13 @@ class _Settled:
 
 
 def _signature(offers: list[Offer], others: int) -> tuple[object, ...]:
-    return (others, *((o.key, o.kind, tuple(o.sizes), tuple(o.levels)) for o in offers))
+    """What a settled decision was made for: the offers, with `Offer.left` where it bounds a tree."""
+    return (others, *((o.key, o.kind, tuple(o.sizes), tuple(o.levels), _bound(o)) for o in offers))
+
+
+def _bound(offer: Offer) -> int | None:
+    """`offer.left` if some tree could yield more (a drafter call per level, plus one)."""
+    return offer.left if offer.left is not None and offer.left <= max(offer.levels) else None
 
 
 @dataclass
@@ -611,8 +622,10 @@ class SpeculationPolicy:
             # requests with the same options and beliefs (most of a batch) are decided together
             groups: dict[tuple[str, Row], list[Offer]] = {}
             for o in offers:
+                most = float("inf") if o.left is None else o.left
                 row = tuple(
-                    (s, tau, self.nodes(o, s), lv) for s, tau, lv in zip(o.sizes, self.taus(o), o.levels, strict=True)
+                    (s, min(tau, most), self.nodes(o, s), lv)
+                    for s, tau, lv in zip(o.sizes, self.taus(o), o.levels, strict=True)
                 )
                 groups.setdefault((o.method, row), []).append(o)
             batch = [_Group(m, row, len(members), sum(o.lag for o in members)) for (m, row), members in groups.items()]

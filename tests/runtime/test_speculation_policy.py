@@ -739,3 +739,20 @@ def test_host_work_seen_at_batch_1_is_not_multiplied_by_a_larger_batch() -> None
     assert set(first.values()) == {1}
     assert speculation_policy.by_requests({1: 0.5, 8: 1.2}, 32, per_request=False) == pytest.approx(3.6)
     assert speculation_policy.by_requests({8: 1.2, 16: 2.0}, 1, per_request=False) == pytest.approx(0.5)
+
+
+def test_no_tree_is_expected_to_yield_more_tokens_than_its_request_may_still_emit() -> None:
+    """`Offer.left`: near its `max_tokens` a request gains nothing from a tree deeper than
+    it may still emit. Where the whole tree pays (light load), a request 2 tokens from its
+    end drafts the smallest tree (up to 2 tokens at the least cost), one with 1 token left
+    drafts nothing; priced by the trees' own tau, both drafted the whole tree."""
+    p = calibrated(LIGHT)
+    run(p, LIGHT, batch=1, steps=100)
+
+    def pick(left: int | None) -> int:
+        return p.choose([Offer("z", KIND, "redrafter", BEAMS, LEVELS, left=left)])["z"]
+
+    assert pick(None) == 17
+    assert pick(2) == 5
+    assert pick(1) == 1
+    assert pick(40) == 17
