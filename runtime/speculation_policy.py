@@ -531,14 +531,20 @@ class SpeculationPolicy:
 
     # ---- estimates ----------------------------------------------------------------------
 
-    def taus(self, offer: Offer) -> list[float]:
+    def taus(self, offer: Offer, kinds: dict[tuple[object, ...], list[float]] | None = None) -> list[float]:
         """Expected tokens per step of `offer`'s request at each of its sizes: its kind's
         estimates (`kind_taus`) shifted by what its own trees show beyond chance (`_shift`),
         never less at a larger size than at a smaller one where smaller trees are cuts of
-        larger ones (`Offer.exact`: the larger holds the smaller's accepted path)."""
+        larger ones (`Offer.exact`: the larger holds the smaller's accepted path). `kinds`:
+        the kind estimates already worked out this step (a batch is mostly one kind)."""
+        if kinds is None:
+            shared_taus = self.kind_taus(offer)
+        else:
+            key = (offer.kind, tuple(offer.sizes), tuple(offer.levels), offer.exact)
+            shared_taus = kinds.get(key) or kinds.setdefault(key, self.kind_taus(offer))
         out: list[float] = []
         floor = 1.0
-        for size, shared in zip(offer.sizes, self.kind_taus(offer), strict=True):
+        for size, shared in zip(offer.sizes, shared_taus, strict=True):
             if size == 1 or (offer.kind, size) not in self.kinds:  # never measured: its ceiling, no floor above
                 out.append(max(shared, floor) if size > 1 else 1.0)
                 continue
@@ -621,11 +627,12 @@ class SpeculationPolicy:
         else:
             # requests with the same options and beliefs (most of a batch) are decided together
             groups: dict[tuple[str, Row], list[Offer]] = {}
+            kinds: dict[tuple[object, ...], list[float]] = {}
             for o in offers:
                 most = float("inf") if o.left is None else o.left
                 row = tuple(
                     (s, min(tau, most), self.nodes(o, s), lv)
-                    for s, tau, lv in zip(o.sizes, self.taus(o), o.levels, strict=True)
+                    for s, tau, lv in zip(o.sizes, self.taus(o, kinds), o.levels, strict=True)
                 )
                 groups.setdefault((o.method, row), []).append(o)
             batch = [_Group(m, row, len(members), sum(o.lag for o in members)) for (m, row), members in groups.items()]

@@ -602,7 +602,7 @@ def test_a_size_drafted_rarely_is_priced_by_its_gain_over_the_next_smaller(monke
     apart = policy()  # each size's level alone, as the policy priced sizes before
     levels = [1.0] + [apart.kinds[(SD, s)].tau for s in CHAIN[1:]]
     assert levels[4] < levels[2]
-    monkeypatch.setattr(apart, "taus", lambda o: [1.0] + [apart.kinds[(SD, s)].tau for s in CHAIN[1:]])
+    monkeypatch.setattr(apart, "taus", lambda o, kinds=None: [1.0] + [apart.kinds[(SD, s)].tau for s in CHAIN[1:]])
     chosen = run_chain(apart, world, 300, np.random.default_rng(0))
     assert sum(s == 5 for s in chosen[32:]) < 0.5 * 268, Counter(chosen)
 
