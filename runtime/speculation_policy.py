@@ -541,7 +541,9 @@ class SpeculationPolicy:
             shared_taus = self.kind_taus(offer)
         else:
             key = (offer.kind, tuple(offer.sizes), tuple(offer.levels), offer.exact)
-            shared_taus = kinds.get(key) or kinds.setdefault(key, self.kind_taus(offer))
+            if key not in kinds:
+                kinds[key] = self.kind_taus(offer)
+            shared_taus = kinds[key]
         out: list[float] = []
         floor = 1.0
         for size, shared in zip(offer.sizes, shared_taus, strict=True):

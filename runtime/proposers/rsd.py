@@ -134,7 +134,7 @@ class TreeSpec:
         5-node chains ran 1.09-1.25x auto-regression where rsd-c's and rsd-s's smallest
         cuts (2 and 4 siblings at depth 1) ran 0.97-1.00x; at T = 1, batch 1, sd ran 1.80x
         where rsd-s's cuts ran 1.36x. Widening one sibling at a time keeps the trees nested
-        for rsd-c (Gumbel-top-k's first b children are its first b + 1's: `node_budgets`),
+        for rsd-c (Gumbel-top-(b+1)'s first b children are Gumbel-top-b's: `node_budgets`),
         so every tree measures every smaller one; wider beams keep other top beams, so
         rsd-s's widths are measured each on its own (`LevelTreeProposer.exact_cuts`)."""
         if self.beamed:
