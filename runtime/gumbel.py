@@ -90,13 +90,18 @@ def gumbel_top_k(log_probs: torch.Tensor, k: int, generator: torch.Generator | N
 
 
 def draw_one(log_probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-    """One token per row of `exp(log_probs)` `[M, V]`, row m with one uniform from
-    `generators[m]`: the law of Gumbel-top-1 (the argmax of log p + Gumbel is a sample
-    from p), by inverse CDF (`runtime.sampling.inverse_cdf_rows`) instead of V Gumbels
-    per row (~15 vs ~60 us a row over 8192 tokens: SD and the last levels of RSD-C draw
-    one child per node)."""
-    u = torch.cat([torch.rand(1, dtype=torch.float64, generator=g, device=log_probs.device) for g in generators])
-    return inverse_cdf_rows(log_probs.exp(), u)
+    """One token per row of `exp(log_probs)` `[M, V]` (`draw_rows`)."""
+    return draw_rows(log_probs.exp(), generators)
+
+
+def draw_rows(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """One token per row of `probs` `[M, V]`, row m with one uniform from `generators[m]`:
+    the law of Gumbel-top-1 (the argmax of log p + Gumbel is a sample from p), by inverse
+    CDF (`runtime.sampling.inverse_cdf_rows`) instead of V Gumbels per row (~15 vs ~60 us a
+    row over 8192 tokens: SD and the last levels of RSD-C draw one child per node, from
+    the probabilities their tree keeps, with no log and exp in between)."""
+    u = torch.cat([torch.rand(1, dtype=torch.float64, generator=g, device=probs.device) for g in generators])
+    return inverse_cdf_rows(probs, u)
 
 
 def log1mexp(a: torch.Tensor) -> torch.Tensor:

@@ -22,9 +22,10 @@ class DraftTree:
     """[N] token of every node; node 0 is the root (the previous bonus token)."""
     parents: list[int]
     """[N] parent node index, -1 for the root."""
-    draft_log_probs: torch.Tensor | None = None
-    """[N, V] draft law (log) each node was proposed from (row 0 unused; siblings share a
-    row); None when nothing needs it."""
+    draft_probs: torch.Tensor | None = None
+    """[N, V] draft law (probabilities) each node was proposed from (row 0 unused; siblings
+    share a row); None when nothing needs it. Probabilities, not logs: verification reads
+    p, and SD's one-child levels draw from it, so neither pays an exp (nor drafting a log)."""
     depths: list[int] = field(default_factory=list)
     """[N] distance from the root (RoPE position = context length + depth); derived from parents if empty."""
     mask: torch.Tensor | None = None
@@ -34,7 +35,7 @@ class DraftTree:
     empty when only the whole tree is known. Nested trees (ReDrafter's best-first beams)
     let load-aware speculation tell what a smaller budget would have accepted."""
     sampled: bool = False
-    """True: every node was *drawn* from its `draft_log_probs` row, siblings without
+    """True: every node was *drawn* from its `draft_probs` row, siblings without
     replacement in packed order, so verification uses those laws; False: nodes are
     deterministic candidates, verified as point masses."""
 

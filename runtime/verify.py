@@ -165,10 +165,10 @@ def _tree_laws(
     trees: list[DraftTree], logits: list[torch.Tensor], params: list[SamplingParams], chains_only: bool = True
 ) -> dict[int, _Laws]:
     """Every node's laws of the chains (by index) whose warp is a temperature alone, in one
-    softmax, one exp and one read to the host for the batch, where the walk computed them
+    softmax and one read to the host for the batch, where the walk computed them
     node by node (~40 us a visited node: ~1.4 ms a step at batch 8 over 6-node sd chains,
-    ~0.45 ms with the table). Rows of one softmax or exp are the values each row gets
-    alone, bit for bit, so the walk is unchanged. Only chains (sd, one-beam trees): a walk
+    ~0.45 ms with the table). Rows of one softmax are the values each row gets alone, bit
+    for bit, so the walk is unchanged. Only chains (sd, one-beam trees): a walk
     visits about half of a chain's nodes at T=1, a quarter of a branching tree's, whose
     table costs more than its walk (~12 us a row: rsd-c's 15-node trees at batch 8
     verified in 3.1 ms with it, 2.3 without); top-k/top-p warps sort every row.
@@ -186,8 +186,8 @@ def _tree_laws(
     sizes = [len(trees[i].tokens) for i in chosen]
     warps = [params[i] for i, n in zip(chosen, sizes, strict=True) for _ in range(n)]
     q = target_probs_rows(torch.cat([logits[i] for i in chosen]), warps)
-    drafts = {i: t.draft_log_probs for i in chosen if (t := trees[i]).sampled and t.draft_log_probs is not None}
-    p = torch.cat(list(drafts.values())).exp() if drafts else None
+    drafts = {i: t.draft_probs for i in chosen if (t := trees[i]).sampled and t.draft_probs is not None}
+    p = torch.cat(list(drafts.values())) if drafts else None
     p_start: dict[int, int] = {}  # tree -> its first row in p
     rows_before = 0
     for i, table in drafts.items():
@@ -236,14 +236,14 @@ def _walk_tree(
     fp32, which double rounding cannot change for a division)."""
     kids = children_lists(tree.parents)
     uniform = torch.rand(len(tree.tokens) - 1, generator=gen, device=logits.device).tolist()  # node c: [c - 1]
-    draft = tree.draft_log_probs if tree.sampled else None
+    draft = tree.draft_probs if tree.sampled else None
 
     def laws_at(node: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """q at `node`, and the draft law its children were drawn from (None: point masses)."""
         if laws is not None:
             return laws.q[node], (laws.p[kids[node][0]] if laws.p is not None and kids[node] else None)
         q = target_probs(logits[node : node + 1], params)[0]
-        return q, (draft[kids[node][0]].exp() if draft is not None and kids[node] else None)
+        return q, (draft[kids[node][0]] if draft is not None and kids[node] else None)
 
     path = [0]
     q, p = laws_at(0)

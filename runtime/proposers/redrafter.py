@@ -52,17 +52,17 @@ def max_tree_nodes(width: int, length: int) -> int:
     return 1 + width * length
 
 
-def node_log_probs(
+def node_probs(
     step_log_probs: torch.Tensor,  # [B, W, L, V] beam search's draft distribution at every step
     unpack_index: torch.Tensor,  # [B, W, L+1] packed node of (beam, depth)
     num_nodes: int,
 ) -> torch.Tensor:  # [B, num_nodes, V]; row of the root is zero (it was not drawn)
-    """The draft distribution each packed node was drawn from. Beams sharing a node share
-    its prefix, hence (the drafter being deterministic) the same distribution."""
+    """The draft law each packed node was drawn from, as probabilities (`DraftTree.draft_probs`).
+    Beams sharing a node share its prefix, hence (the drafter being deterministic) the same law."""
     b, w, length, v = step_log_probs.shape
     out = step_log_probs.new_zeros(b, w * (length + 1), v)
     index = unpack_index[:, :, 1:].reshape(b, w * length, 1).expand(-1, -1, v)
-    return out.scatter_(1, index, step_log_probs.reshape(b, w * length, v))[:, :num_nodes]
+    return out.scatter_(1, index, step_log_probs.reshape(b, w * length, v).exp())[:, :num_nodes]
 
 
 @torch.inference_mode()
@@ -93,9 +93,7 @@ def draft_trees(
     ).tolist()
     masks = tree.tree_mask.cpu()
     sizes = [c[0] for c in counts]
-    dists = (
-        None if drafts.step_log_probs is None else node_log_probs(drafts.step_log_probs, tree.unpack_index, max(sizes))
-    )
+    dists = None if drafts.step_log_probs is None else node_probs(drafts.step_log_probs, tree.unpack_index, max(sizes))
     return [
         DraftTree(
             tokens[b][:num],

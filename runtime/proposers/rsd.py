@@ -11,7 +11,7 @@ draft LM, `runtime/proposers/level_drafters.py`).
 
 One proposer (`LevelTreeProposer`) drafts all four, on either drafter.
 
-Every node's row of `DraftTree.draft_log_probs` is the law its siblings were drawn from:
+Every node's row of `DraftTree.draft_probs` is the law its siblings were drawn from:
 the drafter's logits under the request's own temperature/top-k/top-p
 (`runtime.sampling.target_probs`, the same warp as the target's), so verification
 (`runtime.verify`, recursive rejection sampling) recovers the target law exactly
@@ -42,7 +42,7 @@ import torch
 from model_defs.paged_kv_cache import PagedKVCache
 from plugins.draft_lm_forward import Int8DraftLM
 from runtime.block_manager import BlockManager
-from runtime.gumbel import draw_one, gumbel_top_k_rows, top_k_valid_rows, truncated_gumbel
+from runtime.gumbel import draw_rows, gumbel_top_k_rows, top_k_valid_rows, truncated_gumbel
 from runtime.loaded_engine import LoadedEngine
 from runtime.proposers.level_drafters import DraftLMLevels, RNNLevels
 from runtime.proposers.proposer import KVMoves, Proposer, target_hidden
@@ -239,15 +239,15 @@ _RANKED = SamplingParams(temperature=1.0)
 """The law a greedy request's drafts are ranked by: the drafter's plain softmax."""
 
 
-def draft_log_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """[M, V] log of the law siblings are drawn from, row m under `params[m]`: the request's
-    own warp of the drafter's logits (greedy requests: the plain softmax, only ranked).
-    One warp of all rows when they share a setting (the usual batch), else one per
-    distinct setting (`target_probs_rows`)."""
+def draft_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """[M, V] the law siblings are drawn from, row m under `params[m]`: the request's own
+    warp of the drafter's logits (greedy requests: the plain softmax, only ranked). One
+    warp of all rows when they share a setting (the usual batch), else one per distinct
+    setting (`target_probs_rows`)."""
     warped = [_RANKED if prm.greedy else prm for prm in params]
     if warped and all(_warp(prm) == _warp(warped[0]) for prm in warped):
-        return target_probs(logits, warped[0]).log()
-    return target_probs_rows(logits, warped).log()
+        return target_probs(logits, warped[0])
+    return target_probs_rows(logits, warped)
 
 
 def _warp(prm: SamplingParams) -> tuple[float, int, float]:
@@ -269,19 +269,21 @@ def draft_rsd_trees(
     per depth ran 2 + 3 + 4 draft-LM forwards where sd's 3-, 4- and 5-node chains mixed at
     batch 8). A level is one drafter call for the
     frontier nodes of every request, then a handful of tensor ops over all of them at
-    once: one warp (`draft_log_probs`; none when every request only ranks, greedy SD and
-    RSD-C: the top b of the logits are those of their softmax), one Gumbel-top-k
+    once: one warp (`draft_probs`; none when every request only ranks, greedy SD and
+    RSD-C: the top b of the logits are those of their softmax), its log only where a level
+    ranks or perturbs log-probs (beams, b > 1, greedy rows: one-child draws and
+    verification read the probabilities), one Gumbel-top-k
     (`_branch_step`) or beam step (`_beam_step`), and one device-to-host transfer (the
     drawn parents and tokens). Only
     the uniforms are drawn request by request, each request's from its own generator
-    (`gumbel_top_k_rows`, `draw_one`), so a request's tree does not depend on its batch."""
+    (`gumbel_top_k_rows`, `draw_rows`), so a request's tree does not depend on its batch."""
     gens = [gen if spec.stochastic and not prm.greedy else None for prm, gen in zip(params, generators, strict=True)]
     tokens = [[root] for root in roots]
     parents = [[-1] for _ in roots]
     depths = [[0] for _ in roots]
     laws = [[-1] for _ in roots]  # row of the stacked levels' log-probs each node was drawn from
     frontier = [[0] for _ in roots]  # per request, the nodes the logits rows are for, in order
-    levels: list[torch.Tensor] = []  # [M, V] log-probs of each level, rows request by request
+    levels: list[torch.Tensor] = []  # [M, V] probabilities of each level, rows request by request
     stored = 0  # rows in `levels`
     logits = drafter.first()  # [B, V]
     scores = torch.zeros(len(roots), dtype=torch.float64, device=logits.device)  # beams: path log-prob per row
@@ -291,14 +293,14 @@ def draft_rsd_trees(
     lengths = lengths or [spec.length] * len(roots)
     for depth in range(max(lengths)):
         counts = [len(f) for f in frontier]
-        if ranked:
-            log_probs = logits
-        else:
-            log_probs = draft_log_probs(logits, [params[i] for i, c in enumerate(counts) for _ in range(c)])
+        probs = None if ranked else draft_probs(logits, [params[i] for i, c in enumerate(counts) for _ in range(c)])
+        one_draw = not spec.beamed and spec.branching[depth] == 1 and all(sampled[i] for i, c in enumerate(counts) if c)
+        log_probs = logits if probs is None else None if one_draw else probs.log()
         if spec.beamed:
+            assert log_probs is not None
             picks, scores, gumbels = _beam_step(log_probs, counts, scores, gumbels, spec.beam_width, gens)
         else:
-            picks = _branch_step(log_probs, counts, spec.branching[depth], gens)
+            picks = _branch_step(log_probs, probs, counts, spec.branching[depth], gens)
         rows: list[int] = []  # the level's new nodes, request by request: request row, parent, node, token
         new_parents: list[int] = []
         nodes: list[int] = []
@@ -325,8 +327,8 @@ def draft_rsd_trees(
                     nodes.append(node)
                     new_tokens.append(token)
             start += len(front)
-        if not ranked:
-            levels.append(log_probs)
+        if probs is not None:
+            levels.append(probs)
         stored = start
         if depth + 1 == max(lengths) or not nodes:
             break
@@ -342,11 +344,11 @@ def _accepting_logits(tree: DraftTree, vocab: int, device: torch.device | str) -
     child of every node it reaches, so the walk is its longest: in a sampled `tree`, the
     law the children were drawn from (q = p: the acceptance min(1, q/p) is 1); in a
     deterministic one, nearly all the mass on the first child's token; uniform at leaves."""
-    laws = tree.draft_log_probs if tree.sampled else None
+    laws = tree.draft_probs if tree.sampled else None
     rows = torch.zeros((len(tree.tokens), vocab), device=device) if laws is None else torch.zeros_like(laws)
     for node, kids in enumerate(children_lists(tree.parents)):
         if kids and laws is not None:
-            rows[node] = laws[kids[0]]
+            rows[node] = laws[kids[0]].log()
         elif kids:
             rows[node, tree.tokens[kids[0]]] = 40.0  # q = 1 - ~V e^-40
     return rows
@@ -360,7 +362,7 @@ def _packed_trees(
     levels: list[torch.Tensor],
     sampled: list[bool],
 ) -> list[DraftTree]:
-    """The `DraftTree`s, each `sampled` tree's node's `draft_log_probs` row gathered from the
+    """The `DraftTree`s, each `sampled` tree's node's `draft_probs` row gathered from the
     levels' rows (`laws`: row of the stacked levels; the root's row is zeros) in one index for
     the batch. A ranked tree (greedy, or deterministic beams) gets none: verification matches
     its nodes against the target's argmax and never reads a draft law."""
@@ -379,25 +381,33 @@ def _packed_trees(
 
 
 def _branch_step(
-    log_probs: torch.Tensor, counts: list[int], b: int, gens: list[torch.Generator | None]
+    log_probs: torch.Tensor | None,
+    probs: torch.Tensor | None,
+    counts: list[int],
+    b: int,
+    gens: list[torch.Generator | None],
 ) -> list[list[tuple[int, int]]]:
     """RSD-C / SD, one level of every request at once: `b` children per frontier row by
     Gumbel-top-k (RSD Algorithm 4) over `log_probs` `[M, V]` (rows request by request,
     `counts[i]` of request i), each request's Gumbels from its own generator (`gens[i]`;
     None: the `b` most likely, the greedy limit), drawn top-down (`gumbel_top_k_rows`).
-    One child (b = 1) is a plain draw (`draw_one`, the law of the Gumbel argmax). Per
-    request, its picks (row within its frontier, token), parent by parent and within a
-    parent in draw order."""
+    One child (b = 1) is a plain draw from `probs` (`draw_rows`, the law of the Gumbel
+    argmax); `log_probs` may then be None where every row is drawn, `probs` None where
+    none is. Per request, its picks (row within its frontier, token), parent by parent and
+    within a parent in draw order."""
     sampled = [(count, gen) for count, gen in zip(counts, gens, strict=True) if count and gen is not None]
-    width = min(b, log_probs.shape[-1])
-    if sum(count for count, _ in sampled) == len(log_probs):  # every row drawn (a batch at T > 0)
-        index = _draw_rows(log_probs, sampled, b)[:, :width]
+    rows = log_probs if log_probs is not None else probs
+    assert rows is not None
+    width = min(b, rows.shape[-1])
+    if sum(count for count, _ in sampled) == len(rows):  # every row drawn (a batch at T > 0)
+        index = _draw_rows(log_probs, probs, sampled, b)[:, :width]
     else:  # ranked rows (greedy requests): the b most likely
+        assert log_probs is not None
         index = top_k_valid_rows(log_probs.double(), b)
         if sampled:
             owners = _row_owners(counts)
             drawn = [m for m, i in enumerate(owners) if gens[i] is not None]
-            index[drawn] = _draw_rows(log_probs[drawn], sampled, b)[:, :width]
+            index[drawn] = _draw_rows(log_probs[drawn], None if probs is None else probs[drawn], sampled, b)[:, :width]
     listed = index.tolist()  # the level's one device-to-host transfer
     out, start = [], 0
     for count in counts:
@@ -406,12 +416,16 @@ def _branch_step(
     return out
 
 
-def _draw_rows(log_probs: torch.Tensor, sampled: list[tuple[int, torch.Generator]], b: int) -> torch.Tensor:
-    """`b` children of every row of `log_probs` (rows of the requests of `sampled`, as
-    (rows, generator) in order): `[M, b]` tokens in draw order, -1 past a row's last token
-    of non-zero probability; one child is a plain draw (`draw_one`)."""
-    if b == 1:
-        return draw_one(log_probs, [gen for count, gen in sampled for _ in range(count)])[:, None]
+def _draw_rows(
+    log_probs: torch.Tensor | None, probs: torch.Tensor | None, sampled: list[tuple[int, torch.Generator]], b: int
+) -> torch.Tensor:
+    """`b` children of every row of the law (rows of the requests of `sampled`, as (rows,
+    generator) in order): `[M, b]` tokens in draw order, -1 past a row's last token of
+    non-zero probability; one child is a plain draw from `probs` (`draw_rows`), more a
+    Gumbel-top-k over `log_probs`."""
+    if b == 1 and probs is not None:
+        return draw_rows(probs, [gen for count, gen in sampled for _ in range(count)])[:, None]
+    assert log_probs is not None
     return gumbel_top_k_rows(log_probs, [c for c, _ in sampled], [g for _, g in sampled], b)[0]
 
 

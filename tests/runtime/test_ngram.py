@@ -81,7 +81,7 @@ def test_ngram_drafts_verified_as_sampled_fail_the_same_test(monkeypatch: pytest
         trees = real(self, requests, budgets)
         for tree in trees:
             if len(tree.tokens) > 1:
-                tree.draft_log_probs = torch.full((len(tree.tokens), toy_sampling.V), -torch.log(torch.tensor(4.0)))
+                tree.draft_probs = torch.full((len(tree.tokens), toy_sampling.V), 0.25)
                 tree.sampled = True
         return trees
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from runtime.gumbel import draw_one, gumbel_noise, gumbel_top_k, gumbel_top_k_rows, truncated_gumbel
+from runtime.gumbel import draw_one, draw_rows, gumbel_noise, gumbel_top_k, gumbel_top_k_rows, truncated_gumbel
 from runtime.proposers.rsd import _beam_level, _Growing
 from runtime.sampling import SamplingParams
 from runtime.tree import DraftTree
@@ -127,7 +127,7 @@ def test_batched_acceptance_of_sampled_siblings_is_exact() -> None:
     trees = []
     for g in gens:
         kids = gumbel_top_k(p.log(), k, g).tolist()
-        trees.append(DraftTree([0, *kids], [-1] + [0] * k, p.log().expand(k + 1, v).clone(), sampled=True))
+        trees.append(DraftTree([0, *kids], [-1] + [0] * k, p.expand(k + 1, v).clone(), sampled=True))
     rows = [logits.expand(k + 1, v)] * trials  # children's rows unused: they are leaves of one level
     accs = accept_sampled_batch(trees, rows, [params] * trials, gens)
     counts = torch.zeros(v)
@@ -202,19 +202,22 @@ def test_top_down_gumbel_top_k_has_the_law_of_v_perturbations() -> None:
 
 
 def test_one_draw_follows_the_law_like_the_gumbel_argmax() -> None:
-    """k = 1 draws by inverse CDF (`draw_one`, what SD and RSD-C's one-child levels use):
+    """k = 1 draws by inverse CDF (`draw_one` from log p; `draw_rows` from p itself, what
+    SD and RSD-C's one-child levels use, drawing from the probabilities their trees keep):
     the same law as the argmax of log p + Gumbel, zeros never drawn, rows batched each
     with its own generator; the Gumbel argmax itself passes the same test, and a draw
     from the untempered law (the wrong p) fails it."""
     p = torch.tensor([0.5, 0.0, 0.25, 0.15, 0.1])
     log_p = p.log().to(TEST_DEVICE)
-    drawn, argmax, wrong = torch.zeros(5), torch.zeros(5), torch.zeros(5)
+    drawn, from_p, argmax, wrong = torch.zeros(5), torch.zeros(5), torch.zeros(5), torch.zeros(5)
     gen = generator(3)
     for _ in range(4000):
         drawn[gumbel_top_k(log_p, 1, gen)] += 1
+        from_p[int(draw_rows(p.to(TEST_DEVICE)[None], [gen])[0])] += 1
         argmax[int((log_p.double() + gumbel_noise((5,), gen, TEST_DEVICE)).argmax())] += 1
         wrong[int(draw_one((log_p / 2)[None], [gen])[0])] += 1
-    assert passes_chi_square(drawn, p) and passes_chi_square(argmax, p)
+    assert passes_chi_square(drawn, p) and passes_chi_square(from_p, p) and passes_chi_square(argmax, p)
+    assert from_p[1] == 0
     assert not passes_chi_square(wrong, p)
     rows = torch.stack([log_p, log_p.flip(0)])
     a, b = generator(5), generator(5)

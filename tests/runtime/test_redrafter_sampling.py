@@ -54,7 +54,7 @@ def apple_per_beam_accept(
     """Apple's ml-recurrent-drafter rule: every beam flips its own coins min(1, q/p) per
     token, the beam with the longest accepted prefix wins, the bonus comes from
     norm([q - p]^+) at its first rejection (or q after a full accept)."""
-    assert tree.draft_log_probs is not None
+    assert tree.draft_probs is not None
     children = children_lists(tree.parents)
     leaves = [n for n in range(len(tree.tokens)) if not children[n]]
     best: list[int] = []
@@ -67,7 +67,7 @@ def apple_per_beam_accept(
         accepted = 0
         for node in path[1:]:
             q = target_probs(logits[tree.parents[node]], params)
-            p = tree.draft_log_probs[node].exp()
+            p = tree.draft_probs[node]
             x = tree.tokens[node]
             if torch.rand((), generator=gen, device=gen.device) >= min(1.0, float(q[x] / p[x])):
                 break
@@ -78,7 +78,7 @@ def apple_per_beam_accept(
     kept = best[: best_len + 1]
     q = target_probs(logits[kept[-1]], params)
     if best_reject >= 0:
-        q = (q - tree.draft_log_probs[best_reject].exp()).clamp(min=0)
+        q = (q - tree.draft_probs[best_reject]).clamp(min=0)
         q /= q.sum()
     return Acceptance(kept, [tree.tokens[n] for n in kept[1:]] + [sample(q, gen)])
 

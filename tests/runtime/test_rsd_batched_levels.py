@@ -20,8 +20,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.gumbel import gumbel_top_k, gumbel_top_k_rows, top_k_valid, truncated_gumbel
-from runtime.proposers.rsd import TreeSpec, draft_log_probs, draft_rsd_trees
+from runtime.gumbel import draw_rows, gumbel_top_k, gumbel_top_k_rows, top_k_valid, truncated_gumbel
+from runtime.proposers.rsd import TreeSpec, draft_probs, draft_rsd_trees
 from runtime.sampling import SamplingParams
 from runtime.tree import DraftTree
 from tests.device import ON_CPU, TEST_DEVICE
@@ -61,12 +61,14 @@ class NodeLogits:
 def reference_trees(
     drafter: NodeLogits, roots: list[int], params: list[SamplingParams], gens: list[torch.Generator], spec: TreeSpec
 ) -> list[DraftTree]:
-    """The level loop before batching: per request, per frontier node `gumbel_top_k`
-    (rsd-c, sd) or one beam step per request (rsd-s, redrafter), host floats for the beams."""
+    """The level loop before batching: per request, per frontier node `gumbel_top_k` over
+    the law's log (rsd-c, sd; one child of a sampled request: `draw_rows` from the law
+    itself, as the batch draws it) or one beam step per request (rsd-s, redrafter), host
+    floats for the beams."""
     grown = [([r], [-1], [torch.zeros(0)], [0], [0.0], [0.0]) for r in roots]  # tokens, parents, laws, frontier, ...
     logits, owners = drafter.first(), [(i, 0) for i in range(len(roots))]
     for depth in range(spec.length):
-        rows = draft_log_probs(logits, [params[i] for i, _ in owners])
+        rows = draft_probs(logits, [params[i] for i, _ in owners])
         law = {owner: row for owner, row in zip(owners, rows, strict=True)}
         new = []
         for i, (tokens, parents, laws, frontier, scores, gumbels) in enumerate(grown):
@@ -74,13 +76,16 @@ def reference_trees(
             picks = []
             if not spec.beamed:
                 for node in frontier:
-                    picks += [(node, t) for t in gumbel_top_k(law[i, node], spec.branching[depth], gen).tolist()]
+                    b = spec.branching[depth]
+                    drawn = draw_rows(law[i, node][None], [gen]) if b == 1 and gen else None
+                    chosen = drawn if drawn is not None else gumbel_top_k(law[i, node].log(), b, gen)
+                    picks += [(node, t) for t in chosen.tolist()]
             else:
-                phi = torch.stack([scores[k] + law[i, n].double() for k, n in enumerate(frontier)])
+                phi = torch.stack([scores[k] + law[i, n].log().double() for k, n in enumerate(frontier)])
                 if gen is None:  # every token a candidate
                     keys, cand = phi, torch.arange(V, device=phi.device).expand(len(frontier), V)
                 else:  # each frontier node's top-W perturbed children, drawn top-down
-                    rows_law = torch.stack([law[i, n] for n in frontier])
+                    rows_law = torch.stack([law[i, n].log() for n in frontier])
                     cand, values = gumbel_top_k_rows(rows_law, [len(frontier)], [gen], spec.beam_width)
                     cand = cand.clamp(min=0)
                     perturbed = torch.tensor(scores, dtype=torch.float64, device=phi.device)[:, None] + values
@@ -144,11 +149,11 @@ def assert_same(got: DraftTree, want: DraftTree, what: str) -> None:
     assert got.depths == want.depths, what
     assert got.sampled == want.sampled, what
     assert got.mask is not None and want.mask is not None and torch.equal(got.mask, want.mask), what
-    if want.draft_log_probs is None:
-        assert got.draft_log_probs is None, what
+    if want.draft_probs is None:
+        assert got.draft_probs is None, what
     else:
-        assert got.draft_log_probs is not None, what
-        assert torch.equal(got.draft_log_probs.cpu(), want.draft_log_probs.cpu()), what
+        assert got.draft_probs is not None, what
+        assert torch.equal(got.draft_probs.cpu(), want.draft_probs.cpu()), what
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.method)
@@ -183,7 +188,7 @@ def test_greedy_batches_rank_by_the_logits_alone(spec: TreeSpec) -> None:
     got = trees_for(spec, [0, 1, 2, 3], greedy, batched=True)
     want = trees_for(spec, [0, 1, 2, 3], greedy, batched=False)
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert len(g.tokens) == spec.max_nodes and g.draft_log_probs is None
+        assert len(g.tokens) == spec.max_nodes and g.draft_probs is None
         assert_same(g, w, f"request {i}")
 
 

@@ -195,7 +195,7 @@ def test_the_walks_host_acceptance_is_the_fp32_acceptance() -> None:
 
 def test_laws_read_up_front_walk_as_the_node_by_node_walk() -> None:
     """Where every node's laws are computed before the walks (`_tree_laws`: temperature-only
-    warps, one softmax and one exp for the batch), each walk must be the node-by-node walk
+    warps, one softmax for the batch), each walk must be the node-by-node walk
     bit for bit: the same path and the same law for its bonus, for sampled chains and
     point-mass chains over 8192 tokens, and a sampled tree with siblings (rejections that
     move to the next sibling), mixed in one batch with a top-k request (which keeps the
@@ -210,7 +210,7 @@ def test_laws_read_up_front_walk_as_the_node_by_node_walk() -> None:
             parents = [-1] + [int(torch.randint(0, c, (1,), generator=gen)) for c in range(1, n)]
         tokens = [0, *torch.randperm(vocab, generator=gen)[: n - 1].tolist()]  # siblings distinct
         peaked = torch.randn(n, vocab, generator=gen) * 4
-        laws = torch.log_softmax(peaked, -1) if sampled else None
+        laws = torch.softmax(peaked, -1) if sampled else None
         logits = peaked + torch.randn(n, vocab, generator=gen)  # the target near the drafter
         if sampled:  # siblings share their first sibling's row (the law they were drawn from)
             assert laws is not None
