@@ -11,7 +11,7 @@ import random
 
 import torch
 
-from runtime.proposers.lyanna import LyannaParams, resample_subtree, token_info_tree
+from runtime.proposers.lyanna import LyannaParams, resample_subtree, token_info_tree, token_info_trees
 from runtime.tree import DraftTree, children_lists, merge, prune
 from tests.device import TEST_DEVICE
 
@@ -150,3 +150,24 @@ def test_token_info_tree_is_the_papers_algorithm_1() -> None:
         assert len(tree.tokens) == 1 + budget and distinct_siblings(tree)
         differs += frontier_only(root, rows, table, 4, budget) != want
     assert differs > 100, differs
+
+
+def test_a_batch_of_trees_is_each_request_drafting_alone() -> None:
+    """`token_info_trees` (one bias, log-softmax and top-k a depth for the batch) gives each
+    request the tree it gets alone, node for node, under a token-info bias that steers each
+    node by its own token; requests with different chains get different trees."""
+    gen = torch.Generator().manual_seed(5)
+    vocab, batch = 64, 6
+    logits = (torch.randn(batch, 3, vocab, generator=gen) * 3).to(TEST_DEVICE)
+    table = torch.randn(vocab, vocab, generator=gen).to(TEST_DEVICE)
+
+    def bias(prev: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return rows + table[prev]
+
+    roots = [int(t) for t in torch.randint(0, vocab, (batch,), generator=gen)]
+    together = token_info_trees(roots, logits, bias, width=4, budget=12)
+    for i, tree in enumerate(together):
+        alone = token_info_tree(roots[i], logits[i], bias, width=4, budget=12)
+        assert (tree.tokens, tree.parents) == (alone.tokens, alone.parents), i
+        assert distinct_siblings(tree) and len(tree.tokens) == 13
+    assert len({tuple(t.tokens) for t in together}) == batch
