@@ -281,7 +281,7 @@ def draft_rsd_trees(
     tokens = [[root] for root in roots]
     parents = [[-1] for _ in roots]
     depths = [[0] for _ in roots]
-    laws = [[-1] for _ in roots]  # row of the stacked levels' log-probs each node was drawn from
+    laws = [[-1] for _ in roots]  # row of the stacked levels' laws each node was drawn from
     frontier = [[0] for _ in roots]  # per request, the nodes the logits rows are for, in order
     levels: list[torch.Tensor] = []  # [M, V] probabilities of each level, rows request by request
     stored = 0  # rows in `levels`
