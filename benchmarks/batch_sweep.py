@@ -17,7 +17,13 @@ rounds on the same engine so machine noise hits them alike. Reported per B:
 - the tree sizes (nodes, root included) load-aware speculation chose, as a histogram over request-steps;
 - no-draft step / AR step: the mean time of load-aware's decoding steps in which no request
   drafted over the mean time of AR's decoding steps, same rounds (`StepClock.count_plain`):
-  what speculation costs while it is switched off (probing steps are not in it).
+  what speculation costs while it is switched off (probing steps are not in it);
+- where the time goes, per configuration: the share of its time in steps whose forward
+  held prompt chunks (the ramp while a batch's prompts prefill, chunked by the token
+  budget) and the milliseconds per emitted token in those steps and in decode-only steps
+  (`StepClock.count_step`): a method that drafts while prompts prefill pays its trees'
+  tokens out of the prefill budget, and in a closed batch uneven progress leaves a tail of
+  small steps; the columns show which of the two a loss to AR comes from.
 Writes `<out>.json` and `<out>.md`.
 """
 
@@ -39,6 +45,7 @@ from runtime.llm_engine import LLMEngine
 from runtime.loaded_engine import LoadedEngine
 from runtime.proposers.registry import DEFAULT_METHOD, methods_for
 from runtime.results import tokens_per_step
+from runtime.step_clock import StepClock
 from training.corpus import heldout_prompts
 
 
@@ -58,6 +65,17 @@ class Row:
     """Load-aware's no-draft decoding step over AR's decoding step (None: it always drafted)."""
     plain_steps: int = 0
     """Load-aware's no-draft decoding steps that ratio averages."""
+    phases: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    """configuration -> "prefilling" / "decoding" -> share of its time, ms per emitted token."""
+
+
+def phases(clock: StepClock) -> dict[str, dict[str, float]]:
+    """Share of the time and ms per emitted token of the steps that prefilled and the others."""
+    total = sum(k.seconds for k in clock.kinds.values()) or 1.0
+    return {
+        name: {"share": k.seconds / total, "ms_per_token": 1e3 * k.seconds / max(k.tokens, 1)}
+        for name, k in sorted(clock.kinds.items())
+    }
 
 
 def run_batch(
@@ -113,6 +131,25 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
             + f" | {r.ratio_to_ar[names[1]]:.2f}x | {r.ratio_to_ar[names[2]]:.2f}x"
             f" | {r.tau[names[1]]:.2f} | {r.tau[names[2]]:.2f} | {widths} | {plain} |"
         )
+    lines += [
+        "",
+        "Where the time goes: share of each configuration's time in steps that prefilled (prompt chunks in "
+        "the forward), and milliseconds per emitted token in those steps and in decode-only steps.",
+        "",
+        "| batch | configuration | time in steps that prefill | ms/token there | ms/token in decode-only steps |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        for n in names:
+            p = r.phases.get(n, {})
+            pre, dec = p.get("prefilling"), p.get("decoding")
+            lines.append(
+                f"| {r.batch_size} | {n} | {pre['share'] if pre else 0:.0%} | "
+                + (f"{pre['ms_per_token']:.2f}" if pre else "-")
+                + " | "
+                + (f"{dec['ms_per_token']:.3f}" if dec else "-")
+                + " |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -161,7 +198,8 @@ def main(argv: list[str] | None = None) -> None:
         plain, ar = engines[f"{method}-load-aware"].clock, engines["ar"].clock
         plain_ms, ar_ms = plain.plain_ms(), ar.plain_ms()
         plain_ratio = plain_ms / ar_ms if plain_ms and ar_ms else None
-        rows.append(Row(size, rate, ratio, taus, dict(widths), plain_ratio, plain.plain_steps))
+        split = {name: phases(llm.clock) for name, llm in engines.items()}
+        rows.append(Row(size, rate, ratio, taus, dict(widths), plain_ratio, plain.plain_steps, split))
         tqdm.write(str(asdict(rows[-1])))
     meta = {
         "engine": str(args.engine),

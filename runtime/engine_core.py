@@ -191,6 +191,7 @@ class EngineCore:
             if request.finished:
                 finished.append(self._finish(request, request.result.finish_reason))
         clock.lap("commit")
+        clock.count_step(stats.prefill)
         if not drafting and not stats.prefill:
             clock.count_plain()
         if not (calibrating and self._calibrated):
@@ -335,6 +336,7 @@ class EngineCore:
         self._notify(request, request.emit(acc.tokens, log_probs))
 
     def _notify(self, request: Request, tokens: list[int], error: str | None = None) -> None:
+        self.clock.emitted(len(tokens))
         try:
             with self.clock.nested("emit"):
                 request.notify(tokens, error)

@@ -18,8 +18,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 PHASES = ("schedule", "draft", "assemble", "forward", "verify", "commit", "emit")
+
+
+@dataclass
+class StepKind:
+    """Steps of one kind (`StepClock.count_step`): how many, their seconds, the tokens they emitted."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    tokens: int = 0
 
 
 class StepClock:
@@ -37,16 +47,32 @@ class StepClock:
         self.plain_seconds = 0.0
         """Decoding steps that drafted nothing (`count_plain`), and their seconds: what a
         step costs when speculation is off, to set beside an auto-regressive step."""
+        self.kinds: dict[str, StepKind] = {}
+        """"prefilling" (steps whose forward held prompt chunks) and "decoding" (the others):
+        their steps, seconds and tokens emitted (`count_step`)."""
+        self._emitted = 0
 
     def reset(self) -> None:
         self.totals = dict.fromkeys(PHASES, 0.0)
         self.steps = 0
         self.plain_steps, self.plain_seconds = 0, 0.0
+        self.kinds = {}
 
     def count_plain(self) -> None:
         """The step just timed decoded without drafting and without prefill."""
         self.plain_steps += 1
         self.plain_seconds += sum(self.step.values())
+
+    def emitted(self, tokens: int) -> None:
+        """The current step sent `tokens` tokens to a request."""
+        self._emitted += tokens
+
+    def count_step(self, prefill: bool) -> None:
+        """The step just timed ends; it held prompt chunks (`prefill`) or only decoding."""
+        kind = self.kinds.setdefault("prefilling" if prefill else "decoding", StepKind())
+        kind.steps += 1
+        kind.seconds += sum(self.step.values())
+        kind.tokens += self._emitted
 
     def plain_ms(self) -> float | None:
         """Milliseconds per step of the steps `count_plain` counted (None: there were none)."""
@@ -57,6 +83,7 @@ class StepClock:
         self.steps += 1
         self.step = dict.fromkeys(PHASES, 0.0)
         self._nested = 0.0
+        self._emitted = 0
         self._last = self._now()
 
     def lap(self, phase: str) -> float:

@@ -31,9 +31,14 @@ def test_sweep_of_another_method_writes_its_report(tmp_path: Path) -> None:
     for row in doc["rows"]:
         assert set(row["tokens_per_s"]) == {"ar", "ngram-fixed", "ngram-load-aware"}
         assert row["tau"]["ar"] == 1.0 and row["tau"]["ngram-fixed"] >= 1.0
+        for split in row["phases"].values():  # where the time goes: both kinds of step, shares summing to 1
+            assert set(split) == {"prefilling", "decoding"}
+            assert sum(k["share"] for k in split.values()) == pytest.approx(1.0)
+            assert all(k["ms_per_token"] > 0 for k in split.values())
     assert doc["meta"]["method"] == "ngram"
     assert doc["meta"]["command"] == "python -m benchmarks.batch_sweep " + " ".join(argv)
     assert "method `ngram`" in out.with_suffix(".md").read_text()
+    assert "| 2 | ngram-load-aware |" in out.with_suffix(".md").read_text()
     with pytest.raises(SystemExit, match="does not speculate"):
         main(["--engine", str(engine), "--method", "sd", "--out", str(out)])
 

@@ -104,6 +104,12 @@ def test_mixed_arrivals_equal_solo_runs(
         assert evs[-1].finish_reason in ("length", "stop")
     assert any(len(e.tokens) > 1 for evs in events.values() for e in evs), "speculation emits several per step"
     assert llm.blocks.num_used == 0
+    # the clock's split of steps (prompt chunks in the forward or not) holds every step and token
+    kinds = llm.clock.kinds
+    assert set(kinds) == {"prefilling", "decoding"}
+    assert sum(k.steps for k in kinds.values()) == llm.clock.steps
+    assert sum(k.tokens for k in kinds.values()) == sum(len(o) for o in outputs.values())
+    assert kinds["prefilling"].tokens >= len(MIX)  # every request's first token comes from its prefill
 
 
 def test_kv_pressure_preempts_and_loses_nothing(
