@@ -84,8 +84,9 @@ def draft_trees(
     beam = torch.arange(w, device=hidden.device)[None, :, None].expand(b, w, d).reshape(b, w * d)
     first = torch.full((b, w * d), w, device=hidden.device)
     first_beam = first.scatter_reduce(1, tree.unpack_index.reshape(b, w * d), beam, "amin")
-    node_budget = 1 + (first_beam + 1) * length  # the tree of the first k beams has 1 + k * length nodes at most
-    node_budget[:, 0] = 1
+    # smallest size that holds a node (`ReDrafterProposer.sizes`): the first beam's node at depth d is
+    # the one-beam chain cut at d (d + 1 nodes); a node first in beam k > 0, the first k + 1 beams
+    node_budget = torch.where(first_beam == 0, tree.depths + 1, 1 + (first_beam + 1) * length)
     # everything the host needs in two copies (one per dtype): each .tolist() on a GPU would sync
     num_nodes = tree.num_nodes[:, None].expand(b, w * d)
     tokens, parents, depths, budgets, counts = torch.stack(
@@ -114,8 +115,17 @@ def beam_widths(width: int) -> list[int]:
 
 
 class ReDrafterProposer(Proposer):
-    """ReDrafter on the RNN drafter: beams are best first, so the first w beams form a
-    nested smaller tree, and load-aware speculation may draft fewer of them."""
+    """ReDrafter on the RNN drafter. Load-aware speculation may draft less than the request's
+    W beams of L tokens: the one beam cut at any depth d < L (d + 1 nodes; a one-beam search
+    is greedy, so its first d drafts are the search of length d: exact cuts), or fewer
+    beams at full length (beams are best first, so the first w beams form a nested tree,
+    though not the tree a search of width w keeps).
+
+    Why depths: at batch 32 every tree node is a row of the target's forward, and on this
+    CPU that forward is compute-bound, ~linear in its rows. On 32 held-out prompts at T = 0
+    one beam of 1 / 2 / 3 / 5 drafts for every request ran 1.07 / 1.09 / 1.03 / 0.99x
+    auto-regression (3 rounds in one process, same prompts), where the sizes were beam widths only
+    (1 + w L nodes: 6, 11, 21) and no choice but no drafting paid."""
 
     def setting_names(self, method: str) -> Collection[str]:
         return ("beam_width", "beam_length", "packing")
@@ -124,18 +134,31 @@ class ReDrafterProposer(Proposer):
         return ReDrafterParams(**settings)
 
     def sizes(self, params: ReDrafterParams) -> list[int]:
-        return [1, *(max_tree_nodes(w, params.beam_length) for w in beam_widths(params.beam_width))]
+        """The root alone, the one beam cut at every depth (2 ... L + 1 nodes), then w beams of
+        L drafts for each wider width of `beam_widths` (at most 1 + w L nodes each)."""
+        length = params.beam_length
+        widths = beam_widths(params.beam_width)[1:]
+        return [1, *range(2, length + 2), *(max_tree_nodes(w, length) for w in widths)]
 
     def levels(self, params: ReDrafterParams) -> list[int]:
-        return [0 if s == 1 else params.beam_length for s in self.sizes(params)]
+        return [0, *(min(s - 1, params.beam_length) for s in self.sizes(params)[1:])]
 
     def exact_cuts(self, params: ReDrafterParams) -> bool:
-        return False  # sizes are beam widths, and a wider search keeps a different top beam
+        return False  # wider sizes are beam widths, and a wider search keeps a different top beam
+
+    @staticmethod
+    def shape(params: ReDrafterParams, size: int) -> tuple[int, int]:
+        """(beams, drafts per beam) of the tree of `size` (one of `sizes`; 1: (0, 0), no drafting)."""
+        length = params.beam_length
+        if size <= length + 1:
+            return (1, size - 1) if size > 1 else (0, 0)
+        return (size - 1) // length, length
 
     def draft_cost_samples(self, method: str) -> list[tuple[int, int, int, float]]:
         """Beam searches from zero states, twice each: every width load-aware speculation may
-        pick for one request, and one beam for 8 and 32 requests (so the fit sees nodes
-        drafted by wider beams as well as by more requests)."""
+        pick for one request, one beam for 8 and 32 requests (so the fit sees nodes drafted
+        by wider beams as well as by more requests), and short chains (1 draft for one
+        request, 2 for 8 and 32: so the per-level price is fitted apart from the per-node one)."""
         drafter, model = self.engine.redrafter, self.engine.model
         assert drafter is not None
         spec = self.engine.config.drafter
@@ -143,14 +166,15 @@ class ReDrafterProposer(Proposer):
         length = settings.get("beam_length", ReDrafterParams.beam_length)
         widths = beam_widths(settings.get("beam_width", ReDrafterParams.beam_width))
         samples = []
-        for rows, width in [(1, w) for w in widths] + [(8, 1), (32, 1)]:
+        shapes = [(1, w, length) for w in widths] + [(8, 1, length), (32, 1, length), (1, 1, 1), (8, 1, 2), (32, 1, 2)]
+        for rows, width, depth in shapes:
             hidden = torch.zeros(
                 rows, model.config.hidden_size, dtype=model.lm_head.weight.dtype, device=self.engine.device
             )
             for _ in range(2):
                 start = time.perf_counter()
-                draft_trees(drafter, model.model.embed_tokens, hidden, [0] * rows, width, length, False)
-                samples.append((length, rows * width * length, 0, time.perf_counter() - start))
+                draft_trees(drafter, model.model.embed_tokens, hidden, [0] * rows, width, depth, False)
+                samples.append((depth, rows * width * depth, 0, time.perf_counter() - start))
         return samples
 
     def propose(self, requests: list[Request], budgets: list[int]) -> list[DraftTree]:
@@ -159,12 +183,12 @@ class ReDrafterProposer(Proposer):
         trees: dict[Request, DraftTree] = {}
         groups: dict[tuple[int, int, bool], list[Request]] = {}
         for request, budget in zip(requests, budgets, strict=True):
-            length = request.draft_params.beam_length
-            width = (largest_fitting(self.sizes(request.draft_params), budget) - 1) // length
+            params = request.draft_params
+            width, length = self.shape(params, largest_fitting(self.sizes(params), budget))
             if width == 0:
                 trees[request] = DraftTree.root(request.tokens[-1])
             else:
-                groups.setdefault((width, length, request.draft_params.packing), []).append(request)
+                groups.setdefault((width, length, params.packing), []).append(request)
         embed = self.engine.model.model.embed_tokens
         for (width, length, packing), group in groups.items():
             with_dists = any(not r.params.greedy for r in group)  # per-node draft laws, for rules that use them

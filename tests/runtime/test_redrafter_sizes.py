@@ -1,0 +1,79 @@
+"""The sizes load-aware speculation chooses among for ReDrafter (`ReDrafterProposer.sizes`):
+the root alone, the one beam cut at every depth, then wider beams at full length. One beam
+is greedy drafting, so its search of d drafts is its search of L drafts cut at depth d,
+and `DraftTree.node_budget` labels every node with the smallest size that holds it, so
+one tree measures what every smaller chain would have accepted
+(`SpeculationPolicy.observe`). Checked here on a random drafter, tree for tree."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.proposers.redrafter import ReDrafterParams, ReDrafterProposer, draft_trees
+from runtime.tree import DraftTree
+from tests.runtime.test_beam_search import inputs, setup
+
+ROOTS = [3, 8, 0, 5]
+
+
+@pytest.mark.parametrize(
+    ("width", "length", "sizes", "levels"),
+    [
+        (4, 5, [1, 2, 3, 4, 5, 6, 11, 21], [0, 1, 2, 3, 4, 5, 5, 5]),
+        (3, 3, [1, 2, 3, 4, 7, 10], [0, 1, 2, 3, 3, 3]),
+        (1, 2, [1, 2, 3], [0, 1, 2]),
+    ],
+)
+def test_sizes_are_the_beam_cut_at_every_depth_then_wider_beams(
+    width: int, length: int, sizes: list[int], levels: list[int]
+) -> None:
+    proposer, params = ReDrafterProposer.__new__(ReDrafterProposer), ReDrafterParams(width, length)
+    assert proposer.sizes(params) == sizes and proposer.levels(params) == levels
+    shapes = [proposer.shape(params, s) for s in sizes]
+    assert shapes[0] == (0, 0) and shapes[-1] == (width, length)
+    assert shapes[1 : length + 1] == [(1, d) for d in range(1, length + 1)]
+    assert all(1 + w * d == s or w == 1 for (w, d), s in zip(shapes[1:], sizes[1:], strict=True))
+
+
+def _within(tree: DraftTree, budgets: list[int], size: int) -> tuple[list[int], list[int]]:
+    """Tokens and parents of the nodes of `tree` labelled within `size`, in packed order."""
+    kept = [n for n, b in enumerate(budgets) if b <= size]
+    index = {n: i for i, n in enumerate(kept)}
+    return [tree.tokens[n] for n in kept], [index.get(tree.parents[n], -1) for n in kept]
+
+
+@torch.no_grad()
+def test_every_chain_is_the_longest_chain_cut_at_its_node_budgets() -> None:
+    """A chain drafted d deep is exactly the nodes of the L-deep chain labelled within
+    d + 1; the old labels (every node of the first beam held only by the whole beam,
+    1 + L) put the deeper nodes into the short chains and fail."""
+    drafter, embed = setup(vocab=9)
+    h, _ = inputs(len(ROOTS), ROOTS)
+    length = 4
+    whole = draft_trees(drafter, embed, h, ROOTS, 1, length, with_dists=False)
+    for depth in range(1, length + 1):
+        for got, full in zip(draft_trees(drafter, embed, h, ROOTS, 1, depth, False), whole, strict=True):
+            assert full.node_budget == [d + 1 for d in full.depths]
+            assert _within(full, full.node_budget, depth + 1) == (got.tokens, got.parents)
+            assert got.node_budget == list(range(1, depth + 2))
+    old = [[1] + [1 + length] * (len(full.tokens) - 1) for full in whole]
+    assert all(_within(full, wrong, 3)[0] != full.tokens[:3] for full, wrong in zip(whole, old, strict=True))
+
+
+@torch.no_grad()
+def test_a_wider_tree_labels_its_first_beam_by_depth_and_the_others_by_beam() -> None:
+    """Nodes of the first beam are held by the chain of their depth; a node first drawn by
+    beam k > 0 by the tree of k + 1 beams (1 + (k + 1) L nodes): the labels within each
+    size form the tree of that many beams (or that deep a first beam)."""
+    drafter, embed = setup(vocab=9)
+    h, _ = inputs(len(ROOTS), ROOTS)
+    width, length = 3, 3
+    for tree in draft_trees(drafter, embed, h, ROOTS, width, length, with_dists=False):
+        first = [n for n, b in enumerate(tree.node_budget) if b <= length + 1]
+        assert [tree.depths[n] for n in first] == list(range(length + 1))  # one chain, root to leaf
+        assert all(tree.parents[b] == a for a, b in zip(first, first[1:]))
+        for k in range(2, width + 1):
+            held = [n for n, b in enumerate(tree.node_budget) if b <= 1 + k * length]
+            assert len(held) <= 1 + k * length and all(tree.parents[n] in held for n in held[1:])
+        assert max(tree.node_budget) <= 1 + width * length
