@@ -7,6 +7,8 @@ one tree measures what every smaller chain would have accepted
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -72,7 +74,7 @@ def test_a_wider_tree_labels_its_first_beam_by_depth_and_the_others_by_beam() ->
     for tree in draft_trees(drafter, embed, h, ROOTS, width, length, with_dists=False):
         first = [n for n, b in enumerate(tree.node_budget) if b <= length + 1]
         assert [tree.depths[n] for n in first] == list(range(length + 1))  # one chain, root to leaf
-        assert all(tree.parents[b] == a for a, b in zip(first, first[1:]))
+        assert all(tree.parents[b] == a for a, b in itertools.pairwise(first))
         for k in range(2, width + 1):
             held = [n for n, b in enumerate(tree.node_budget) if b <= 1 + k * length]
             assert len(held) <= 1 + k * length and all(tree.parents[n] in held for n in held[1:])
