@@ -141,7 +141,7 @@ class ReDrafterProposer(Proposer):
         return [1, *range(2, length + 2), *(max_tree_nodes(w, length) for w in widths)]
 
     def levels(self, params: ReDrafterParams) -> list[int]:
-        return [0, *(min(s - 1, params.beam_length) for s in self.sizes(params)[1:])]
+        return [self.shape(params, s)[1] for s in self.sizes(params)]
 
     def exact_cuts(self, params: ReDrafterParams) -> bool:
         return False  # wider sizes are beam widths, and a wider search keeps a different top beam

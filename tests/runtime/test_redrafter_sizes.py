@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from runtime.proposers.redrafter import ReDrafterParams, ReDrafterProposer, draft_trees
-from runtime.tree import DraftTree
 from tests.runtime.test_beam_search import inputs, setup
+from tests.runtime.test_tree_ladder import _within
 
 ROOTS = [3, 8, 0, 5]
 
@@ -36,13 +36,6 @@ def test_sizes_are_the_beam_cut_at_every_depth_then_wider_beams(
     assert shapes[0] == (0, 0) and shapes[-1] == (width, length)
     assert shapes[1 : length + 1] == [(1, d) for d in range(1, length + 1)]
     assert all(1 + w * d == s or w == 1 for (w, d), s in zip(shapes[1:], sizes[1:], strict=True))
-
-
-def _within(tree: DraftTree, budgets: list[int], size: int) -> tuple[list[int], list[int]]:
-    """Tokens and parents of the nodes of `tree` labelled within `size`, in packed order."""
-    kept = [n for n, b in enumerate(budgets) if b <= size]
-    index = {n: i for i, n in enumerate(kept)}
-    return [tree.tokens[n] for n in kept], [index.get(tree.parents[n], -1) for n in kept]
 
 
 @torch.no_grad()
