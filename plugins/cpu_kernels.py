@@ -39,6 +39,7 @@ SOURCES = [
         "redrafter_beam_search_cpu.cpp",
         "int8_linear_cpu.cpp",
         "draft_lm_forward_cpu.cpp",
+        "argmax_rows_cpu.cpp",
     )
 ]
 HEADERS = [Path(__file__).parent / "csrc" / "int8_linear.h"]

@@ -30,12 +30,14 @@ README notes that "might not give the exact distribution match", so it is not us
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from plugins.argmax_rows import greedy_tokens
 from runtime.sampling import SamplingParams, inverse_cdf_rows, target_probs, target_probs_rows, uniform
 from runtime.tree import DraftTree, children_lists
 
@@ -52,11 +54,14 @@ class Acceptance:
         return len(self.path) - 1
 
 
-def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> Acceptance:
-    """logits `[N, V]`: target logits at every node. Siblings are distinct in a packed tree,
-    so at most one child matches; when several do (duplicates: unpacked beams), the one with
-    the deepest accepted path below it is kept, as verifying every beam apart would."""
-    tokens, argmax = tree.tokens, logits.argmax(dim=-1).tolist()
+def accept_greedy(tree: DraftTree, logits: torch.Tensor, argmax: list[int] | None = None) -> Acceptance:
+    """logits `[N, V]`: target logits at every node (`argmax`: their argmax per node, where
+    the caller has it). Siblings are distinct in a packed tree, so at most one child
+    matches; when several do (duplicates: unpacked beams), the one with the deepest
+    accepted path below it is kept, as verifying every beam apart would."""
+    tokens = tree.tokens
+    if argmax is None:
+        argmax = greedy_tokens([logits])
     children = children_lists(tree.parents)
 
     def deepest(node: int) -> list[int]:
@@ -296,9 +301,11 @@ def accept_batch(
     """Greedy or sampled acceptance of every tree, as each request's sampling parameters ask."""
     out: list[Acceptance | None] = [None] * len(trees)
     sampled = [i for i, prm in enumerate(params) if not prm.greedy]
-    for i, prm in enumerate(params):
-        if prm.greedy:
-            out[i] = accept_greedy(trees[i], logits[i])
+    greedy = [i for i, prm in enumerate(params) if prm.greedy]
+    if greedy:  # every greedy tree's argmax in one call
+        argmax = iter(greedy_tokens([logits[i] for i in greedy]))
+        for i in greedy:
+            out[i] = accept_greedy(trees[i], logits[i], list(itertools.islice(argmax, logits[i].shape[0])))
     if sampled:
         pick = [trees[i] for i in sampled], [logits[i] for i in sampled], [params[i] for i in sampled]
         for i, acc in zip(sampled, accept_sampled_batch(*pick, [generators[i] for i in sampled]), strict=True):
