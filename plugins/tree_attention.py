@@ -12,7 +12,8 @@ Rows of different requests never see each other: the batch mask is block-diagona
 where SDPA's flash kernel does well) and for what the C++ kernel does not take. Short
 groups (decode tokens and draft trees, T <= `KERNEL_MAX_T`) in fp32 run
 `specpipe_cpu::tree_attention` (`plugins/csrc/tree_attention_cpu.cpp`, built by
-`plugins/cpu_kernels.py`), which reads K/V straight from their slots with no padded copy:
+`plugins/cpu_kernels.py`), which reads K/V straight from their slots with no padded copy,
+and for each request only up to the last key column its rows see (a group pads to its longest):
 on the 2-core CI machine, 8 requests of ~370 keys (demo target: 6 query heads, 2 KV heads,
 D = 64) cost ~100 us per layer for one new token each against ~300-700 us for the
 reference, ~370 us for 6 tree tokens each against ~600-900 us, and one request ~15 us
