@@ -42,7 +42,7 @@ SOURCES = [
         "argmax_rows_cpu.cpp",
     )
 ]
-HEADERS = [Path(__file__).parent / "csrc" / "int8_linear.h"]
+HEADERS = [Path(__file__).parent / "csrc" / name for name in ("int8_linear.h", "lanes.h")]
 """Headers the sources include: part of the build's hash like the sources."""
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
 """-fopenmp: `at::parallel_for` runs on the OpenMP runtime torch has loaded (libgomp)."""

@@ -16,17 +16,11 @@
 #include <cstdint>
 #include <vector>
 
+#include "lanes.h"
+
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t i16 __attribute__((vector_size(64)));
-constexpr int64_t kLanes = 16;
-
-inline v16 load(const float* p) {
-  v16 x;
-  __builtin_memcpy(&x, p, sizeof(x));
-  return x;
-}
+using namespace specpipe_lanes;
 
 int64_t first_nan(const float* x, int64_t V) {
   for (int64_t i = 0; i < V; ++i)
