@@ -5,9 +5,8 @@
 // The greedy token of every row of every tensor of a list (each request's verified tree
 // or decode token), in one call: per row the first index of its largest value, or of its
 // first NaN where it has one (torch.argmax's rule), in one pass over a row, 16 lanes at a
-// time. torch.argmax
-// over one request's rows at a time cost ~10 us a call plus ~7 us a row of 8192 logits
-// here (32 requests: ~1 ms a step); this reads each row at memory speed.
+// time. torch.argmax over one request's rows at a time cost ~10 us a call plus ~7 us a row
+// of 8192 logits here (32 requests: ~1 ms a step); this reads each row at memory speed.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -65,7 +64,6 @@ at::Tensor argmax_rows(const std::vector<at::Tensor>& logits) {
   TORCH_CHECK(!logits.empty(), "specpipe_cpu::argmax_rows needs at least one tensor");
   const int64_t V = logits[0].size(-1);
   std::vector<const float*> rows;
-  std::vector<int64_t> strides;
   for (const auto& t : logits) {
     TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 2 && t.stride(1) == 1,
                 "specpipe_cpu::argmax_rows takes fp32 CPU [rows, V] tensors with contiguous rows");
