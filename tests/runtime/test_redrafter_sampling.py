@@ -13,11 +13,16 @@ test of the test (it scores ~38,700 against a critical value of ~103.5).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 
 from runtime import engine_core
 from runtime.loaded_engine import LoadedEngine
+from runtime.proposers import redrafter
 from runtime.sampling import SamplingParams, sample, target_probs
 from runtime.tree import DraftTree, children_lists
 from runtime.verify import Acceptance
@@ -83,6 +88,11 @@ def apple_per_beam_accept(
     return Acceptance(kept, [tree.tokens[n] for n in kept[1:]] + [sample(q, gen)])
 
 
+def _with_laws(draft_trees: Callable[..., list[DraftTree]], *args: Any) -> list[DraftTree]:
+    """`redrafter.draft_trees` with the per-node draft laws (`with_dists`, its 7th argument) attached."""
+    return draft_trees(*args[:6], True, *args[7:])
+
+
 def apple_rule_batch(
     trees: list[DraftTree], logits: list[torch.Tensor], params: list[SamplingParams], gens: list[torch.Generator]
 ) -> list[Acceptance]:
@@ -93,5 +103,7 @@ def test_apple_per_beam_rule_fails_the_same_test(monkeypatch: pytest.MonkeyPatch
     params = SamplingParams(temperature=1.0)
     engine = toy_engine()
     monkeypatch.setattr(engine_core, "accept_batch", apple_rule_batch)
+    # Apple's rule reads the draft laws, which the proposer does not build (point-mass verification needs none)
+    monkeypatch.setattr(redrafter, "draft_trees", functools.partial(_with_laws, redrafter.draft_trees))
     counts = emitted_first_three(engine, params)
     assert not passes_chi_square(counts, toy_sampling.exact_first_three(engine.model, params))
