@@ -89,7 +89,7 @@ class EngineCore:
         """Why the engine cannot step any more (None while it can)."""
         self._failed_steps = 0
         self._calibrated = False
-        self._options: dict[tuple[str, object], tuple[list[int], list[int], bool]] = {}
+        self._options: dict[tuple[str, object], tuple[tuple[int, ...], tuple[int, ...], bool]] = {}
         """(method, draft params) -> (tree sizes, drafter levels, exact cuts) it offers (`_offered`)."""
 
     def prepare(self) -> None:
@@ -216,14 +216,15 @@ class EngineCore:
         chosen = self.policy.choose(offers, len(running) - len(offers))
         return self.scheduler.schedule({o.key: [s for s in o.sizes if s <= chosen[o.key]] for o in offers})
 
-    def _offered(self, request: Request) -> tuple[list[int], list[int], bool]:
+    def _offered(self, request: Request) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
         """(tree sizes, drafter levels, whether smaller sizes are exact cuts) the request's
         proposer offers; params are frozen, so each proposer is asked once per setting."""
         key = (request.method, request.draft_params)
         options = self._options.get(key)
         if options is None:
             proposer, params = self.proposers[request.method], request.draft_params
-            options = proposer.sizes(params), proposer.levels(params), proposer.exact_cuts(params)
+            # tuples: the policy's signature of a settled decision takes them as they are, every step
+            options = tuple(proposer.sizes(params)), tuple(proposer.levels(params)), proposer.exact_cuts(params)
             self._options[key] = options
         return options
 

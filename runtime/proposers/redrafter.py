@@ -188,12 +188,12 @@ class ReDrafterProposer(Proposer):
         trees: dict[Request, DraftTree] = {}
         groups: dict[tuple[int, int, bool], list[Request]] = {}
         for request, budget in zip(requests, budgets, strict=True):
+            if budget < 2:  # the root alone (most requests of a busy batch): nothing to work out
+                trees[request] = DraftTree.root(request.tokens[-1])
+                continue
             params = request.draft_params
             width, length = self.shape(params, largest_fitting(self.sizes(params), budget))
-            if width == 0:
-                trees[request] = DraftTree.root(request.tokens[-1])
-            else:
-                groups.setdefault((width, length, params.packing), []).append(request)
+            groups.setdefault((width, length, params.packing), []).append(request)
         embed = self.engine.model.model.embed_tokens
         for (width, length, packing), group in groups.items():
             # no draft laws, whatever the temperature: beams are deterministic, verified as point masses
