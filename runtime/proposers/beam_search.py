@@ -13,16 +13,16 @@ are recorded per step and the beams are rebuilt by one backward pass at the end 
 re-gathers the whole history every step; the result is the same).
 
 The drafter's warped distribution is supported on each beam's top `WARP_TOP_K` tokens, so
-the best W of the W x V extensions are among the W x K: `with_dists=False` (greedy
-verification needs no draft laws) ranks only those, log_softmax over the K, and never
-builds the `[B, W, V]` log-distributions (at W = 4 the top-4 over 4 x 8192 alone cost
-0.33 ms a level on the CPU). The beams are the same up to float rounding (ties with the
-K-th logit, which the warp keeps, are left out of the normaliser). With one beam (what
-load-aware speculation picks most at batch 1) the best extension is the support's top
-token: no ranking of extensions, no parents, no state gather, bitwise the general path's
-result (a W=1, L=5 search 2.04 -> 1.76 ms on the CPU). On int8 drafter weights on the CPU
-the support-only search is one C++ call (`plugins/redrafter_beam_search.py`: W=1 1.76 ->
-~0.9 ms).
+the best W of the W x V extensions are among the W x K: `with_dists=False` (what the
+proposer asks at any temperature: point-mass verification reads no draft law) ranks only
+those, log_softmax over the K, and never builds the `[B, W, V]` log-distributions (at W =
+4 the top-4 over 4 x 8192 alone cost 0.33 ms a level on the CPU). The beams are the same
+up to float rounding (ties with the K-th logit, which the warp keeps, are left out of the
+normaliser). With one beam (what load-aware speculation picks most at batch 1) the best
+extension is the support's top token: no ranking of extensions, no parents, no state
+gather, bitwise the general path's result (a W=1, L=5 search 2.04 -> 1.76 ms on the CPU).
+On int8 drafter weights on the CPU the support-only search is one C++ call
+(`plugins/redrafter_beam_search.py`: W=1 1.76 -> ~0.9 ms).
 """
 
 from __future__ import annotations
