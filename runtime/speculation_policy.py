@@ -25,7 +25,8 @@ with bounded exploration so it never settles on a stale estimate for good.
   from linear) timed at engine start on one request, plus a per-request-count residual
   learned from every live step (each request's attention over its own context: at batch
   8, 8 one-token requests cost 1.6x one 8-token request), kept apart for steps with trees
-  and one-token steps (`ForwardCost`). Keeping table and residual apart matters:
+  and one-token steps (`ForwardCost`), as is each step's host work outside forward and
+  drafting (`overhead`, `overhead_trees`). Keeping table and residual apart matters:
   a table refreshed by live steps alone mixes batch shapes, so that forward(8 tokens of 8
   requests) came out dearer than forward(40 tokens) and drafting looked free;
 - draft_m: per method, intercept + per level + per drafted node (`LinearCost` over the
@@ -244,8 +245,8 @@ class TokenCost:
 class ForwardCost:
     """Seconds of a target forward of n tokens from r requests: `tokens` (one request,
     timed at engine start) plus the decayed mean of what live forwards of r requests cost
-    beyond it (interpolated between measured r; beyond, proportional to r for one-token
-    steps and what trees add unscaled, `residual`), kept apart for
+    beyond it (interpolated between measured r; above them, the largest count's; below
+    them, proportional to r for one-token steps; what trees add unscaled, `residual`), kept apart for
     steps of one token per request (`extra`) and steps with trees (`extra_trees`: each
     request's rows attend over its own context, so r requests of several tokens cost more
     beyond the one-request table than r single tokens). One residual for both charged a
@@ -307,8 +308,9 @@ def decay_into(table: dict[int, float], requests: int, seconds: float) -> None:
 
 def by_requests(table: dict[int, float], requests: int, per_request: bool = True) -> float:
     """`table`'s value (seconds, learned per request count) at `requests`: linear between
-    measured counts; beyond them, the nearest count's non-negative part per request times
-    `requests`, plus its negative part unscaled (`per_request`), or else the line through
+    measured counts; above them, the largest count's (`per_request`; below them, the
+    smallest count's non-negative part per request times `requests` plus its negative part
+    unscaled), or else the line through
     the nearest two counts (flat from a single one; never decreasing, never negative). 0
     before any."""
     if requests in table:
@@ -320,13 +322,18 @@ def by_requests(table: dict[int, float], requests: int, per_request: bool = True
         near, other = (known[0], known[1:2]) if requests < known[0] else (known[-1], known[-2:-1])
         slope = max((table[near] - table[other[0]]) / (near - other[0]), 0.0) if other else 0.0  # flat from one
         return max(table[near] + slope * (requests - near), 0.0)
-    if requests < known[0] or requests > known[-1]:  # beyond the measured: per request like the nearest
-        near = known[0] if requests < known[0] else known[-1]
+    if requests > known[-1]:  # above the measured: the nearest count's, unscaled
+        # priced high, auto-regression is never chosen, so never measured: scaled per
+        # request, a warm-up's batch-1 residual (2.2 ms, mostly per step) priced a one-token
+        # step of 8 requests at 22 ms where it took 6, and load-aware Lyanna drafted at
+        # batch 8 at a loss from its first step on. Priced low, the first step at that count
+        # measures it
+        return table[known[-1]]
+    if requests < known[0]:  # below the measured: per request like the nearest
         # what requests add scales with them; a negative residual is the table's own bias
-        # (its timing was slow), the same for any batch: scaled, a warm-up at batch 1 that
-        # read -0.4 ms made a 32-request forward -6 ms and drafting at batch 32 look free
-        value = table[near]
-        return max(value, 0.0) * requests / near + min(value, 0.0)
+        # (its timing was slow), the same for any batch
+        value = table[known[0]]
+        return max(value, 0.0) * requests / known[0] + min(value, 0.0)
     i = bisect.bisect_left(known, requests)  # between two measured counts: linear (np.interp cost ~10 us a call)
     lo, hi = known[i - 1], known[i]
     return table[lo] + (table[hi] - table[lo]) * (requests - lo) / (hi - lo)
@@ -528,7 +535,14 @@ class SpeculationPolicy:
     auto-regression than it was. It is mostly per step (~0.5 ms at batch 1, ~1.1 at 8):
     scaled per request from a batch-1 warm-up instead, it priced the first
     auto-regressive steps of 32 ReDrafter requests at 33 ms where they took ~13, and the
-    batch drafted 11-node trees: 86 tokens in ~84 ms, where auto-regression makes 32 in ~15."""
+    batch drafted 11-node trees: 86 tokens in ~84 ms, where auto-regression makes 32 in ~15.
+    Steps without drafting only (`overhead_trees`: steps with trees)."""
+    overhead_trees: dict[int, float] = field(default_factory=dict)
+    """The same for steps with trees: packing tree masks, walking the trees, moving the
+    accepted paths' KV cost more than a step of roots (Lyanna at batch 8: ~2.5 ms against
+    ~0.8). One table for both charged a run of drafting steps' host work to the
+    auto-regressive choice, priced it ~35% above what it took, and load-aware Lyanna drafted
+    at batch 8 at 0.8x auto-regression. Never below a step of roots' (`overhead_of`)."""
 
     # ---- estimates ----------------------------------------------------------------------
 
@@ -577,7 +591,10 @@ class SpeculationPolicy:
                 out.append(1.0)
                 continue
             most = ceiling(offer, size)
-            value = _optimistic(self.kinds.get((offer.kind, size)), most)
+            measured = self.kinds.get((offer.kind, size))
+            if measured is None and below is not None and offer.exact:
+                most = min(most, below + 1.0)  # never measured, but a cut of it was: one more token
+            value = _optimistic(measured, most)
             gain = self.gains.get((offer.kind, size)) if below is not None and offer.exact else None
             if below is not None and gain is not None:
                 value = max(value, below + _optimistic(gain, min(most - below, 1.0)))
@@ -764,11 +781,18 @@ class SpeculationPolicy:
                 acc[0] = max(acc[0], levels)
                 acc[1] += g.count * (s - 1)
                 acc[2] += g.lag
-        seconds = by_requests(self.overhead, requests, per_request=False) + self.forward_cost(nodes, requests)
+        seconds = self.overhead_of(requests, bool(drafting)) + self.forward_cost(nodes, requests)
         for method, (most, drafted, lag) in drafting.items():
             cost = self.draft_cost.get(method)
             seconds += cost(most, drafted, lag / self._horizon(method)) if cost is not None else 0.0
         return _Choice(sizes, tokens, seconds)
+
+    def overhead_of(self, requests: int, trees: bool) -> float:
+        """Host seconds of a step of `requests` decoding requests, with trees or roots only."""
+        roots = by_requests(self.overhead, requests, per_request=False)
+        if not trees or not self.overhead_trees:
+            return roots
+        return max(by_requests(self.overhead_trees, requests, per_request=False), roots)
 
     def _draft_slopes(self, method: str, requests: int) -> tuple[float, float, float]:
         """(seconds per level per request sharing it, seconds per drafted node, seconds per
@@ -835,7 +859,8 @@ class SpeculationPolicy:
         if not stats.prefill:
             self.forward_cost.observe(stats.num_tokens, stats.num_requests, stats.forward_seconds)
             if stats.overhead_seconds is not None:
-                decay_into(self.overhead, stats.num_requests, stats.overhead_seconds)
+                trees = stats.num_tokens > stats.num_requests
+                decay_into(self.overhead_trees if trees else self.overhead, stats.num_requests, stats.overhead_seconds)
         for method, (levels, drafted, caught_up, seconds) in stats.drafting.items():
             if drafted:
                 self._add_draft_sample(method, levels, drafted, caught_up, seconds)

@@ -88,24 +88,32 @@ def children_lists(parents: list[int]) -> list[list[int]]:
     return children
 
 
-def _repack(tree: DraftTree, order: list[int]) -> DraftTree:
-    """The deterministic tree of `tree`'s nodes `order` (a subset closed under parents, root first)."""
+def _repack(tree: DraftTree, order: list[int], budgets: list[int] | None = None) -> DraftTree:
+    """The deterministic tree of `tree`'s nodes `order` (a subset closed under parents, root
+    first), with `budgets[n]` (or `tree.node_budget[n]`, if it has them) as node budgets."""
     index = {n: i for i, n in enumerate(order)}
-    return DraftTree([tree.tokens[n] for n in order], [index.get(tree.parents[n], -1) for n in order])
+    budgets = budgets if budgets is not None else tree.node_budget or None
+    return DraftTree(
+        [tree.tokens[n] for n in order],
+        [index.get(tree.parents[n], -1) for n in order],
+        node_budget=[budgets[n] for n in order] if budgets is not None else [],
+    )
 
 
 def prune(tree: DraftTree, scores: list[float], budget: int) -> DraftTree:
     """Keep the `budget` best non-root nodes by score (a child never scores above its
     parent, so the kept set is a tree; ties go to the shallower node), packed breadth-first
-    with siblings best first."""
+    with siblings best first. The k-th node kept is labelled with node budget k + 1: the
+    prune to any smaller budget keeps exactly the nodes labelled within it (nested trees)."""
     depth = depths_of(tree.parents)
-    kept = {0}
+    kept = {0: 1}  # node -> its node budget (the root: 1)
     for n in sorted(range(1, len(tree.tokens)), key=lambda n: (-scores[n], depth[n], n)):
         if len(kept) > budget:
             break
         if tree.parents[n] in kept:
-            kept.add(n)
-    return _repack(tree, sorted(kept, key=lambda n: (depth[n], -scores[n], n)))
+            kept[n] = len(kept) + 1
+    budgets = [kept.get(n, 0) for n in range(len(tree.tokens))]
+    return _repack(tree, sorted(kept, key=lambda n: (depth[n], -scores[n], n)), budgets)
 
 
 def breadth_first(tree: DraftTree) -> DraftTree:
@@ -114,12 +122,15 @@ def breadth_first(tree: DraftTree) -> DraftTree:
     return _repack(tree, sorted(range(len(tree.tokens)), key=lambda n: (depth[n], n)))
 
 
-def merge(base: DraftTree, extra: DraftTree) -> DraftTree:
+def merge(base: DraftTree, extra: DraftTree, extra_budget: int | None = None) -> DraftTree:
     """Trie union of two candidate trees with the same root: a path of `extra` already in
-    `base` is not added again, so siblings stay distinct tokens."""
+    `base` is not added again, so siblings stay distinct tokens. With `extra_budget` (and
+    node budgets on `base`), the nodes only `extra` brings are labelled with it."""
     if base.tokens[0] != extra.tokens[0]:
         raise ValueError(f"cannot merge trees with roots {base.tokens[0]} and {extra.tokens[0]}")
     tokens, parents = list(base.tokens), list(base.parents)
+    labelled = extra_budget is not None and bool(base.node_budget)
+    budgets = list(base.node_budget) if labelled else []
     child = {(p, t): n for n, (t, p) in enumerate(zip(tokens, parents, strict=True)) if p >= 0}
     where = {0: 0}  # node of `extra` -> node of the merged tree
     for n in range(1, len(extra.tokens)):
@@ -127,9 +138,11 @@ def merge(base: DraftTree, extra: DraftTree) -> DraftTree:
         if (parent, token) not in child:
             tokens.append(token)
             parents.append(parent)
+            if labelled:
+                budgets.append(extra_budget)  # type: ignore[arg-type]
             child[parent, token] = len(tokens) - 1
         where[n] = child[parent, token]
-    return breadth_first(DraftTree(tokens, parents))
+    return breadth_first(DraftTree(tokens, parents, node_budget=budgets))
 
 
 def chain(root: int, drafts: list[int]) -> DraftTree:

@@ -23,6 +23,11 @@ built from them with t_gt's token info (Algorithm 1 again) — no drafter forwar
 deduplicated) and verified in that step's forward; without fusion it is the next step's
 tree on its own (its verification spends a target forward).
 
+Load-aware speculation picks each request's size per step (`LyannaParams.sizes`): the
+regular draft pruned to fewer nodes by joint probability is the larger one cut (`prune`
+labels node budgets), drafted from a chain only as deep as its size needs; the re-sampled
+subtree is fused only at the whole step's size.
+
 Why this stays exactly lossless: every node of the merged tree is a deterministic
 candidate (a point mass), siblings are distinct tokens (the merge is a trie), and
 verification is the same rule as for every other deterministic tree: greedy takes the
@@ -82,6 +87,21 @@ class LyannaParams:
         """Most nodes a step verifies, root included (regular draft + a fused subtree)."""
         return 1 + self.budget + (self.resample_budget if self.resample else 0)
 
+    @property
+    def sizes(self) -> list[int]:
+        """Tree sizes load-aware speculation may pick (root included, ascending): the root
+        alone, the regular draft pruned to 1, 2, 3, 4 and 8 nodes and to `budget`, and the
+        whole step (with a fused re-sampled subtree). The prune keeps the best nodes by joint
+        probability, so each smaller tree is the larger one cut (`prune`'s node budgets)."""
+        drafted = {b for b in (1, 2, 3, 4, 8) if b < self.budget} | {self.budget}
+        return sorted({1, self.max_nodes} | {1 + b for b in drafted})
+
+    def depth_for(self, size: int) -> int:
+        """Chain steps a tree of `size` nodes needs: a tree of b drafted nodes is no deeper
+        than b, and the chain's first d rows do not depend on later ones, so drafting
+        min(depth, size - 1) rows builds the same pruned tree (none for the root alone)."""
+        return min(self.depth, size - 1)
+
 
 def token_info_tree(root: int, logits: torch.Tensor, bias: Bias | None, width: int, budget: int) -> DraftTree:
     """Algorithm 1 for one request: `logits` `[k, V]` are the chain rows for depths 1..k.
@@ -93,9 +113,10 @@ def token_info_tree(root: int, logits: torch.Tensor, bias: Bias | None, width: i
 
 
 def token_info_trees(
-    roots: list[int], logits: torch.Tensor, bias: Bias | None, width: int, budget: int
+    roots: list[int], logits: torch.Tensor, bias: Bias | None, width: int, budget: int | list[int]
 ) -> list[DraftTree]:
-    """`token_info_tree` of every request at once (`logits` `[B, k, V]`): a depth is one
+    """`token_info_tree` of every request at once (`logits` `[B, k, V]`; `budget`: one for
+    all, or one per request): a depth is one
     bias, one log-softmax and one top-k over the frontier nodes of every request, and one
     read to the host; each row is what its request computes alone, bit for bit. Request by
     request, the ~4 small tensor ops of each depth cost ~0.8 ms a tree, ~7 ms of a ~39 ms
@@ -123,7 +144,8 @@ def token_info_trees(
                 m += 1
             scores = joint[i]
             frontier[i] = sorted(range(first, len(scores)), key=lambda n: -scores[n])[:width]  # TopkByJointProb
-    return [prune(DraftTree(t, p), j, budget) for t, p, j in zip(tokens, parents, joint, strict=True)]
+    budgets = budget if isinstance(budget, list) else [budget] * len(roots)
+    return [prune(DraftTree(t, p), j, b) for t, p, j, b in zip(tokens, parents, joint, budgets, strict=True)]
 
 
 def resample_subtree(
@@ -160,41 +182,50 @@ class LyannaProposer(Proposer):
         return LyannaParams(**settings)
 
     def sizes(self, params: LyannaParams) -> list[int]:
-        return [1, params.max_nodes]
+        return params.sizes
 
     def levels(self, params: LyannaParams) -> list[int]:
-        return [0, params.depth]
+        return [0 if size == 1 else params.depth_for(size) for size in params.sizes]
 
     def propose(self, requests: list[Request], budgets: list[int]) -> list[DraftTree]:
         trees: dict[Request, DraftTree] = {}
-        groups: dict[LyannaParams, list[Request]] = {}
+        groups: dict[tuple[LyannaParams, int], list[tuple[Request, int]]] = {}
         for request, budget in zip(requests, budgets, strict=True):
             params, state = request.draft_params, request.draft_state or LyannaState()
             request.draft_state = state
-            if budget < params.max_nodes:
+            size = max(s for s in params.sizes if s <= max(budget, 1))
+            if size == 1:
                 trees[request] = DraftTree.root(request.tokens[-1])
                 state.resampled = state.chain_logits = None  # rooted at a token this step moves past
-            elif state.resampled is not None and not params.fuse:  # verified alone, no new chain
-                trees[request], state.chain_logits = state.resampled, None
-            else:
-                groups.setdefault(params, []).append(request)
-        for params, group in groups.items():
-            trees |= self._draft(params, group)
+            elif size == params.max_nodes and state.resampled is not None and not params.fuse:
+                trees[request], state.chain_logits = state.resampled, None  # verified alone, no new chain
+            else:  # one chain per depth: a request's tree is pruned to its own size
+                groups.setdefault((params, params.depth_for(size)), []).append((request, size))
+        for (params, depth), group in groups.items():
+            trees |= self._draft(params, depth, group)
         return [trees[r] for r in requests]
 
     @torch.inference_mode()
-    def _draft(self, params: LyannaParams, requests: list[Request]) -> dict[Request, DraftTree]:
+    def _draft(self, params: LyannaParams, depth: int, group: list[tuple[Request, int]]) -> dict[Request, DraftTree]:
+        """The chain of `depth` steps for every request of `group`, ONE head product, the
+        token-info trees pruned to each request's size; at the whole step's size the
+        pending re-sampled subtree is merged in (fusion), its nodes labelled with that size."""
         drafter, model = self.engine.lyanna_drafter, self.engine.model
         assert drafter is not None
+        requests = [r for r, _ in group]
         roots = torch.tensor([r.tokens[-1] for r in requests], device=self.engine.device)
-        chain = drafter.draft_chain(target_hidden(requests), roots, model.model.embed_tokens, params.depth)
-        logits = drafter.head_logits(chain, model.lm_head)  # [B, k, V]
+        chain = drafter.draft_chain(target_hidden(requests), roots, model.model.embed_tokens, depth)
+        head = self.engine.lyanna_head or model.lm_head  # an int8 copy, if the engine has one
+        logits = drafter.head_logits(chain, head)  # [B, depth, V]
+        drafted = token_info_trees(
+            [r.tokens[-1] for r in requests], logits, self._bias, params.width,
+            [min(size - 1, params.budget) for _, size in group],
+        )  # fmt: skip
         trees = {}
-        drafted = token_info_trees([r.tokens[-1] for r in requests], logits, self._bias, params.width, params.budget)
-        for r, rows, tree in zip(requests, logits, drafted, strict=True):
+        for (r, size), rows, tree in zip(group, logits, drafted, strict=True):
             r.draft_state.chain_logits = rows
-            if r.draft_state.resampled is not None:
-                tree = merge(tree, r.draft_state.resampled)
+            if r.draft_state.resampled is not None and size == params.max_nodes:
+                tree = merge(tree, r.draft_state.resampled, extra_budget=params.max_nodes)
             trees[r] = tree
         return trees
 

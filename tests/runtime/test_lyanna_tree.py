@@ -171,3 +171,31 @@ def test_a_batch_of_trees_is_each_request_drafting_alone() -> None:
         assert (tree.tokens, tree.parents) == (alone.tokens, alone.parents), i
         assert distinct_siblings(tree) and len(tree.tokens) == 13
     assert len({tuple(t.tokens) for t in together}) == batch
+
+
+def test_every_size_is_the_whole_draft_cut_at_its_node_budgets() -> None:
+    """Load-aware speculation's sizes (`LyannaParams.sizes`): the draft of each size, from a
+    chain only `depth_for(size)` steps deep, is exactly the whole draft's nodes labelled
+    within that size (so one verified tree tells what every smaller size would have
+    accepted); a wrong label or a chain cut too short fails this."""
+    params = LyannaParams(depth=3, width=3, budget=8, resample=False)
+    assert params.sizes == [1, 2, 3, 4, 5, 9]
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        logits = (3 * torch.randn(2, params.depth, V, generator=gen)).to(TEST_DEVICE)
+        roots = [0, 1]
+        whole = token_info_trees(roots, logits, None, params.width, params.budget)
+        for size in params.sizes[1:]:
+            depth = params.depth_for(size)
+            drafted = token_info_trees(roots, logits[:, :depth], None, params.width, size - 1)
+            for tree, full in zip(drafted, whole, strict=True):
+                kept = DraftTree(*_cut(full, size))
+                assert paths(tree) == paths(kept) and len(tree.tokens) == size
+                assert sorted(tree.node_budget) == sorted(b for b in full.node_budget if b <= size)
+
+
+def _cut(tree: DraftTree, size: int) -> tuple[list[int], list[int]]:
+    """`tree`'s nodes of node budget <= `size` (a tree: parents are labelled lower)."""
+    keep = [n for n, b in enumerate(tree.node_budget) if b <= size]
+    index = {n: i for i, n in enumerate(keep)}
+    return [tree.tokens[n] for n in keep], [index.get(tree.parents[n], -1) for n in keep]
