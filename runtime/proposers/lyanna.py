@@ -46,6 +46,7 @@ import torch
 
 from runtime.proposers.proposer import KVMoves, Proposer, target_hidden
 from runtime.request import Request
+from runtime.speculation_policy import largest_fitting
 from runtime.tree import DraftTree, merge, prune
 from runtime.verify import Acceptance
 
@@ -193,7 +194,7 @@ class LyannaProposer(Proposer):
         for request, budget in zip(requests, budgets, strict=True):
             params, state = request.draft_params, request.draft_state or LyannaState()
             request.draft_state = state
-            size = max(s for s in params.sizes if s <= max(budget, 1))
+            size = largest_fitting(params.sizes, budget)
             if size == 1:
                 trees[request] = DraftTree.root(request.tokens[-1])
                 state.resampled = state.chain_logits = None  # rooted at a token this step moves past
