@@ -7,6 +7,7 @@ drafter prefers (= the order verification tries them).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -88,11 +89,11 @@ def children_lists(parents: list[int]) -> list[list[int]]:
     return children
 
 
-def _repack(tree: DraftTree, order: list[int], budgets: list[int] | None = None) -> DraftTree:
+def _repack(tree: DraftTree, order: list[int], budgets: Mapping[int, int] | None = None) -> DraftTree:
     """The deterministic tree of `tree`'s nodes `order` (a subset closed under parents, root
     first), with `budgets[n]` (or `tree.node_budget[n]`, if it has them) as node budgets."""
     index = {n: i for i, n in enumerate(order)}
-    budgets = budgets if budgets is not None else tree.node_budget or None
+    budgets = budgets if budgets is not None else dict(enumerate(tree.node_budget)) or None
     return DraftTree(
         [tree.tokens[n] for n in order],
         [index.get(tree.parents[n], -1) for n in order],
@@ -112,8 +113,7 @@ def prune(tree: DraftTree, scores: list[float], budget: int) -> DraftTree:
             break
         if tree.parents[n] in kept:
             kept[n] = len(kept) + 1
-    budgets = [kept.get(n, 0) for n in range(len(tree.tokens))]
-    return _repack(tree, sorted(kept, key=lambda n: (depth[n], -scores[n], n)), budgets)
+    return _repack(tree, sorted(kept, key=lambda n: (depth[n], -scores[n], n)), kept)
 
 
 def breadth_first(tree: DraftTree) -> DraftTree:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, fields
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -88,7 +89,7 @@ class LyannaParams:
         """Most nodes a step verifies, root included (regular draft + a fused subtree)."""
         return 1 + self.budget + (self.resample_budget if self.resample else 0)
 
-    @property
+    @cached_property  # read per request every step; the params are frozen
     def sizes(self) -> list[int]:
         """Tree sizes load-aware speculation may pick (root included, ascending): the root
         alone, the regular draft pruned to 1, 2, 3, 4 and 8 nodes and to `budget`, and the
