@@ -743,6 +743,27 @@ def test_a_live_drafting_sample_replaces_the_start_up_samples_of_its_shape() -> 
     assert outvoted(4, 128, 0) < 0.0055
 
 
+def test_live_steps_that_catch_up_a_token_or_two_replace_the_start_up_samples_of_their_shape() -> None:
+    """In a steady run of drafting some requests catch up the token or two they decoded
+    while not drafting, so live calls read (levels, drafted, a few tokens caught up) where
+    the start-up call of that tree read none. Shaped apart by the catch-up, the live
+    samples never replaced the start-up ones (rsd-s at batch 8, T=1: 3.6 ms at start-up,
+    ~5.9 live) and the fit priced drafting ~1-1.5 ms low, so load-aware drafted at ~0.9x
+    auto-regression. A catch-up that reads more than the drafted nodes is still a shape
+    of its own (a prompt read in full is no steady step)."""
+    def live(drafted: int) -> float:
+        return 0.0005 + 0.00022 * drafted
+
+    p = SpeculationPolicy()
+    p.add_draft_samples("sd", [(k, 8 * k, 0, 0.0036 if k == 3 else live(8 * k)) for k in (1, 2, 3, 4)])
+    for caught_up in (2, 3, 5, 2, 4, 3):
+        p.observe(StepStats(32, 0.009, {"sd": (3, 24, caught_up, live(24))}, num_requests=8))
+    assert p.draft_cost["sd"](3, 24, 0) == pytest.approx(live(24), rel=0.02)
+    assert [x[:2] for x, _ in p.draft_cost["sd"].samples].count((3, 24)) == 6  # the stand-in left
+    p.observe(StepStats(32, 0.009, {"sd": (3, 24, 200, live(24) + 0.003)}, num_requests=8))
+    assert len(p.draft_cost["sd"].samples) == 4 + 6  # a prompt read in full: a shape of its own
+
+
 def test_host_work_seen_at_batch_1_is_not_multiplied_by_a_larger_batch() -> None:
     """Host work per step is mostly per step (~0.5 ms at batch 1, ~1.1 at 8 on the demo
     engines): learned at batch 1 alone, it is what the first steps of a larger batch are
