@@ -168,8 +168,8 @@ class EngineCore:
         verify_seconds = clock.lap("verify")
         if drafting:  # verifying drafts is part of what drafting costs: each method pays its nodes' share
             nodes = sum(len(t.tokens) for t in trees.values())
-            for method, (levels, drafted, caught_up, seconds) in drafting.items():
-                drafting[method] = (levels, drafted, caught_up, seconds + verify_seconds * drafted / nodes)
+            for method, (*shape, seconds) in drafting.items():
+                drafting[method] = (*shape, seconds + verify_seconds * shape[1] / nodes)
         for item, span in zip(work, batch.spans, strict=True):
             request = item.request
             try:
@@ -230,16 +230,17 @@ class EngineCore:
 
     def _propose(
         self, work: list[ScheduledWork]
-    ) -> tuple[dict[Request, DraftTree], list[tuple[Request, str]], dict[str, tuple[int, int, int, float]]]:
+    ) -> tuple[dict[Request, DraftTree], list[tuple[Request, str]], dict[str, tuple[int, int, int, int, float]]]:
         """Trees of the decoding requests, one batched call per method, the requests whose
         drafting failed (with what went wrong), and each method's drafting (most levels,
-        drafted nodes, tokens its drafter caught up on, seconds) for load-aware speculation."""
+        drafted nodes, tokens its drafter caught up on, request-levels, seconds) for
+        load-aware speculation."""
         groups: dict[str, list[ScheduledWork]] = {}
         for item in work:
             groups.setdefault(item.request.method, []).append(item)
         trees: dict[Request, DraftTree] = {}
         failures: list[tuple[Request, str]] = []
-        drafting: dict[str, tuple[int, int, int, float]] = {}
+        drafting: dict[str, tuple[int, int, int, int, float]] = {}
         for method, items in groups.items():
             proposer = self.proposers[method]
             caught_up = sum(proposer.lag(item.request) for item in items if item.budget > 1)
@@ -254,8 +255,8 @@ class EngineCore:
             trees |= {item.request: tree for item, tree in done}
             failures += [(item.request, message) for item, message in failed]
             if drafted := sum(len(t.tokens) - 1 for _, t in done):
-                levels = max(self._offered(i.request)[1][i.sizes.index(i.budget)] for i in items)
-                drafting[method] = (levels, drafted, caught_up, seconds)
+                levels = [self._offered(i.request)[1][i.sizes.index(i.budget)] for i in items]
+                drafting[method] = (max(levels), drafted, caught_up, sum(levels), seconds)
         return trees, failures, drafting
 
     def _verify(

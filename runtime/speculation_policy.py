@@ -29,18 +29,21 @@ with bounded exploration so it never settles on a stale estimate for good.
   drafting (`overhead`, `overhead_trees`). Keeping table and residual apart matters:
   a table refreshed by live steps alone mixes batch shapes, so that forward(8 tokens of 8
   requests) came out dearer than forward(40 tokens) and drafting looked free;
-- draft_m: per method, intercept + per level + per drafted node (`LinearCost` over the
-  method's recent drafting calls of every shape it drafted; levels are its sequential
-  drafter calls; a call's seconds include its drafted nodes' share of the step's
-  verification, which at temperature > 0 walks the trees over full-vocabulary laws) +
-  per token caught up. A draft LM reads every token of a request it has
-  not seen before it drafts (`Proposer.lag`: the whole prompt at a request's first
-  draft, every token decoded since at the first draft after a run without drafting):
-  a one-off cost, fitted apart so that it does not pass for the cost of a level (a fit
-  that took a 150-token catch-up for level cost charged every later level ~3x its
-  price), charged in full to a probe and, for a steady choice, spread over the steps a
-  method's runs of drafting have lasted (`SpeculationPolicy.horizons`; once caught up, a
-  request stays caught up while it drafts).
+- draft_m: per method, intercept + per level + per drafted node + per token caught up +
+  per request-level (`LinearCost` over the method's recent drafting calls of every shape
+  it drafted; levels are its sequential drafter calls, request-levels the levels each
+  drafting request goes through, summed: a draft LM's level attends over every request's
+  own context, so one level of 8 requests costs far more than one of 1 request with the
+  same nodes; a call's seconds include its drafted nodes' share of the step's
+  verification, which at temperature > 0 walks the trees over full-vocabulary laws). A
+  draft LM reads every token of a request it has not seen before it drafts
+  (`Proposer.lag`: the whole prompt at a request's first draft, every token decoded
+  since at the first draft after a run without drafting): a one-off cost, fitted apart
+  so that it does not pass for the cost of a level (a fit that took a 150-token catch-up
+  for level cost charged every later level ~3x its price), charged in full to a probe
+  and, for a steady choice, spread over the steps a method's runs of drafting have
+  lasted (`SpeculationPolicy.horizons`; once caught up, a request stays caught up while
+  it drafts).
 
 Choice (`choose`): a few Dinkelbach iterations (maximising a ratio: at the current rate
 lambda each request independently picks argmax_s tau_r(s) - lambda * marginal_cost_r(s)),
@@ -190,8 +193,9 @@ class StepStats:
 
     num_tokens: int
     forward_seconds: float
-    drafting: dict[str, tuple[int, int, int, float]] = field(default_factory=dict)
-    """method -> (most levels, drafted nodes, tokens caught up, seconds) of its drafting call."""
+    drafting: dict[str, tuple[int, int, int, int, float]] = field(default_factory=dict)
+    """method -> (most levels, drafted nodes, tokens caught up, request-levels, seconds) of
+    its drafting call; request-levels: the levels of every request that drafted, summed."""
     outcomes: list[Outcome] = field(default_factory=list)
     num_requests: int = 1
     """Requests whose tokens the forward held (prefill chunks included)."""
@@ -344,7 +348,7 @@ class LinearCost:
     `PER_SHAPE` (features, seconds) samples of every shape seen (the feature vector, or
     the coarser `shape` its caller gives). The normal equations (A^T A, A^T t) are kept
     up to date as samples come and go, so a refit (once per new sample, not per query) is
-    a 4 x 4 solve: rebuilding A from every kept sample cost ~0.1 ms a drafting step."""
+    a 5 x 5 solve: rebuilding A from every kept sample cost ~0.1 ms a drafting step."""
 
     def __init__(self) -> None:
         self._shapes: dict[tuple[float, ...], deque[tuple[tuple[float, ...], float]]] = {}
@@ -405,7 +409,7 @@ class LinearCost:
 
     def _fitted(self) -> tuple[float, ...]:
         """[intercept, slopes...], refitted after a new sample (there is at least one). Plain
-        floats and a 4 x 4 elimination: numpy's solve cost ~0.16 ms a refit in the engine
+        floats and a 5 x 5 elimination: numpy's solve cost ~0.16 ms a refit in the engine
         (its per-call overhead, with caches cold after a forward), ~2% of a batch-1 step."""
         if self._coef is None:
             n = len(self._moment)
@@ -501,7 +505,7 @@ class SpeculationPolicy:
     """False: every request drafts its largest size (`--speculation fixed`)."""
     forward_cost: ForwardCost = field(default_factory=ForwardCost)
     draft_cost: dict[str, LinearCost] = field(default_factory=dict)
-    """method -> seconds of a drafting call from (levels, drafted nodes)."""
+    """method -> seconds of a drafting call from (levels, drafted nodes, tokens caught up, request-levels)."""
     kinds: dict[tuple[Hashable, int], Estimate] = field(default_factory=dict)
     """(kind, size) -> estimate shared by requests of that kind."""
     gains: dict[tuple[Hashable, int], Estimate] = field(default_factory=dict)
@@ -768,7 +772,9 @@ class SpeculationPolicy:
 
     def _evaluate(self, batch: list[_Group], sizes: list[int], others: int) -> _Choice:
         tokens, nodes, requests = 0.0, float(others), others
-        drafting: dict[str, list[float]] = {}  # method -> [most levels, drafted nodes, tokens to catch up]
+        drafting: dict[
+            str, list[float]
+        ] = {}  # method -> [most levels, drafted nodes, tokens to catch up, request-levels]
         for g, s in zip(batch, sizes, strict=True):
             if not g.count:
                 continue
@@ -777,14 +783,15 @@ class SpeculationPolicy:
             nodes += g.count * n
             requests += g.count
             if s > 1:
-                acc = drafting.setdefault(g.method, [0.0, 0.0, 0.0])
+                acc = drafting.setdefault(g.method, [0.0, 0.0, 0.0, 0.0])
                 acc[0] = max(acc[0], levels)
                 acc[1] += g.count * (s - 1)
                 acc[2] += g.lag
+                acc[3] += g.count * levels
         seconds = self.overhead_of(requests, bool(drafting)) + self.forward_cost(nodes, requests)
-        for method, (most, drafted, lag) in drafting.items():
+        for method, (most, drafted, lag, request_levels) in drafting.items():
             cost = self.draft_cost.get(method)
-            seconds += cost(most, drafted, lag / self._horizon(method)) if cost is not None else 0.0
+            seconds += cost(most, drafted, lag / self._horizon(method), request_levels) if cost is not None else 0.0
         return _Choice(sizes, tokens, seconds)
 
     def overhead_of(self, requests: int, trees: bool) -> float:
@@ -795,13 +802,13 @@ class SpeculationPolicy:
         return max(by_requests(self.overhead_trees, requests, per_request=False), roots)
 
     def _draft_slopes(self, method: str, requests: int) -> tuple[float, float, float]:
-        """(seconds per level per request sharing it, seconds per drafted node, seconds per
-        token caught up) of `method`."""
+        """(seconds per level of one request: its share of the call's level plus its own
+        request-level; seconds per drafted node; seconds per token caught up) of `method`."""
         cost = self.draft_cost.get(method)
         if cost is None or not cost:
             return 0.0, 0.0, 0.0
-        per_level, per_node, per_token = cost.slopes()
-        return float(per_level) / requests, float(per_node), float(per_token)
+        per_level, per_node, per_token, per_request_level = cost.slopes()
+        return float(per_level) / requests + float(per_request_level), float(per_node), float(per_token)
 
     def _end_run(self, key: str) -> None:
         """Request `key` stopped drafting (or left): its run's length joins its method's mean."""
@@ -841,34 +848,36 @@ class SpeculationPolicy:
             self.forward_cost.calibrate(n, seconds)
 
     def add_draft_samples(self, method: str, samples: Iterable[tuple[int, int, int, float]]) -> None:
-        """(levels, drafted nodes, tokens caught up, seconds) of drafting calls timed at engine start."""
-        for levels, drafted, caught_up, seconds in samples:
-            self._add_draft_sample(method, levels, drafted, caught_up, seconds, start_up=True)
+        """(levels, drafted nodes, tokens caught up, request-levels, seconds) of drafting
+        calls timed at engine start."""
+        for levels, drafted, caught_up, request_levels, seconds in samples:
+            self._add_draft_sample(method, (levels, drafted, caught_up, request_levels), seconds, start_up=True)
 
     def _add_draft_sample(
-        self, method: str, levels: int, drafted: int, caught_up: int, seconds: float, start_up: bool = False
+        self, method: str, x: tuple[int, int, int, int], seconds: float, start_up: bool = False
     ) -> None:
+        levels, drafted, caught_up, request_levels = x
         # catch-ups come in every length: one shape per power of two keeps the fit's memory
         # bounded. One no longer than the drafted nodes (the last token or two of requests
         # that did not draft last step) is the shape of none, so that live steps of a steady
         # choice replace its start-up stand-ins: shaped apart ((3, 24, 4) live vs (3, 24, 0)
         # start-up), rsd-s at batch 8, T=1 kept start-up samples ~35% cheaper than live ones
         # in its fit and priced its drafting ~1-1.5 ms low, drafting at ~0.9x auto-regression
-        shape = (levels, drafted, 1 << caught_up.bit_length() if caught_up > drafted else 0)
+        shape = (levels, drafted, 1 << caught_up.bit_length() if caught_up > drafted else 0, request_levels)
         fit = self.draft_cost.setdefault(method, LinearCost())
-        fit.add((levels, drafted, caught_up), seconds, shape, start_up)
+        fit.add(x, seconds, shape, start_up)
 
     def observe(self, stats: StepStats) -> None:
-        if stats.outcomes or any(drafted for _, drafted, _, _ in stats.drafting.values()):
+        if stats.outcomes or any(drafted for _, drafted, *_ in stats.drafting.values()):
             self._settled = None  # new evidence: decide afresh
         if not stats.prefill:
             self.forward_cost.observe(stats.num_tokens, stats.num_requests, stats.forward_seconds)
             if stats.overhead_seconds is not None:
                 trees = stats.num_tokens > stats.num_requests
                 decay_into(self.overhead_trees if trees else self.overhead, stats.num_requests, stats.overhead_seconds)
-        for method, (levels, drafted, caught_up, seconds) in stats.drafting.items():
+        for method, (levels, drafted, caught_up, request_levels, seconds) in stats.drafting.items():
             if drafted:
-                self._add_draft_sample(method, levels, drafted, caught_up, seconds)
+                self._add_draft_sample(method, (levels, drafted, caught_up, request_levels), seconds)
         step: dict[tuple[Hashable, int], list[tuple[float, float]]] = {}
         gains: dict[tuple[Hashable, int], list[tuple[float, float]]] = {}
         for o in stats.outcomes:

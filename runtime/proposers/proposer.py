@@ -88,8 +88,8 @@ class Proposer(ABC):
         levels). Default: none (drafters that read the target's state)."""
         return 0
 
-    def draft_cost_samples(self, method: str) -> list[tuple[int, int, int, float]]:
-        """(levels, drafted nodes, tokens caught up, seconds) of a few timed drafting calls of
+    def draft_cost_samples(self, method: str) -> list[tuple[int, int, int, int, float]]:
+        """(levels, drafted nodes, tokens caught up, request-levels, seconds) of a few timed drafting calls of
         `method` at engine start, to seed load-aware speculation's draft-cost fit (vLLM's
         profiling run). Default: none (the fit then learns from live steps)."""
         return []

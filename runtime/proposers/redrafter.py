@@ -159,7 +159,7 @@ class ReDrafterProposer(Proposer):
             return (1, size - 1) if size > 1 else (0, 0)
         return (size - 1) // length, length
 
-    def draft_cost_samples(self, method: str) -> list[tuple[int, int, int, float]]:
+    def draft_cost_samples(self, method: str) -> list[tuple[int, int, int, int, float]]:
         """Beam searches from zero states, twice each: every width load-aware speculation may
         pick for one request, one beam for 8 and 32 requests (so the fit sees nodes drafted
         by wider beams as well as by more requests), and short chains (1 draft for one
@@ -179,7 +179,7 @@ class ReDrafterProposer(Proposer):
             for _ in range(2):
                 start = time.perf_counter()
                 draft_trees(drafter, model.model.embed_tokens, hidden, [0] * rows, width, depth, False)
-                samples.append((depth, rows * width * depth, 0, time.perf_counter() - start))
+                samples.append((depth, rows * width * depth, 0, rows * depth, time.perf_counter() - start))
         return samples
 
     def propose(self, requests: list[Request], budgets: list[int]) -> list[DraftTree]:

@@ -590,7 +590,7 @@ class LevelTreeProposer(Proposer):
         """Beams of every width but one are not (`TreeSpec.ladder`)."""
         return not params.beamed or params.beam_width == 1
 
-    def draft_cost_samples(self, method: str) -> list[tuple[int, int, int, float]]:
+    def draft_cost_samples(self, method: str) -> list[tuple[int, int, int, int, float]]:
         """A draft LM's drafting timed at engine start, for 1 and 8 requests of `CONTEXTS`
         tokens in scratch blocks, sampled at temperature 1 (the dearer path): one call that
         first catches the draft LM up on the whole context (its cost per token read), then
@@ -609,7 +609,7 @@ class LevelTreeProposer(Proposer):
             return []
         spec: TreeSpec = self.params(method, {})
         vocab, device = self.engine.model.config.vocab_size, self.engine.device
-        samples: list[tuple[int, int, int, float]] = []
+        samples: list[tuple[int, int, int, int, float]] = []
         for rows in (1, 8):
             ids = [f"\0draft-cost-{i}" for i in range(rows)]
             room = self.blocks.num_free // rows
@@ -642,7 +642,7 @@ class LevelTreeProposer(Proposer):
                     if n:
                         drafted = rows * (spec.sizes[k] - 1)
                         share = verify * drafted / sum(len(tree.tokens) for tree in trees)
-                        samples.append((levels[k], drafted, rows * catch_up, drafting + share))
+                        samples.append((levels[k], drafted, rows * catch_up, rows * levels[k], drafting + share))
             finally:
                 for i in ids:
                     self.blocks.free(i)

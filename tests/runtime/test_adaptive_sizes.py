@@ -111,8 +111,8 @@ def test_a_draft_lm_times_its_levels_and_a_catch_up_at_start_up(max_batch_size: 
         fit = llm.policy.draft_cost[method]
         shapes = {x for x, _ in fit.samples}
         spec = llm.proposers[method].params(method, {})
-        assert {levels for levels, _, caught_up in shapes if caught_up == 0} == set(range(1, spec.length + 1))
-        catch_ups = {caught_up for _, _, caught_up in shapes} - {0}
+        assert {levels for levels, _, caught_up, _ in shapes if caught_up == 0} == set(range(1, spec.length + 1))
+        catch_ups = {caught_up for _, _, caught_up, _ in shapes} - {0}
         assert catch_ups and catch_ups <= {rows * c for c in CONTEXTS for rows in (1, 8)}
         assert all(seconds > 0 for _, seconds in fit.samples)
 
@@ -138,8 +138,8 @@ def test_start_up_drafting_samples_carry_their_share_of_verification(monkeypatch
     llm = llm_engine.LLMEngine(toy_sampling.toy_engine("draft-lm", SETTINGS), RuntimeConfig(max_num_tokens=512))
     llm.prepare()
     fit = llm.policy.draft_cost["sd"]  # chains: a request's nodes are its drafted nodes + its root
-    for (levels, drafted, _), seconds in fit.samples:
-        rows = drafted // levels
+    for (levels, drafted, _, request_levels), seconds in fit.samples:
+        rows = request_levels // levels
         assert seconds > delay * drafted / (drafted + rows)
     assert paths and all(walked == deepest for walked, deepest in paths)  # every node accepted
 
@@ -157,7 +157,7 @@ def test_verifying_drafts_is_charged_to_drafting(monkeypatch: pytest.MonkeyPatch
         return real(*args, **kwargs)
 
     llm = llm_engine.LLMEngine(toy_sampling.toy_engine("draft-lm", SETTINGS), RuntimeConfig(speculation="fixed"))
-    seen: list[tuple[int, int, int, float]] = []
+    seen: list[tuple[int, int, int, int, float]] = []
     observe = llm.policy.observe
     monkeypatch.setattr(llm.policy, "observe", lambda stats: (seen.extend(stats.drafting.values()), observe(stats)))
     prompt, params = [[1, 3, 2]], [SamplingParams(max_tokens=6, ignore_eos=True)]
@@ -169,7 +169,7 @@ def test_verifying_drafts_is_charged_to_drafting(monkeypatch: pytest.MonkeyPatch
     llm.generate(prompt, params, "sd")
     assert quick and seen
     assert max(seconds for *_, seconds in quick) < delay / 2
-    for _, drafted, _, seconds in seen:
+    for _, drafted, *_, seconds in seen:
         assert seconds >= delay * drafted / (drafted + 1)  # one request: the root and its drafted nodes
 
 

@@ -81,7 +81,7 @@ def calibrated(world: World, adaptive: bool = True) -> SpeculationPolicy:
     p.calibrate(lambda n: None, 256)  # sizes only; replace the (instant) timings with the world's
     for n in list(p.forward_cost.tokens.points):
         p.forward_cost.tokens.points[n] = world.forward(n)
-    p.add_draft_samples("redrafter", [(L, rows * L, 0, world.draft(rows * L)) for rows in (1, 8, 32)])
+    p.add_draft_samples("redrafter", [(L, rows * L, 0, rows * L, world.draft(rows * L)) for rows in (1, 8, 32)])
     return p
 
 
@@ -162,7 +162,13 @@ def run(
         stats.forward_seconds = w.forward(stats.num_tokens, batch)
         draft_seconds = w.draft(drafted) + (CATCH_UP_MS * caught_up / 1000 if lag else 0.0)
         if drafted:
-            stats.drafting["redrafter"] = (L, drafted, caught_up if report else 0, draft_seconds)
+            stats.drafting["redrafter"] = (
+                L,
+                drafted,
+                caught_up if report else 0,
+                L * sum(s > 1 for s in chosen.values()),
+                draft_seconds,
+            )
         seconds += stats.forward_seconds + draft_seconds + w.host(drafted)
         stats.overhead_seconds = w.host(drafted) if host else None
         p.observe(stats)
@@ -275,7 +281,7 @@ def test_whole_trees_can_be_switched_off_and_on() -> None:
     """Methods with one tree (RSD, Lyanna) offer [1, N]: off when drafting cannot pay."""
     tree = [Offer(f"r{i}", ("rsd-c", True), "rsd-c", [1, 15], [0, 4]) for i in range(32)]
     p = calibrated(COSTLY)
-    p.add_draft_samples("rsd-c", [(4, 14 * n, 0, COSTLY.draft(14 * n)) for n in (1, 8, 32)])
+    p.add_draft_samples("rsd-c", [(4, 14 * n, 0, 4 * n, COSTLY.draft(14 * n)) for n in (1, 8, 32)])
     for key in range(32):
         p.observe(StepStats(15, 0.0, outcomes=[Outcome(f"r{key}", ("rsd-c", True), 15, [1, 15], 0, [], [0], 15)]))
     assert set(p.choose(tree).values()) <= {1, 15} and sum(s == 1 for s in p.choose(tree).values()) >= 31
@@ -397,8 +403,8 @@ def test_a_catch_up_is_not_mistaken_for_the_cost_of_drafting() -> None:
     run(blind, CPU_BATCH, batch=8, steps=steps, lag=Lag(report=False))
     assert honest.probes > 0 and blind.probes > 0
     steady = CPU_BATCH.draft(8 * L)
-    assert honest.draft_cost["redrafter"](L, 8 * L, 0) == pytest.approx(steady, rel=0.1)
-    assert blind.draft_cost["redrafter"](L, 8 * L, 0) > 1.3 * steady
+    assert honest.draft_cost["redrafter"](L, 8 * L, 0, 8 * L) == pytest.approx(steady, rel=0.1)
+    assert blind.draft_cost["redrafter"](L, 8 * L, 0, 8 * L) > 1.3 * steady
     assert rate >= (1 - 1.5 * PROBE_SHARE) * fixed(CPU_BATCH, 8, 1, steps)
 
 
@@ -508,11 +514,11 @@ def test_an_unlucky_warm_up_tree_does_not_switch_a_draft_lm_off_for_good(monkeyp
         for n in list(p.forward_cost.tokens.points):
             p.forward_cost.tokens.points[n] = GOOD.forward(n)
         if seeded:
-            steady = [(L, rows * L, 0, GOOD.draft(rows * L)) for rows in (1, 8)]
-            p.add_draft_samples("redrafter", [*steady, (L, L, PROMPT, GOOD.draft(L) + CATCH_UP_MS * PROMPT / 1000)])
+            steady = [(L, rows * L, 0, rows * L, GOOD.draft(rows * L)) for rows in (1, 8)]
+            p.add_draft_samples("redrafter", [*steady, (L, L, PROMPT, L, GOOD.draft(L) + CATCH_UP_MS * PROMPT / 1000)])
         p.choose([Offer("w", KIND, "redrafter", BEAMS, LEVELS, 18)])
         unlucky = outcome("w", 17, np.random.default_rng(0), alpha=0.0)  # nothing accepted, at every size
-        p.observe(StepStats(17, GOOD.forward(17), {"redrafter": (L, 16, 18, 0.0134)}, [unlucky]))
+        p.observe(StepStats(17, GOOD.forward(17), {"redrafter": (L, 16, 18, L, 0.0134)}, [unlucky]))
         p.forget("w")
         return p
 
@@ -581,7 +587,7 @@ def run_chain(p: SpeculationPolicy, world: World, steps: int, rng: np.random.Gen
         stats = StepStats(size, world.forward(size))
         if size > 1:
             stats.outcomes.append(chain_outcome("r", size, int(rng.geometric(1 - world.alpha)) - 1))
-            stats.drafting["sd"] = (size - 1, size - 1, 0, world.draft(size - 1))
+            stats.drafting["sd"] = (size - 1, size - 1, 0, size - 1, world.draft(size - 1))
         p.observe(stats)
         chosen.append(size)
     return chosen
@@ -606,10 +612,12 @@ def test_a_size_drafted_rarely_is_priced_by_its_gain_over_the_next_smaller(monke
         p.calibrate(lambda n: None, 256)
         for n in list(p.forward_cost.tokens.points):
             p.forward_cost.tokens.points[n] = world.forward(n)
-        p.add_draft_samples("sd", [(k, k, 0, world.draft(k)) for k in range(1, 5)])
+        p.add_draft_samples("sd", [(k, k, 0, k, world.draft(k)) for k in range(1, 5)])
         for size, kept in [(5, 1)] * 2 + [(3, 2)] * 40:
             p.choose([Offer("r", SD, "sd", CHAIN, list(range(5)))])
-            stats = StepStats(size, world.forward(size), {"sd": (size - 1, size - 1, 0, world.draft(size - 1))})
+            stats = StepStats(
+                size, world.forward(size), {"sd": (size - 1, size - 1, 0, size - 1, world.draft(size - 1))}
+            )
             p.observe(dataclasses.replace(stats, outcomes=[chain_outcome("r", size, kept)]))
         return p
 
@@ -639,7 +647,9 @@ def test_a_steady_choice_to_draft_pays_for_its_catch_up_over_a_horizon(monkeypat
     world = World(a=8.0, b=0.15, c=3.0, d=0.05, alpha=0.6, e=0.3)
     assert fixed(world, 16, 5, 300) > 1.1 * fixed(world, 16, 1, 300)
     p = calibrated(world)
-    p.add_draft_samples("redrafter", [(L, L, PROMPT, world.draft(L) + CATCH_UP_MS * PROMPT / 1000)])  # a catch-up timed
+    p.add_draft_samples(
+        "redrafter", [(L, L, PROMPT, L, world.draft(L) + CATCH_UP_MS * PROMPT / 1000)]
+    )  # a catch-up timed
     run(p, world, batch=16, steps=40)  # acceptance and per-request costs learned, nothing to catch up
     p.horizons.clear()  # no run of drafting seen: the catch-up is spread over `CATCH_UP_HORIZON` steps
 
@@ -751,17 +761,50 @@ def test_live_steps_that_catch_up_a_token_or_two_replace_the_start_up_samples_of
     ~5.9 live) and the fit priced drafting ~1-1.5 ms low, so load-aware drafted at ~0.9x
     auto-regression. A catch-up that reads more than the drafted nodes is still a shape
     of its own (a prompt read in full is no steady step)."""
+
     def live(drafted: int) -> float:
         return 0.0005 + 0.00022 * drafted
 
     p = SpeculationPolicy()
-    p.add_draft_samples("sd", [(k, 8 * k, 0, 0.0036 if k == 3 else live(8 * k)) for k in (1, 2, 3, 4)])
+    p.add_draft_samples("sd", [(k, 8 * k, 0, 8 * k, 0.0036 if k == 3 else live(8 * k)) for k in (1, 2, 3, 4)])
     for caught_up in (2, 3, 5, 2, 4, 3):
-        p.observe(StepStats(32, 0.009, {"sd": (3, 24, caught_up, live(24))}, num_requests=8))
-    assert p.draft_cost["sd"](3, 24, 0) == pytest.approx(live(24), rel=0.02)
+        p.observe(StepStats(32, 0.009, {"sd": (3, 24, caught_up, 24, live(24))}, num_requests=8))
+    assert p.draft_cost["sd"](3, 24, 0, 24) == pytest.approx(live(24), rel=0.02)
     assert [x[:2] for x, _ in p.draft_cost["sd"].samples].count((3, 24)) == 6  # the stand-in left
-    p.observe(StepStats(32, 0.009, {"sd": (3, 24, 200, live(24) + 0.003)}, num_requests=8))
+    p.observe(StepStats(32, 0.009, {"sd": (3, 24, 200, 24, live(24) + 0.003)}, num_requests=8))
     assert len(p.draft_cost["sd"].samples) == 4 + 6  # a prompt read in full: a shape of its own
+
+
+def test_a_draft_lm_level_is_priced_per_request_that_goes_through_it() -> None:
+    """A draft LM's level attends over every drafting request's own context, so a level of
+    8 requests costs far more than a level of one request with as many nodes. Fitted on
+    levels and nodes alone, one request's 16-node probe and 8 requests' 3-node chains
+    cannot both be priced: rsd-c at batch 8, T=1 had its probes priced ~2x their cost and
+    its batch's chains ~10% low (drafting at ~0.9x auto-regression). With the
+    request-levels the engine reports (`StepStats.drafting`), both are priced right."""
+
+    def world(levels: int, drafted: int, caught_up: int, request_levels: int) -> float:
+        return 0.0004 + 0.0003 * levels + 0.00005 * drafted + 0.000015 * caught_up + 0.00022 * request_levels
+
+    shapes = [
+        (4, 16, 0, 4),
+        (4, 14, 0, 4),
+        (4, 8, 0, 4),
+        (2, 16, 0, 16),
+        (3, 24, 0, 24),
+        (4, 32, 0, 32),
+        (4, 16, 300, 4),
+    ]
+    p, blind = SpeculationPolicy(), LinearCost()
+    for x in shapes * 3:
+        requests = x[3] // x[0]
+        p.observe(StepStats(requests + x[1], 0.005, {"rsd-c": (*x, world(*x))}, num_requests=requests))
+        blind.add(x[:3], world(*x))
+    for x in shapes:
+        assert p.draft_cost["rsd-c"](*x) == pytest.approx(world(*x), rel=0.01)
+    probe, chains = (4, 16, 0, 4), (3, 24, 0, 24)
+    assert blind(*probe[:3]) > 1.5 * world(*probe)
+    assert blind(*chains[:3]) != pytest.approx(world(*chains), rel=0.03)
 
 
 def test_host_work_seen_at_batch_1_is_not_multiplied_by_a_larger_batch() -> None:
