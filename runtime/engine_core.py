@@ -168,8 +168,9 @@ class EngineCore:
         verify_seconds = clock.lap("verify")
         if drafting:  # verifying drafts is part of what drafting costs: each method pays its nodes' share
             nodes = sum(len(t.tokens) for t in trees.values())
-            for method, (*shape, seconds) in drafting.items():
-                drafting[method] = (*shape, seconds + verify_seconds * shape[1] / nodes)
+            for method, (levels, drafted, caught_up, request_levels, seconds) in drafting.items():
+                share = verify_seconds * drafted / nodes
+                drafting[method] = (levels, drafted, caught_up, request_levels, seconds + share)
         for item, span in zip(work, batch.spans, strict=True):
             request = item.request
             try:

@@ -772,9 +772,8 @@ class SpeculationPolicy:
 
     def _evaluate(self, batch: list[_Group], sizes: list[int], others: int) -> _Choice:
         tokens, nodes, requests = 0.0, float(others), others
-        drafting: dict[
-            str, list[float]
-        ] = {}  # method -> [most levels, drafted nodes, tokens to catch up, request-levels]
+        # method -> [most levels, drafted nodes, tokens to catch up, request-levels]
+        drafting: dict[str, list[float]] = {}
         for g, s in zip(batch, sizes, strict=True):
             if not g.count:
                 continue
@@ -847,7 +846,7 @@ class SpeculationPolicy:
         for n, seconds in zip(sizes, monotone([best[n] for n in sizes]), strict=True):
             self.forward_cost.calibrate(n, seconds)
 
-    def add_draft_samples(self, method: str, samples: Iterable[tuple[int, int, int, float]]) -> None:
+    def add_draft_samples(self, method: str, samples: Iterable[tuple[int, int, int, int, float]]) -> None:
         """(levels, drafted nodes, tokens caught up, request-levels, seconds) of drafting
         calls timed at engine start."""
         for levels, drafted, caught_up, request_levels, seconds in samples:
