@@ -42,7 +42,7 @@ from runtime.proposers.registry import methods_for, proposer_class
 from runtime.request import Request
 from runtime.sampling import next_token
 from runtime.scheduler import ScheduledWork, Scheduler
-from runtime.speculation_policy import Offer, Outcome, SpeculationPolicy, StepStats
+from runtime.speculation_policy import DraftCall, Offer, Outcome, SpeculationPolicy, StepStats
 from runtime.step_batch import Batch, assemble, step_input
 from runtime.step_clock import StepClock
 from runtime.tree import DraftTree
@@ -231,17 +231,16 @@ class EngineCore:
 
     def _propose(
         self, work: list[ScheduledWork]
-    ) -> tuple[dict[Request, DraftTree], list[tuple[Request, str]], dict[str, tuple[int, int, int, int, float]]]:
+    ) -> tuple[dict[Request, DraftTree], list[tuple[Request, str]], dict[str, DraftCall]]:
         """Trees of the decoding requests, one batched call per method, the requests whose
-        drafting failed (with what went wrong), and each method's drafting (most levels,
-        drafted nodes, tokens its drafter caught up on, request-levels, seconds) for
+        drafting failed (with what went wrong), and each method's drafting call for
         load-aware speculation."""
         groups: dict[str, list[ScheduledWork]] = {}
         for item in work:
             groups.setdefault(item.request.method, []).append(item)
         trees: dict[Request, DraftTree] = {}
         failures: list[tuple[Request, str]] = []
-        drafting: dict[str, tuple[int, int, int, int, float]] = {}
+        drafting: dict[str, DraftCall] = {}
         for method, items in groups.items():
             proposer = self.proposers[method]
             caught_up = sum(proposer.lag(item.request) for item in items if item.budget > 1)

@@ -133,6 +133,10 @@ RECHOOSE_EVERY = 8
 """Steps a settled all-auto-regressive decision stands while nothing is drafted."""
 Row = tuple[tuple[int, float, float, int], ...]
 """One request's options: (size, tau, nodes, levels) per size."""
+DraftCall = tuple[int, int, int, int, float]
+"""One drafting call of a method, live (`StepStats.drafting`) or timed at engine start
+(`Proposer.draft_cost_samples`): (most levels, drafted nodes, tokens caught up,
+request-levels: every drafting request's levels summed, seconds)."""
 CALIBRATION_SIZES = (1, 2, 3, 5, 8, 12, 17, 24, 33, 48, 64, 128)
 """Forward sizes (tokens) timed at engine start."""
 CALIBRATION_ROUNDS = 3
@@ -193,9 +197,8 @@ class StepStats:
 
     num_tokens: int
     forward_seconds: float
-    drafting: dict[str, tuple[int, int, int, int, float]] = field(default_factory=dict)
-    """method -> (most levels, drafted nodes, tokens caught up, request-levels, seconds) of
-    its drafting call; request-levels: the levels of every request that drafted, summed."""
+    drafting: dict[str, DraftCall] = field(default_factory=dict)
+    """method -> its drafting call this step."""
     outcomes: list[Outcome] = field(default_factory=list)
     num_requests: int = 1
     """Requests whose tokens the forward held (prefill chunks included)."""
@@ -846,9 +849,8 @@ class SpeculationPolicy:
         for n, seconds in zip(sizes, monotone([best[n] for n in sizes]), strict=True):
             self.forward_cost.calibrate(n, seconds)
 
-    def add_draft_samples(self, method: str, samples: Iterable[tuple[int, int, int, int, float]]) -> None:
-        """(levels, drafted nodes, tokens caught up, request-levels, seconds) of drafting
-        calls timed at engine start."""
+    def add_draft_samples(self, method: str, samples: Iterable[DraftCall]) -> None:
+        """Drafting calls timed at engine start."""
         for levels, drafted, caught_up, request_levels, seconds in samples:
             self._add_draft_sample(method, (levels, drafted, caught_up, request_levels), seconds, start_up=True)
 

@@ -27,6 +27,7 @@ import torch
 from runtime.block_manager import BlockManager
 from runtime.loaded_engine import LoadedEngine
 from runtime.request import Request
+from runtime.speculation_policy import DraftCall
 from runtime.tree import DraftTree
 from runtime.verify import Acceptance
 
@@ -88,10 +89,10 @@ class Proposer(ABC):
         levels). Default: none (drafters that read the target's state)."""
         return 0
 
-    def draft_cost_samples(self, method: str) -> list[tuple[int, int, int, int, float]]:
-        """(levels, drafted nodes, tokens caught up, request-levels, seconds) of a few timed drafting calls of
-        `method` at engine start, to seed load-aware speculation's draft-cost fit (vLLM's
-        profiling run). Default: none (the fit then learns from live steps)."""
+    def draft_cost_samples(self, method: str) -> list[DraftCall]:
+        """A few timed drafting calls of `method` at engine start, to seed load-aware
+        speculation's draft-cost fit (vLLM's profiling run). Default: none (the fit then
+        learns from live steps)."""
         return []
 
     def on_accept(  # noqa: B027 (an optional hook)

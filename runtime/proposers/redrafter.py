@@ -26,7 +26,7 @@ from plugins.beam_packing import pack, unpacked
 from runtime.proposers.beam_search import beam_search
 from runtime.proposers.proposer import Proposer, target_hidden
 from runtime.request import Request
-from runtime.speculation_policy import largest_fitting
+from runtime.speculation_policy import DraftCall, largest_fitting
 from runtime.tree import DraftTree
 
 
@@ -159,7 +159,7 @@ class ReDrafterProposer(Proposer):
             return (1, size - 1) if size > 1 else (0, 0)
         return (size - 1) // length, length
 
-    def draft_cost_samples(self, method: str) -> list[tuple[int, int, int, int, float]]:
+    def draft_cost_samples(self, method: str) -> list[DraftCall]:
         """Beam searches from zero states, twice each: every width load-aware speculation may
         pick for one request, one beam for 8 and 32 requests (so the fit sees nodes drafted
         by wider beams as well as by more requests), and short chains (1 draft for one

@@ -48,6 +48,7 @@ from runtime.proposers.level_drafters import DraftLMLevels, RNNLevels
 from runtime.proposers.proposer import KVMoves, Proposer, target_hidden
 from runtime.request import Request
 from runtime.sampling import SamplingParams, target_probs, target_probs_rows
+from runtime.speculation_policy import DraftCall
 from runtime.tree import DraftTree, children_lists
 from runtime.verify import Acceptance, accept_batch
 
@@ -590,7 +591,7 @@ class LevelTreeProposer(Proposer):
         """Beams of every width but one are not (`TreeSpec.ladder`)."""
         return not params.beamed or params.beam_width == 1
 
-    def draft_cost_samples(self, method: str) -> list[tuple[int, int, int, int, float]]:
+    def draft_cost_samples(self, method: str) -> list[DraftCall]:
         """A draft LM's drafting timed at engine start, for 1 and 8 requests of `CONTEXTS`
         tokens in scratch blocks, sampled at temperature 1 (the dearer path): one call that
         first catches the draft LM up on the whole context (its cost per token read), then
@@ -609,7 +610,7 @@ class LevelTreeProposer(Proposer):
             return []
         spec: TreeSpec = self.params(method, {})
         vocab, device = self.engine.model.config.vocab_size, self.engine.device
-        samples: list[tuple[int, int, int, int, float]] = []
+        samples: list[DraftCall] = []
         for rows in (1, 8):
             ids = [f"\0draft-cost-{i}" for i in range(rows)]
             room = self.blocks.num_free // rows
