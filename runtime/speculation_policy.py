@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import statistics
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -110,6 +111,8 @@ REQUEST_HALF_LIFE = 8
 """Steps after which an unrefreshed own estimate counts half as much (it drifts back to its kind's)."""
 FORWARD_EMA = 0.2
 """Weight of a new timing of a forward size."""
+RECENT = 3
+"""Latest timings per request count whose median a learned residual follows (`ByRequests`)."""
 PROBE_SHARE = 0.02
 """Share of step time that exploration may spend."""
 PROBE_EVERY = 32
@@ -129,8 +132,9 @@ back to auto-regression; runs that short make the next catch-up dear enough to s
 HORIZON_EMA = 0.2
 """Weight of a finished run of drafting in its method's mean run length."""
 DINKELBACH_ROUNDS = 3
-RECHOOSE_EVERY = 8
-"""Steps a settled all-auto-regressive decision stands while nothing is drafted."""
+RECHOOSE_EVERY = 16
+"""Steps a settled all-auto-regressive decision stands while nothing is drafted (at 8, its
+age ended a third of them at batch 8, T=1: ~0.25 ms a solve on a ~6 ms step)."""
 Row = tuple[tuple[int, float, float, int], ...]
 """One request's options: (size, tau, nodes, levels) per size."""
 DraftCall = tuple[int, int, int, int, float]
@@ -251,7 +255,7 @@ class TokenCost:
 
 class ForwardCost:
     """Seconds of a target forward of n tokens from r requests: `tokens` (one request,
-    timed at engine start) plus the decayed mean of what live forwards of r requests cost
+    timed at engine start) plus the decayed median (`ByRequests`) of what live forwards of r requests cost
     beyond it (interpolated between measured r; above them, the largest count's; below
     them, proportional to r for one-token steps; what trees add unscaled, `residual`), kept apart for
     steps of one token per request (`extra`) and steps with trees (`extra_trees`: each
@@ -263,8 +267,8 @@ class ForwardCost:
 
     def __init__(self) -> None:
         self.tokens = TokenCost()
-        self.extra: dict[int, float] = {}
-        self.extra_trees: dict[int, float] = {}
+        self.extra = ByRequests()
+        self.extra_trees = ByRequests()
 
     def __call__(self, n: float, requests: int = 1) -> float:
         return self.tokens(n) + self.residual(requests, n > requests)
@@ -303,14 +307,29 @@ class ForwardCost:
             self.tokens.add(n, seconds)
             return
         residual = seconds - self.tokens(n)
-        decay_into(self.extra_trees if n > requests else self.extra, requests, residual)
+        (self.extra_trees if n > requests else self.extra).add(requests, residual)
 
 
-def decay_into(table: dict[int, float], requests: int, seconds: float) -> None:
-    """A new timing for `requests` into `table` (read by `by_requests`): the first as it
-    is, later ones with weight `FORWARD_EMA`."""
-    old = table.get(requests)
-    table[requests] = seconds if old is None else old + FORWARD_EMA * (seconds - old)
+class ByRequests(dict[int, float]):
+    """Seconds learned per request count (read by `by_requests`): per count, the decayed
+    mean (weight `FORWARD_EMA`) of the median of its latest `RECENT` timings, the first as
+    it is. The median keeps a lone slow step out: on this shared machine one step in a
+    few hundred runs 1.5-2x its usual time, and taken as it came, one such 8 ms
+    auto-regressive step at batch 1 (usually ~4.5) raised auto-regression's price ~0.6 ms
+    for the next ~10 steps, and Lyanna at T=1 drafted trees that lost to it (~10-14 ms a
+    step for ~1.5 tokens) until a one-token step came to re-time it; a lasting change moves
+    the median within `RECENT` // 2 + 1 timings."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._recent: dict[int, deque[float]] = {}
+
+    def add(self, requests: int, seconds: float) -> None:
+        recent = self._recent.setdefault(requests, deque(maxlen=RECENT))
+        recent.append(seconds)
+        middle = statistics.median(recent)
+        old = self.get(requests)
+        self[requests] = middle if old is None else old + FORWARD_EMA * (middle - old)
 
 
 def by_requests(table: dict[int, float], requests: int, per_request: bool = True) -> float:
@@ -483,7 +502,7 @@ class _Settled:
     """An all-auto-regressive decision and what it was made for (`SpeculationPolicy._settled`)."""
 
     signature: tuple[object, ...]
-    """The offers (request, kind, sizes, levels, a binding `Offer.left`) and the other requests' count."""
+    """The offers (request, kind, sizes, levels) and the other requests' count."""
     step: int
     """The step it was made at."""
     seconds: float
@@ -493,13 +512,11 @@ class _Settled:
 
 
 def _signature(offers: list[Offer], others: int) -> tuple[object, ...]:
-    """What a settled decision was made for: the offers, with `Offer.left` where it bounds a tree."""
-    return (others, *((o.key, o.kind, tuple(o.sizes), tuple(o.levels), _bound(o)) for o in offers))
-
-
-def _bound(offer: Offer) -> int | None:
-    """`offer.left` if some tree could yield more (a drafter call per level, plus one)."""
-    return offer.left if offer.left is not None and offer.left <= max(offer.levels) else None
+    """What a settled decision was made for: the offers, less `Offer.left`. A request's
+    `left` only shrinks, and a smaller one makes its trees worth no more, so auto-regression
+    stays the choice; in the signature, it ended the decision at each of a request's last
+    few steps (a fifth of the full solves at batch 1)."""
+    return (others, *((o.key, o.kind, o.sizes, o.levels) for o in offers))
 
 
 @dataclass
@@ -533,8 +550,8 @@ class SpeculationPolicy:
     """The standing all-auto-regressive decision, if any (module docstring)."""
     reused: int = 0
     """Steps that reused a settled decision instead of solving again (for tests and reports)."""
-    overhead: dict[int, float] = field(default_factory=dict)
-    """requests -> decayed mean of a decoding step's host seconds outside the forward and
+    overhead: ByRequests = field(default_factory=ByRequests)
+    """requests -> decayed median (`ByRequests`) of a decoding step's host seconds outside the forward and
     drafting (`StepStats.overhead_seconds`; `by_requests` between counts, and beyond them
     along the line through the nearest two). Every choice pays it once a step, so it is
     part of each choice's time: left out, goodput compared forwards alone, and at batch 8
@@ -544,7 +561,7 @@ class SpeculationPolicy:
     auto-regressive steps of 32 ReDrafter requests at 33 ms where they took ~13, and the
     batch drafted 11-node trees: 86 tokens in ~84 ms, where auto-regression makes 32 in ~15.
     Steps without drafting only (`overhead_trees`: steps with trees)."""
-    overhead_trees: dict[int, float] = field(default_factory=dict)
+    overhead_trees: ByRequests = field(default_factory=ByRequests)
     """The same for steps with trees: packing tree masks, walking the trees, moving the
     accepted paths' KV cost more than a step of roots (Lyanna at batch 8: ~2.5 ms against
     ~0.8). One table for both charged a run of drafting steps' host work to the
@@ -875,7 +892,7 @@ class SpeculationPolicy:
             self.forward_cost.observe(stats.num_tokens, stats.num_requests, stats.forward_seconds)
             if stats.overhead_seconds is not None:
                 trees = stats.num_tokens > stats.num_requests
-                decay_into(self.overhead_trees if trees else self.overhead, stats.num_requests, stats.overhead_seconds)
+                (self.overhead_trees if trees else self.overhead).add(stats.num_requests, stats.overhead_seconds)
         for method, (levels, drafted, caught_up, request_levels, seconds) in stats.drafting.items():
             if drafted:
                 self._add_draft_sample(method, (levels, drafted, caught_up, request_levels), seconds)
@@ -916,8 +933,10 @@ class SpeculationPolicy:
                 e.nodes += w * (nodes - e.nodes)
 
     def forget(self, key: str) -> None:
-        """A request left: drop its own estimates (its run of drafting ends)."""
+        """A request left: drop its own estimates (its run of drafting ends, and a settled
+        decision that counted it: another request may come under its id)."""
         self._end_run(key)
+        self._settled = None
         self._measured.pop(key, None)
         for k in [k for k in self.requests if k[0] == key]:
             del self.requests[k]
