@@ -290,18 +290,23 @@ def draft_rsd_trees(
     scores = torch.zeros(len(roots), dtype=torch.float64, device=logits.device)  # beams: path log-prob per row
     gumbels = torch.zeros_like(scores)  # rsd-s: perturbed value per row
     sampled = [spec.stochastic and not p.greedy for p in params]
-    ranked = not spec.beamed and not any(sampled)  # only ranks: the logits' order is the law's
+    # one stochastic beam is a chain of draws: each level's Gumbel-top-1 of its one path is
+    # a draw from q (greedy: its argmax), so rsd-s's chains are sd's, drafted as sd drafts
+    # them (no log, no beam step: ~15% of a batch-1 rsd-s chain step at T=1)
+    beamed = spec.beamed and not (spec.stochastic and spec.beam_width == 1)
+    branching = spec.branching if not spec.beamed else (1,) * spec.length
+    ranked = not beamed and not any(sampled)  # only ranks: the logits' order is the law's
     lengths = lengths or [spec.length] * len(roots)
     for depth in range(max(lengths)):
         counts = [len(f) for f in frontier]
         probs = None if ranked else draft_probs(logits, [params[i] for i, c in enumerate(counts) for _ in range(c)])
-        one_draw = not spec.beamed and spec.branching[depth] == 1 and all(sampled[i] for i, c in enumerate(counts) if c)
+        one_draw = not beamed and branching[depth] == 1 and all(sampled[i] for i, c in enumerate(counts) if c)
         log_probs = logits if probs is None else None if one_draw else probs.log()
-        if spec.beamed:
+        if beamed:
             assert log_probs is not None
             picks, scores, gumbels = _beam_step(log_probs, counts, scores, gumbels, spec.beam_width, gens)
         else:
-            picks = _branch_step(log_probs, probs, counts, spec.branching[depth], gens)
+            picks = _branch_step(log_probs, probs, counts, branching[depth], gens)
         rows: list[int] = []  # the level's new nodes, request by request: request row, parent, node, token
         new_parents: list[int] = []
         nodes: list[int] = []
@@ -333,7 +338,7 @@ def draft_rsd_trees(
         stored = start
         if depth + 1 == max(lengths) or not nodes:
             break
-        if spec.beamed and len(kept) < len(scores):  # beams of trees that ended leave the scores
+        if beamed and len(kept) < len(scores):  # beams of trees that ended leave the scores
             index = torch.tensor(kept, device=scores.device)
             scores, gumbels = scores[index], gumbels[index]
         logits = drafter.extend(rows, new_parents, nodes, new_tokens)

@@ -18,6 +18,7 @@ from plugins.cpu_linear import int8_available
 from plugins.draft_lm_forward import Int8DraftLM
 from plugins.int8_linear import vectorized
 from runtime import verify
+from runtime.proposers import rsd
 from runtime.sampling import SamplingParams
 from tests import toy_sampling
 from tests.device import TEST_DEVICE
@@ -37,6 +38,20 @@ def test_rsd_follows_target_distribution(method: str, drafter: str) -> None:
     counts = toy_sampling.emitted_first_three(engine, PARAMS, method)
     law = toy_sampling.exact_first_three(engine.model, PARAMS)
     assert passes_chi_square(counts, law), chi_square(counts, law)
+
+
+def test_rsd_s_chains_drafted_as_draws_follow_target_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One stochastic beam is drafted as a chain of draws from the draft law (sd's path in
+    `draft_rsd_trees`, no beam step): the law Gumbel-top-1 of its one path draws from, so
+    the output is still the target's (load-aware rsd-s drafts these chains most). Test of
+    the test: the chain taken as one beam's top path without its Gumbels (the likeliest
+    child, verified as if drawn) is rejected."""
+    engine = toy_sampling.toy_engine("draft-lm", SETTINGS | {"beam_width": 1})
+    law = toy_sampling.exact_first_three(engine.model, PARAMS)
+    counts = toy_sampling.emitted_first_three(engine, PARAMS, "rsd-s")
+    assert passes_chi_square(counts, law), chi_square(counts, law)
+    monkeypatch.setattr(rsd, "draw_rows", lambda probs, gens: probs.argmax(-1))
+    assert not passes_chi_square(toy_sampling.emitted_first_three(engine, PARAMS, "rsd-s"), law)
 
 
 @pytest.mark.skipif(TEST_DEVICE != "cpu" or not int8_available(), reason="int8 drafters run on the CPU with fbgemm")
