@@ -42,13 +42,17 @@ from runtime.proposers.registry import methods_for, proposer_class
 from runtime.request import Request
 from runtime.sampling import next_token
 from runtime.scheduler import ScheduledWork, Scheduler
-from runtime.speculation_policy import DraftCall, Offer, Outcome, SpeculationPolicy, StepStats
+from runtime.speculation_policy import DraftCall, Offer, Outcome, SpeculationPolicy, StepStats, draft_fit
 from runtime.step_batch import Batch, assemble, step_input
 from runtime.step_clock import StepClock
 from runtime.tree import DraftTree
 from runtime.verify import Acceptance, accept_batch
 
 log = logging.getLogger(__name__)
+
+Options = tuple[tuple[int, ...], tuple[int, ...], bool, tuple[str, ...]]
+"""What a request's proposer offers (`EngineCore._offered`): tree sizes, drafter levels,
+exact cuts, each size's drafting-cost fit."""
 
 
 class EngineCore:
@@ -89,8 +93,8 @@ class EngineCore:
         """Why the engine cannot step any more (None while it can)."""
         self._failed_steps = 0
         self._calibrated = False
-        self._options: dict[tuple[str, object], tuple[tuple[int, ...], tuple[int, ...], bool]] = {}
-        """(method, draft params) -> (tree sizes, drafter levels, exact cuts) it offers (`_offered`)."""
+        self._options: dict[tuple[str, object], Options] = {}
+        """(method, draft params) -> what it offers (`_offered`)."""
 
     def prepare(self) -> None:
         """Calibrate load-aware speculation now, as vLLM profiles at start-up, rather than at
@@ -125,7 +129,8 @@ class EngineCore:
         # sample ran, and the first live call, cold and catching up on a whole prompt, priced
         # drafting at batch 1 ~5x too dear)
         for method, proposer in self.proposers.items():
-            self.policy.add_draft_samples(method, proposer.draft_cost_samples(method))
+            for path, samples in proposer.draft_cost_samples(method).items():
+                self.policy.add_draft_samples(draft_fit(method, path), samples)
 
     # ---- one step -------------------------------------------------------------------
 
@@ -208,41 +213,44 @@ class EngineCore:
         for r in running:
             if not r.in_prefill:
                 lag = self.proposers[r.method].lag(r)
-                sizes, levels, exact = self._offered(r)
+                sizes, levels, exact, costs = self._offered(r)
                 left = r.params.max_tokens - len(r.result.output_ids)  # (no step emits more)
                 kind = (r.method, r.params.greedy)
-                offers.append(Offer(r.request_id, kind, r.method, sizes, levels, lag, exact, left))
+                offers.append(Offer(r.request_id, kind, r.method, sizes, levels, lag, exact, left, costs))
         if not self._calibrated and self.policy.adaptive and any(len(o.sizes) > 1 for o in offers):
             self._calibrate()
         chosen = self.policy.choose(offers, len(running) - len(offers))
         return self.scheduler.schedule({o.key: [s for s in o.sizes if s <= chosen[o.key]] for o in offers})
 
-    def _offered(self, request: Request) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
-        """(tree sizes, drafter levels, whether smaller sizes are exact cuts) the request's
-        proposer offers; params are frozen, so each proposer is asked once per setting."""
+    def _offered(self, request: Request) -> Options:
+        """(tree sizes, drafter levels, whether smaller sizes are exact cuts, each size's
+        drafting-cost fit) the request's proposer offers; params are frozen, so each
+        proposer is asked once per setting."""
         key = (request.method, request.draft_params)
         options = self._options.get(key)
         if options is None:
             proposer, params = self.proposers[request.method], request.draft_params
             # tuples: the policy's signature of a settled decision takes them as they are, every step
-            options = tuple(proposer.sizes(params)), tuple(proposer.levels(params)), proposer.exact_cuts(params)
+            fits = tuple(draft_fit(request.method, path) for path in proposer.cost_paths(params))
+            options = tuple(proposer.sizes(params)), tuple(proposer.levels(params)), proposer.exact_cuts(params), fits
             self._options[key] = options
         return options
 
     def _propose(
         self, work: list[ScheduledWork]
     ) -> tuple[dict[Request, DraftTree], list[tuple[Request, str]], dict[str, DraftCall]]:
-        """Trees of the decoding requests, one batched call per method, the requests whose
-        drafting failed (with what went wrong), and each method's drafting call for
-        load-aware speculation."""
+        """Trees of the decoding requests, one batched call per method (per drafting path of
+        a method, `Proposer.cost_paths`), the requests whose drafting failed (with what went
+        wrong), and each call's timing for load-aware speculation (per drafting-cost fit)."""
         groups: dict[str, list[ScheduledWork]] = {}
         for item in work:
-            groups.setdefault(item.request.method, []).append(item)
+            sizes, _, _, fits = self._offered(item.request)
+            groups.setdefault(fits[sizes.index(item.budget)], []).append(item)
         trees: dict[Request, DraftTree] = {}
         failures: list[tuple[Request, str]] = []
         drafting: dict[str, DraftCall] = {}
-        for method, items in groups.items():
-            proposer = self.proposers[method]
+        for fit, items in groups.items():
+            proposer = self.proposers[items[0].request.method]
             caught_up = sum(proposer.lag(item.request) for item in items if item.budget > 1)
 
             def propose(items: list[ScheduledWork], proposer: Proposer = proposer) -> list[DraftTree]:
@@ -256,7 +264,7 @@ class EngineCore:
             failures += [(item.request, message) for item, message in failed]
             if drafted := sum(len(t.tokens) - 1 for _, t in done):
                 levels = [self._offered(i.request)[1][i.sizes.index(i.budget)] for i in items]
-                drafting[method] = (max(levels), drafted, caught_up, sum(levels), seconds)
+                drafting[fit] = (max(levels), drafted, caught_up, sum(levels), seconds)
         return trees, failures, drafting
 
     def _verify(

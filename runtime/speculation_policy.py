@@ -29,7 +29,9 @@ with bounded exploration so it never settles on a stale estimate for good.
   drafting (`overhead`, `overhead_trees`). Keeping table and residual apart matters:
   a table refreshed by live steps alone mixes batch shapes, so that forward(8 tokens of 8
   requests) came out dearer than forward(40 tokens) and drafting looked free;
-- draft_m: per method, intercept + per level + per drafted node + per token caught up +
+- draft_m: per method (per drafting path where a method's paths cost differently per level,
+  `Offer.costs`: rsd-s's chains are drawn, its wider trees beam-searched, ~0.2 ms a level
+  apart), intercept + per level + per drafted node + per token caught up +
   per request-level (`LinearCost` over the method's recent drafting calls of every shape
   it drafted; levels are its sequential drafter calls, request-levels the levels each
   drafting request goes through, summed: a draft LM's level attends over every request's
@@ -54,8 +56,10 @@ Exploration (`PROBE_SHARE`): each step earns credit, 2% of its predicted time; w
 credit covers a probe's expected loss (its time, its drafter's catch-up included, minus
 the time its tokens would take at the chosen rate), one request not at its largest size
 drafts its largest tree (the one with the least to catch up, then the one measured
-longest ago: nested sizes are all measured by it), at most once per
-`PROBE_EVERY` steps per kind of request whose largest size is not measured anyway. So at batch 1 after a run of
+longest ago: nested sizes are all measured by it; where sizes are not cuts of each other,
+rsd-s's beams of each width, the size its kind measured longest ago: `_probe_size`), at
+most once per `PROBE_EVERY` steps per kind of request whose largest size is not measured
+anyway. So at batch 1 after a run of
 bad drafts it re-probes every few dozen steps, at batch 32 every few steps, and throughput
 lost to probing stays near 2% even when no probe pays.
 
@@ -135,8 +139,8 @@ DINKELBACH_ROUNDS = 3
 RECHOOSE_EVERY = 16
 """Steps a settled all-auto-regressive decision stands while nothing is drafted (at 8, its
 age ended a third of them at batch 8, T=1: ~0.25 ms a solve on a ~6 ms step)."""
-Row = tuple[tuple[int, float, float, int], ...]
-"""One request's options: (size, tau, nodes, levels) per size."""
+Row = tuple[tuple[int, float, float, int, str], ...]
+"""One request's options: (size, tau, nodes, levels, drafting-cost fit) per size."""
 DraftCall = tuple[int, int, int, int, float]
 """One drafting call of a method, live (`StepStats.drafting`) or timed at engine start
 (`Proposer.draft_cost_samples`): (most levels, drafted nodes, tokens caught up,
@@ -173,6 +177,10 @@ class Offer:
     yields more, so no tree is expected to: a request 2 tokens from its end gains nothing
     from a 5-node chain over a 3-node one (or, with one token left, over no drafting), and
     priced by the chain's tau it drafted rows that could only be cut off."""
+    costs: Sequence[str] = ()
+    """Per size, the drafting-cost fit that prices it (`SpeculationPolicy.draft_cost`'s
+    key: the method's, or one of its drafting paths' where they cost differently per level,
+    `Proposer.cost_paths`); empty: the method's for every size."""
 
 
 @dataclass
@@ -202,7 +210,7 @@ class StepStats:
     num_tokens: int
     forward_seconds: float
     drafting: dict[str, DraftCall] = field(default_factory=dict)
-    """method -> its drafting call this step."""
+    """Drafting-cost fit (`Offer.costs`: the method, or method/path) -> its drafting call this step."""
     outcomes: list[Outcome] = field(default_factory=list)
     num_requests: int = 1
     """Requests whose tokens the forward held (prefill chunks included)."""
@@ -470,6 +478,8 @@ class Estimate:
     nodes: float
     trees: int = 0
     """Trees it was measured on."""
+    last: int = 0
+    """Step it was last measured at."""
 
 
 @dataclass(frozen=True)
@@ -482,7 +492,7 @@ class _Group:
     lag: float = 0.0
     """Tokens its drafters must catch up on before they draft, all together (`Offer.lag`)."""
 
-    def entry(self, size: int) -> tuple[int, float, float, int]:
+    def entry(self, size: int) -> tuple[int, float, float, int, str]:
         return next(e for e in self.row if e[0] == size)
 
 
@@ -525,7 +535,8 @@ class SpeculationPolicy:
     """False: every request drafts its largest size (`--speculation fixed`)."""
     forward_cost: ForwardCost = field(default_factory=ForwardCost)
     draft_cost: dict[str, LinearCost] = field(default_factory=dict)
-    """method -> seconds of a drafting call from (levels, drafted nodes, tokens caught up, request-levels)."""
+    """method (or method/path, `Offer.costs`) -> seconds of a drafting call from (levels,
+    drafted nodes, tokens caught up, request-levels)."""
     kinds: dict[tuple[Hashable, int], Estimate] = field(default_factory=dict)
     """(kind, size) -> estimate shared by requests of that kind."""
     gains: dict[tuple[Hashable, int], Estimate] = field(default_factory=dict)
@@ -675,8 +686,8 @@ class SpeculationPolicy:
             for o in offers:
                 most = float("inf") if o.left is None else o.left
                 row = tuple(
-                    (s, min(tau, most), self.nodes(o, s), lv)
-                    for s, tau, lv in zip(o.sizes, self.taus(o, kinds), o.levels, strict=True)
+                    (s, min(tau, most), self.nodes(o, s), lv, cost)
+                    for s, tau, lv, cost in zip(o.sizes, self.taus(o, kinds), o.levels, costs(o), strict=True)
                 )
                 groups.setdefault((o.method, row), []).append(o)
             batch = [_Group(m, row, len(members), sum(o.lag for o in members)) for (m, row), members in groups.items()]
@@ -686,12 +697,13 @@ class SpeculationPolicy:
             }
             probe = self._explore(list(groups.values()), batch, others, best)
             if probe is not None:
-                chosen[probe.key], probed = probe.sizes[-1], probe.key
+                offer, size = probe
+                chosen[offer.key], probed = size, offer.key
             self._settled = None
             if max(best.sizes) == 1 and probe is None:
                 next_probe = self._probe(list(groups.values()), batch, others, best, stale_only=False)
                 if next_probe is not None:
-                    self._settled = _Settled(signature, self.steps, best.seconds, next_probe[1])
+                    self._settled = _Settled(signature, self.steps, best.seconds, next_probe[2])
         for o in offers:
             self.chosen[(o.method, chosen[o.key])] += 1
             if chosen[o.key] == 1:
@@ -715,13 +727,14 @@ class SpeculationPolicy:
         lo = others + requests
         hi = others + sum(g.count * g.row[-1][2] for g in batch)
         fslope = self.forward_cost.slope(lo, hi)
-        per_method: Counter[str] = Counter()
+        per_fit: Counter[str] = Counter()  # requests that may pay each drafting-cost fit
         for g in batch:
-            per_method[g.method] += g.count
-        marginal = {m: (*self._draft_slopes(m, n), self._horizon(m)) for m, n in per_method.items()}
+            for cost in {e[4] for e in g.row}:
+                per_fit[cost] += g.count
+        slopes = {cost: self._draft_slopes(cost, n) for cost, n in per_fit.items()}
         rate = best.rate
         for _ in range(DINKELBACH_ROUNDS):
-            picks = [_pick(g, rate, fslope, *marginal[g.method]) for g in batch]
+            picks = [_pick(g, rate, fslope, slopes, self._horizon(g.method)) for g in batch]
             cand = self._evaluate(batch, picks, others)
             if cand.rate > best.rate:
                 best = cand
@@ -730,44 +743,64 @@ class SpeculationPolicy:
             rate = cand.rate
         return best
 
-    def _explore(self, members: list[list[Offer]], batch: list[_Group], others: int, best: _Choice) -> Offer | None:
-        """Spend the exploration credit on one request's largest tree when it covers the
-        expected loss; returns the request to probe (or None)."""
+    def _explore(
+        self, members: list[list[Offer]], batch: list[_Group], others: int, best: _Choice
+    ) -> tuple[Offer, int] | None:
+        """Spend the exploration credit on one request's probe when it covers the expected
+        loss; returns the request to probe and the size it drafts (or None)."""
         candidate = self._probe(members, batch, others, best)
         if candidate is None:
             self.credit = self._earned(best.seconds, None)
             return None
-        offer, loss = candidate
+        offer, size, loss = candidate
         self.credit = self._earned(best.seconds, loss)
         if loss > self.credit:
             return None
         self._measured[offer.kind] = self.steps
         self.credit -= max(loss, 0.0)
         self.probes += 1
-        return offer
+        return offer, size
 
     def _probe(
         self, members: list[list[Offer]], batch: list[_Group], others: int, best: _Choice, stale_only: bool = True
-    ) -> tuple[Offer, float] | None:
-        """The request a probe would draft its largest tree for (the one measured longest
-        ago, among kinds not measured for `PROBE_EVERY` steps unless `stale_only` is False)
-        and the probe's expected loss in seconds; None if no request can probe."""
+    ) -> tuple[Offer, int, float] | None:
+        """The request a probe would be for (the one measured longest ago, among kinds not
+        measured for `PROBE_EVERY` steps unless `stale_only` is False), the size it would
+        draft (`_probe_size`) and the probe's expected loss in seconds; None if no request
+        can probe."""
         stale = self.steps - PROBE_EVERY
         candidates = [
-            (i, o)
+            (i, o, probe_size)
             for i, (group, size) in enumerate(zip(members, best.sizes, strict=True))
             for o in group
-            if size < o.sizes[-1] and (not stale_only or self._measured.get(o.kind, -1) <= stale)
+            if (not stale_only or self._measured.get(o.kind, -1) <= stale)
+            and (probe_size := self._probe_size(o, size)) is not None
         ]
         if not candidates:
             return None
-        i, offer = min(candidates, key=lambda c: (c[1].lag, self._measured.get(c[1].key, -1)))
+        i, offer, size = min(candidates, key=lambda c: (c[1].lag, self._measured.get(c[1].key, -1)))
         g = batch[i]
         probing = [*batch, _Group(g.method, g.row, 1)]  # its catch-up is charged in full below
         probing[i] = _Group(g.method, g.row, g.count - 1, g.lag - offer.lag)
-        probe = self._evaluate(probing, [*best.sizes, offer.sizes[-1]], others)
-        catch_up = self._draft_slopes(offer.method, 1)[2] * offer.lag
-        return offer, probe.seconds + catch_up - probe.tokens / max(best.rate, 1e-12)
+        probe = self._evaluate(probing, [*best.sizes, size], others)
+        catch_up = self._draft_slopes(costs(offer)[list(offer.sizes).index(size)], 1)[2] * offer.lag
+        return offer, size, probe.seconds + catch_up - probe.tokens / max(best.rate, 1e-12)
+
+    def _probe_size(self, offer: Offer, chosen: int) -> int | None:
+        """The size a probe of `offer` drafts instead of `chosen`: its largest, which
+        measures every smaller size where they are cuts of it (`Offer.exact`); else the
+        size its kind measured longest ago (the larger of a tie: a chain measures the
+        shorter chains in it), so that every size is measured in turn. Measured only when
+        drafted, rsd-s's chains kept the estimate of a few unlucky first chains (2.3 tokens
+        a step at T=1, batch 1, where they make ~3.1) while its 9-node beams were chosen
+        and re-measured, and load-aware rsd-s ran 1.45x auto-regression where chains ran
+        1.76x. None: nothing to probe."""
+        if offer.exact:
+            return offer.sizes[-1] if chosen < offer.sizes[-1] else None
+        sizes = [s for s in offer.sizes if s > 1 and s != chosen]
+        if not sizes:
+            return None
+        return min(sizes, key=lambda s: (e.last if (e := self.kinds.get((offer.kind, s))) else -1, -s))
 
     def _stands(self, signature: tuple[object, ...], offers: list[Offer]) -> bool:
         """Whether the settled decision holds for this step (module docstring); if it does,
@@ -792,25 +825,25 @@ class SpeculationPolicy:
 
     def _evaluate(self, batch: list[_Group], sizes: list[int], others: int) -> _Choice:
         tokens, nodes, requests = 0.0, float(others), others
-        # method -> [most levels, drafted nodes, tokens to catch up, request-levels]
+        # drafting-cost fit -> [most levels, drafted nodes, tokens to catch up, request-levels, catch-up horizon]
         drafting: dict[str, list[float]] = {}
         for g, s in zip(batch, sizes, strict=True):
             if not g.count:
                 continue
-            _, tau, n, levels = g.entry(s)
+            _, tau, n, levels, fit = g.entry(s)
             tokens += g.count * tau
             nodes += g.count * n
             requests += g.count
             if s > 1:
-                acc = drafting.setdefault(g.method, [0.0, 0.0, 0.0, 0.0])
+                acc = drafting.setdefault(fit, [0.0, 0.0, 0.0, 0.0, self._horizon(g.method)])
                 acc[0] = max(acc[0], levels)
                 acc[1] += g.count * (s - 1)
                 acc[2] += g.lag
                 acc[3] += g.count * levels
         seconds = self.overhead_of(requests, bool(drafting)) + self.forward_cost(nodes, requests)
-        for method, (most, drafted, lag, request_levels) in drafting.items():
-            cost = self.draft_cost.get(method)
-            seconds += cost(most, drafted, lag / self._horizon(method), request_levels) if cost is not None else 0.0
+        for fit, (most, drafted, lag, request_levels, horizon) in drafting.items():
+            cost = self.draft_cost.get(fit)
+            seconds += cost(most, drafted, lag / horizon, request_levels) if cost is not None else 0.0
         return _Choice(sizes, tokens, seconds)
 
     def overhead_of(self, requests: int, trees: bool) -> float:
@@ -820,10 +853,11 @@ class SpeculationPolicy:
             return roots
         return max(by_requests(self.overhead_trees, requests, per_request=False), roots)
 
-    def _draft_slopes(self, method: str, requests: int) -> tuple[float, float, float]:
+    def _draft_slopes(self, fit: str, requests: int) -> tuple[float, float, float]:
         """(seconds per level of one request: its share of the call's level plus its own
-        request-level; seconds per drafted node; seconds per token caught up) of `method`."""
-        cost = self.draft_cost.get(method)
+        request-level; seconds per drafted node; seconds per token caught up) of the
+        drafting-cost fit `fit` (`draft_cost`)."""
+        cost = self.draft_cost.get(fit)
         if cost is None or not cost:
             return 0.0, 0.0, 0.0
         per_level, per_node, per_token, per_request_level = cost.slopes()
@@ -866,14 +900,12 @@ class SpeculationPolicy:
         for n, seconds in zip(sizes, monotone([best[n] for n in sizes]), strict=True):
             self.forward_cost.calibrate(n, seconds)
 
-    def add_draft_samples(self, method: str, samples: Iterable[DraftCall]) -> None:
-        """Drafting calls timed at engine start."""
+    def add_draft_samples(self, fit: str, samples: Iterable[DraftCall]) -> None:
+        """Drafting calls timed at engine start, for the drafting-cost fit `fit` (`Offer.costs`)."""
         for levels, drafted, caught_up, request_levels, seconds in samples:
-            self._add_draft_sample(method, (levels, drafted, caught_up, request_levels), seconds, start_up=True)
+            self._add_draft_sample(fit, (levels, drafted, caught_up, request_levels), seconds, start_up=True)
 
-    def _add_draft_sample(
-        self, method: str, x: tuple[int, int, int, int], seconds: float, start_up: bool = False
-    ) -> None:
+    def _add_draft_sample(self, key: str, x: tuple[int, int, int, int], seconds: float, start_up: bool = False) -> None:
         levels, drafted, caught_up, request_levels = x
         # catch-ups come in every length: one shape per power of two keeps the fit's memory
         # bounded. One no longer than the drafted nodes (the last token or two of requests
@@ -882,8 +914,7 @@ class SpeculationPolicy:
         # start-up), rsd-s at batch 8, T=1 kept start-up samples ~35% cheaper than live ones
         # in its fit and priced its drafting ~1-1.5 ms low, drafting at ~0.9x auto-regression
         shape = (levels, drafted, 1 << caught_up.bit_length() if caught_up > drafted else 0, request_levels)
-        fit = self.draft_cost.setdefault(method, LinearCost())
-        fit.add(x, seconds, shape, start_up)
+        self.draft_cost.setdefault(key, LinearCost()).add(x, seconds, shape, start_up)
 
     def observe(self, stats: StepStats) -> None:
         if stats.outcomes or any(drafted for _, drafted, *_ in stats.drafting.values()):
@@ -927,7 +958,7 @@ class SpeculationPolicy:
                 e = estimates.get(key)
                 if e is None:
                     estimates[key] = e = Estimate(tau, nodes)
-                e.trees += len(values)
+                e.trees, e.last = e.trees + len(values), self.steps
                 w = max(len(values) / e.trees, GROUP_EMA)  # a mean over its trees, then per step
                 e.tau += w * (tau - e.tau)
                 e.nodes += w * (nodes - e.nodes)
@@ -943,18 +974,31 @@ class SpeculationPolicy:
 
 
 def _pick(
-    group: _Group, rate: float, fslope: float, per_level: float, per_node: float, per_token: float, horizon: float
+    group: _Group, rate: float, fslope: float, slopes: dict[str, tuple[float, float, float]], horizon: float
 ) -> int:
     """The size maximising tau - rate * marginal cost for a request of `group` (one
-    Dinkelbach step for one request)."""
+    Dinkelbach step for one request); `slopes`: per drafting-cost fit, (seconds per level
+    of a request, per drafted node, per token caught up)."""
     best, value = 1, -np.inf
-    catch_up = per_token * group.lag / max(group.count, 1) / horizon
-    for size, tau, nodes, levels in group.row:
-        extra = fslope * (nodes - 1) + per_node * (size - 1) + per_level * levels + (catch_up if size > 1 else 0.0)
+    lag = group.lag / max(group.count, 1) / horizon
+    for size, tau, nodes, levels, fit in group.row:
+        per_level, per_node, per_token = slopes[fit]
+        catch_up = per_token * lag if size > 1 else 0.0
+        extra = fslope * (nodes - 1) + per_node * (size - 1) + per_level * levels + catch_up
         v = tau - rate * extra
         if v > value:
             best, value = size, v
     return best
+
+
+def draft_fit(method: str, path: str) -> str:
+    """The drafting-cost fit of `method`'s drafting `path` (`Proposer.cost_paths`; "": its only one)."""
+    return f"{method}/{path}" if path else method
+
+
+def costs(offer: Offer) -> Sequence[str]:
+    """The drafting-cost fit of each of `offer`'s sizes (`Offer.costs`; its method's)."""
+    return offer.costs or [offer.method] * len(offer.sizes)
 
 
 def _kind_name(kind: Hashable) -> str:

@@ -89,11 +89,17 @@ class Proposer(ABC):
         levels). Default: none (drafters that read the target's state)."""
         return 0
 
-    def draft_cost_samples(self, method: str) -> list[DraftCall]:
-        """A few timed drafting calls of `method` at engine start, to seed load-aware
-        speculation's draft-cost fit (vLLM's profiling run). Default: none (the fit then
-        learns from live steps)."""
-        return []
+    def cost_paths(self, params: Any) -> list[str]:
+        """Per size of `sizes(params)`, the drafting path that drafts it, where a method's
+        paths cost differently per level (load-aware speculation fits each path's drafting
+        cost apart: `speculation_policy.draft_fit`). Default: one path ("")."""
+        return [""] * len(self.sizes(params))
+
+    def draft_cost_samples(self, method: str) -> dict[str, list[DraftCall]]:
+        """A few timed drafting calls of `method` at engine start, per drafting path
+        (`cost_paths`), to seed load-aware speculation's draft-cost fits (vLLM's profiling
+        run). Default: none (the fits then learn from live steps)."""
+        return {}
 
     def on_accept(  # noqa: B027 (an optional hook)
         self, request: Request, tree: DraftTree, accepted: Acceptance, moves: KVMoves | None

@@ -159,7 +159,7 @@ class ReDrafterProposer(Proposer):
             return (1, size - 1) if size > 1 else (0, 0)
         return (size - 1) // length, length
 
-    def draft_cost_samples(self, method: str) -> list[DraftCall]:
+    def draft_cost_samples(self, method: str) -> dict[str, list[DraftCall]]:
         """Beam searches from zero states, twice each: every width load-aware speculation may
         pick for one request, one beam for 8 and 32 requests (so the fit sees nodes drafted
         by wider beams as well as by more requests), and short chains (1 draft for one
@@ -180,7 +180,7 @@ class ReDrafterProposer(Proposer):
                 start = time.perf_counter()
                 draft_trees(drafter, model.model.embed_tokens, hidden, [0] * rows, width, depth, False)
                 samples.append((depth, rows * width * depth, 0, rows * depth, time.perf_counter() - start))
-        return samples
+        return {"": samples}
 
     def propose(self, requests: list[Request], budgets: list[int]) -> list[DraftTree]:
         drafter = self.engine.redrafter

@@ -596,11 +596,22 @@ class LevelTreeProposer(Proposer):
         """Beams of every width but one are not (`TreeSpec.ladder`)."""
         return not params.beamed or params.beam_width == 1
 
-    def draft_cost_samples(self, method: str) -> list[DraftCall]:
+    def cost_paths(self, params: TreeSpec) -> list[str]:
+        """rsd-s's chains are drawn (`draft_rsd_trees`), its wider trees beam-searched: a
+        level of a 4-level chain cost ~0.55 ms at batch 1, of the 9-node beams ~0.75, and
+        fitted together (levels, nodes) the chains were priced ~1.3 ms a step too dear,
+        so load-aware rsd-s drafted 17-node beams at 1.45x auto-regression where chains
+        ran 1.76x. One path for the others."""
+        if not params.stochastic or not params.beamed:
+            return super().cost_paths(params)
+        return ["", *("chains" if tree.beam_width == 1 else "" for tree, _ in params.ladder)]
+
+    def draft_cost_samples(self, method: str) -> dict[str, list[DraftCall]]:
         """A draft LM's drafting timed at engine start, for 1 and 8 requests of `CONTEXTS`
-        tokens in scratch blocks, sampled at temperature 1 (the dearer path): one call that
-        first catches the draft LM up on the whole context (its cost per token read), then
-        every tree of the method's default `TreeSpec.ladder`. Without them the fit started from the
+        tokens in scratch blocks, sampled at temperature 1 (the dearer path): per drafting
+        path (`cost_paths`), one call that first catches the draft LM up on the whole
+        context (its cost per token read), then every tree of the method's default
+        `TreeSpec.ladder`. Without them the fit started from the
         first live call, which catches up on a whole prompt: one such sample priced a token
         read at ~0.45 ms (~50 us measured), so a probe of a request the policy had switched off looked
         far too dear and came too rarely to switch it back on. None for the RNN drafter.
@@ -612,10 +623,11 @@ class LevelTreeProposer(Proposer):
         T=1 at 2.3 ms where live steps took 3.7-4.4, and the fit crept up over ~12 drafting
         steps, drafting at a loss meanwhile."""
         if self.draft_cache is None:
-            return []
+            return {}
         spec: TreeSpec = self.params(method, {})
+        paths = self.cost_paths(spec)
         vocab, device = self.engine.model.config.vocab_size, self.engine.device
-        samples: list[DraftCall] = []
+        samples: dict[str, list[DraftCall]] = {}
         for rows in (1, 8):
             ids = [f"\0draft-cost-{i}" for i in range(rows)]
             room = self.blocks.num_free // rows
@@ -634,7 +646,8 @@ class LevelTreeProposer(Proposer):
                 for r in requests:
                     r.num_computed = context  # the root sits at position `context`
                 levels = self.levels(spec)
-                shapes = [(len(levels) - 1, context)] + [(k, 0) for k in range(1, len(levels))]
+                largest = {paths[k]: k for k in range(1, len(levels))}  # each path's catch-up: its largest tree
+                shapes = [(k, context) for k in largest.values()] + [(k, 0) for k in range(1, len(levels))]
                 for n, (k, catch_up) in enumerate([shapes[0], *shapes]):  # the first call is untimed
                     for r in requests:
                         r.draft_state = context - catch_up
@@ -648,7 +661,8 @@ class LevelTreeProposer(Proposer):
                     if n:
                         drafted = rows * (spec.sizes[k] - 1)
                         share = verify * drafted / sum(len(tree.tokens) for tree in trees)
-                        samples.append((levels[k], drafted, rows * catch_up, rows * levels[k], drafting + share))
+                        call = (levels[k], drafted, rows * catch_up, rows * levels[k], drafting + share)
+                        samples.setdefault(paths[k], []).append(call)
             finally:
                 for i in ids:
                     self.blocks.free(i)

@@ -107,14 +107,17 @@ def test_a_draft_lm_times_its_levels_and_a_catch_up_at_start_up(max_batch_size: 
     llm = llm_engine.LLMEngine(toy_sampling.toy_engine("draft-lm", SETTINGS), config)
     llm.prepare()
     assert llm.blocks.num_free == llm.blocks.num_blocks
-    for method in ("sd", "rsd-c", "rsd-s"):
-        fit = llm.policy.draft_cost[method]
-        shapes = {x for x, _ in fit.samples}
+    assert set(llm.policy.draft_cost) >= {"sd", "rsd-c", "rsd-s", "rsd-s/chains"}  # rsd-s: chains drawn, beams searched
+    for method, fits in (("sd", ["sd"]), ("rsd-c", ["rsd-c"]), ("rsd-s", ["rsd-s/chains", "rsd-s"])):
         spec = llm.proposers[method].params(method, {})
-        assert {levels for levels, _, caught_up, _ in shapes if caught_up == 0} == set(range(1, spec.length + 1))
-        catch_ups = {caught_up for _, _, caught_up, _ in shapes} - {0}
-        assert catch_ups and catch_ups <= {rows * c for c in CONTEXTS for rows in (1, 8)}
-        assert all(seconds > 0 for _, seconds in fit.samples)
+        levels_seen = set()
+        for fit in (llm.policy.draft_cost[f] for f in fits):
+            shapes = {x for x, _ in fit.samples}
+            levels_seen |= {levels for levels, _, caught_up, _ in shapes if caught_up == 0}
+            catch_ups = {caught_up for _, _, caught_up, _ in shapes} - {0}
+            assert catch_ups and catch_ups <= {rows * c for c in CONTEXTS for rows in (1, 8)}  # each fit's own
+            assert all(seconds > 0 for _, seconds in fit.samples)
+        assert levels_seen == set(range(1, spec.length + 1))
 
 
 def test_start_up_drafting_samples_carry_their_share_of_verification(monkeypatch: pytest.MonkeyPatch) -> None:

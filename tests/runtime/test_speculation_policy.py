@@ -891,3 +891,37 @@ def test_one_slow_step_does_not_reprice_what_a_forward_costs(monkeypatch: pytest
     monkeypatch.setattr(speculation_policy, "RECENT", 1)  # each timing as it comes
     before, spiked = after([0.008])
     assert spiked > 1.1 * before
+
+
+def test_drafting_paths_of_one_method_are_priced_apart() -> None:
+    """`Offer.costs`: rsd-s draws its chains and beam-searches its wider trees, so a level
+    costs more in a beam (a log and a beam step per level). Fitted apart, each path is
+    priced right; fitted together (levels and nodes alone cannot tell the paths apart),
+    the chain is priced >10% too dear (live, ~1.3 ms a batch-1 step, and load-aware rsd-s
+    drafted 17-node beams at 1.45x auto-regression where chains ran 1.76x)."""
+
+    def chain(levels: int) -> float:
+        return 0.55e-3 * levels
+
+    def beams(nodes: int) -> float:
+        return 0.5e-3 + 4 * 0.75e-3 + 0.03e-3 * nodes
+
+    chains = [(n, n, 0, n, chain(n)) for n in (1, 2, 3, 4)]
+    wide = [(4, 4 * w, 0, 4, beams(4 * w)) for w in (2, 3, 4)]
+    apart, together = SpeculationPolicy(), SpeculationPolicy()
+    apart.add_draft_samples("rsd-s/chains", chains)
+    apart.add_draft_samples("rsd-s", wide)
+    together.add_draft_samples("rsd-s", chains + wide)
+    assert apart.draft_cost["rsd-s/chains"](4, 4, 0, 4) == pytest.approx(chain(4), rel=0.02)
+    assert apart.draft_cost["rsd-s"](4, 12, 0, 4) == pytest.approx(beams(12), rel=0.02)
+    assert together.draft_cost["rsd-s"](4, 4, 0, 4) > 1.1 * chain(4)
+
+    # the engine's offer names each size's fit, and a choice pays the chosen size's
+    sizes, levels = [1, 2, 3, 4, 5, 9, 13, 17], [0, 1, 2, 3, 4, 4, 4, 4]
+    fits = ["rsd-s", *["rsd-s/chains"] * 4, *["rsd-s"] * 3]
+    offer = Offer("r", ("rsd-s", False), "rsd-s", sizes, levels, exact=False, costs=fits)
+    row = tuple((s, 2.0, float(s), lv, fit) for s, lv, fit in zip(sizes, levels, fits, strict=True))
+    group = [speculation_policy._Group("rsd-s", row, 1)]
+    assert apart._evaluate(group, [5], 0).seconds == pytest.approx(chain(4), rel=0.02)
+    assert apart._evaluate(group, [13], 0).seconds == pytest.approx(beams(12), rel=0.02)
+    assert apart.choose([offer])["r"] in sizes
