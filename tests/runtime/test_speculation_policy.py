@@ -925,3 +925,24 @@ def test_drafting_paths_of_one_method_are_priced_apart() -> None:
     assert apart._evaluate(group, [5], 0).seconds == pytest.approx(chain(4), rel=0.02)
     assert apart._evaluate(group, [13], 0).seconds == pytest.approx(beams(12), rel=0.02)
     assert apart.choose([offer])["r"] in sizes
+
+
+def test_probes_visit_sizes_that_are_not_cuts_of_each_other_in_turn() -> None:
+    """Where a larger tree measures the smaller sizes (cuts), a probe drafts the largest;
+    where it does not (rsd-s's beam widths), the size its kind measured longest ago, so a
+    size dropped after a few unlucky trees is measured again (rsd-s's chains read 2.3
+    tokens a step from their first trees where they make ~3.1, and the policy kept 9-node
+    beams). A chain is measured with the shorter chains in it: a tie goes to the larger."""
+    kind = ("rsd-s", False)
+    sizes, levels = [1, 2, 3, 4, 5, 9, 13, 17], [0, 1, 2, 3, 4, 4, 4, 4]
+    p = SpeculationPolicy()
+    for size, last in {2: 100, 3: 100, 4: 100, 5: 100, 9: 120, 13: 60, 17: 80}.items():
+        p.kinds[(kind, size)] = speculation_policy.Estimate(2.0, size, trees=10, last=last)
+    beams = Offer("r", kind, "rsd-s", sizes, levels, exact=False)
+    assert p._probe_size(beams, 9) == 13
+    p.kinds[(kind, 13)].last = 130
+    assert p._probe_size(beams, 9) == 17
+    p.kinds[(kind, 17)].last = 140
+    assert p._probe_size(beams, 9) == 5  # the chains, by their longest
+    assert p._probe_size(dataclasses.replace(beams, exact=True), 9) == 17
+    assert p._probe_size(dataclasses.replace(beams, exact=True), 17) is None
