@@ -292,7 +292,7 @@ def draft_rsd_trees(
     sampled = [spec.stochastic and not p.greedy for p in params]
     # one stochastic beam is a chain of draws: each level's Gumbel-top-1 of its one path is
     # a draw from q (greedy: its argmax), so rsd-s's chains are sd's, drafted as sd drafts
-    # them (no log, no beam step: ~15% of a batch-1 rsd-s chain step at T=1)
+    # them (no log, no beam step: fixed rsd-s W=1 at T=1, batch 1 went 1.58x -> 1.76x AR)
     beamed = spec.beamed and not (spec.stochastic and spec.beam_width == 1)
     branching = spec.branching if not spec.beamed else (1,) * spec.length
     ranked = not beamed and not any(sampled)  # only ranks: the logits' order is the law's
@@ -597,11 +597,11 @@ class LevelTreeProposer(Proposer):
         return not params.beamed or params.beam_width == 1
 
     def cost_paths(self, params: TreeSpec) -> list[str]:
-        """rsd-s's chains are drawn (`draft_rsd_trees`), its wider trees beam-searched: a
-        level of a 4-level chain cost ~0.55 ms at batch 1, of the 9-node beams ~0.75, and
-        fitted together (levels, nodes) the chains were priced ~1.3 ms a step too dear,
-        so load-aware rsd-s drafted 17-node beams at 1.45x auto-regression where chains
-        ran 1.76x. One path for the others."""
+        """rsd-s's chains are drawn (`draft_rsd_trees`), its wider trees beam-searched, a
+        level of a beam costing more (a log and a beam step). Fitted together (levels,
+        nodes), a batch-1 step of its 5-node chain was predicted at 8.0 ms where it took
+        6.65, and load-aware rsd-s drafted 17-node beams at 1.45x auto-regression where
+        chains ran 1.76x. One path for the others."""
         if not params.stochastic or not params.beamed:
             return super().cost_paths(params)
         return ["", *("chains" if tree.beam_width == 1 else "" for tree, _ in params.ladder)]
