@@ -76,7 +76,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import statistics
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -115,8 +114,6 @@ REQUEST_HALF_LIFE = 8
 """Steps after which an unrefreshed own estimate counts half as much (it drifts back to its kind's)."""
 FORWARD_EMA = 0.2
 """Weight of a new timing of a forward size."""
-RECENT = 3
-"""Latest timings per request count whose median a learned residual follows (`ByRequests`)."""
 PROBE_SHARE = 0.02
 """Share of step time that exploration may spend."""
 PROBE_EVERY = 32
@@ -263,7 +260,7 @@ class TokenCost:
 
 class ForwardCost:
     """Seconds of a target forward of n tokens from r requests: `tokens` (one request,
-    timed at engine start) plus the decayed median (`ByRequests`) of what live forwards of r requests cost
+    timed at engine start) plus the decayed mean of what live forwards of r requests cost
     beyond it (interpolated between measured r; above them, the largest count's; below
     them, proportional to r for one-token steps; what trees add unscaled, `residual`), kept apart for
     steps of one token per request (`extra`) and steps with trees (`extra_trees`: each
@@ -275,8 +272,8 @@ class ForwardCost:
 
     def __init__(self) -> None:
         self.tokens = TokenCost()
-        self.extra = ByRequests()
-        self.extra_trees = ByRequests()
+        self.extra: dict[int, float] = {}
+        self.extra_trees: dict[int, float] = {}
 
     def __call__(self, n: float, requests: int = 1) -> float:
         return self.tokens(n) + self.residual(requests, n > requests)
@@ -315,29 +312,14 @@ class ForwardCost:
             self.tokens.add(n, seconds)
             return
         residual = seconds - self.tokens(n)
-        (self.extra_trees if n > requests else self.extra).add(requests, residual)
+        decay_into(self.extra_trees if n > requests else self.extra, requests, residual)
 
 
-class ByRequests(dict[int, float]):
-    """Seconds learned per request count (read by `by_requests`): per count, the decayed
-    mean (weight `FORWARD_EMA`) of the median of its latest `RECENT` timings, the first as
-    it is. The median keeps a lone slow step out: on this shared machine one step in a
-    few hundred runs 1.5-2x its usual time, and taken as it came, one such 8 ms
-    auto-regressive step at batch 1 (usually ~4.5) raised auto-regression's price ~0.6 ms
-    for the next ~10 steps, and Lyanna at T=1 drafted trees that lost to it (~10-14 ms a
-    step for ~1.5 tokens) until a one-token step came to re-time it; a lasting change moves
-    the median within `RECENT` // 2 + 1 timings."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._recent: dict[int, deque[float]] = {}
-
-    def add(self, requests: int, seconds: float) -> None:
-        recent = self._recent.setdefault(requests, deque(maxlen=RECENT))
-        recent.append(seconds)
-        middle = statistics.median(recent)
-        old = self.get(requests)
-        self[requests] = middle if old is None else old + FORWARD_EMA * (middle - old)
+def decay_into(table: dict[int, float], requests: int, seconds: float) -> None:
+    """A new timing for `requests` into `table` (read by `by_requests`): the first as it
+    is, later ones with weight `FORWARD_EMA`."""
+    old = table.get(requests)
+    table[requests] = seconds if old is None else old + FORWARD_EMA * (seconds - old)
 
 
 def by_requests(table: dict[int, float], requests: int, per_request: bool = True) -> float:
@@ -561,8 +543,8 @@ class SpeculationPolicy:
     """The standing all-auto-regressive decision, if any (module docstring)."""
     reused: int = 0
     """Steps that reused a settled decision instead of solving again (for tests and reports)."""
-    overhead: ByRequests = field(default_factory=ByRequests)
-    """requests -> decayed median (`ByRequests`) of a decoding step's host seconds outside the forward and
+    overhead: dict[int, float] = field(default_factory=dict)
+    """requests -> decayed mean of a decoding step's host seconds outside the forward and
     drafting (`StepStats.overhead_seconds`; `by_requests` between counts, and beyond them
     along the line through the nearest two). Every choice pays it once a step, so it is
     part of each choice's time: left out, goodput compared forwards alone, and at batch 8
@@ -572,7 +554,7 @@ class SpeculationPolicy:
     auto-regressive steps of 32 ReDrafter requests at 33 ms where they took ~13, and the
     batch drafted 11-node trees: 86 tokens in ~84 ms, where auto-regression makes 32 in ~15.
     Steps without drafting only (`overhead_trees`: steps with trees)."""
-    overhead_trees: ByRequests = field(default_factory=ByRequests)
+    overhead_trees: dict[int, float] = field(default_factory=dict)
     """The same for steps with trees: packing tree masks, walking the trees, moving the
     accepted paths' KV cost more than a step of roots (Lyanna at batch 8: ~2.5 ms against
     ~0.8). One table for both charged a run of drafting steps' host work to the
@@ -923,7 +905,7 @@ class SpeculationPolicy:
             self.forward_cost.observe(stats.num_tokens, stats.num_requests, stats.forward_seconds)
             if stats.overhead_seconds is not None:
                 trees = stats.num_tokens > stats.num_requests
-                (self.overhead_trees if trees else self.overhead).add(stats.num_requests, stats.overhead_seconds)
+                decay_into(self.overhead_trees if trees else self.overhead, stats.num_requests, stats.overhead_seconds)
         for method, (levels, drafted, caught_up, request_levels, seconds) in stats.drafting.items():
             if drafted:
                 self._add_draft_sample(method, (levels, drafted, caught_up, request_levels), seconds)

@@ -867,32 +867,6 @@ def test_no_tree_is_expected_to_yield_more_tokens_than_its_request_may_still_emi
     assert pick(40) == 17
 
 
-def test_one_slow_step_does_not_reprice_what_a_forward_costs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Learned residuals follow the median of their latest timings (`ByRequests`): one
-    auto-regressive step slowed by a burst of load (8 ms where they take 4.5) leaves the
-    price of the next one where it was; a lasting slow-down moves it from its second timing on.
-    Taken as it came, the one slow step priced auto-regression >10% high for the steps
-    after it (and the policy drafted trees that lost to it)."""
-
-    def after(timings: list[float]) -> tuple[float, float]:
-        cost = ForwardCost()
-        cost.calibrate(1, 0.004)
-        for _ in range(10):
-            cost.observe(1, 1, 0.0045)
-        before = cost(1, 1)
-        for seconds in timings:
-            cost.observe(1, 1, seconds)
-        return before, cost(1, 1)
-
-    before, spiked = after([0.008])
-    assert spiked == pytest.approx(before, rel=0.01)
-    before, shifted = after([0.006, 0.006, 0.006])
-    assert shifted > before + 0.0005
-    monkeypatch.setattr(speculation_policy, "RECENT", 1)  # each timing as it comes
-    before, spiked = after([0.008])
-    assert spiked > 1.1 * before
-
-
 def test_drafting_paths_of_one_method_are_priced_apart() -> None:
     """`Offer.costs`: rsd-s draws its chains and beam-searches its wider trees, so a level
     costs more in a beam (a log and a beam step per level). Fitted apart, each path is
