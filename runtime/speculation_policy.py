@@ -30,8 +30,9 @@ with bounded exploration so it never settles on a stale estimate for good.
   a table refreshed by live steps alone mixes batch shapes, so that forward(8 tokens of 8
   requests) came out dearer than forward(40 tokens) and drafting looked free;
 - draft_m: per method (per drafting path where a method's paths cost differently per level,
-  `Offer.costs`: rsd-s's chains are drawn, its wider trees beam-searched, ~0.2 ms a level
-  apart), intercept + per level + per drafted node + per token caught up +
+  `Offer.costs`: rsd-s's chains are drawn, its wider trees beam-searched; fitted together,
+  a batch-1 step of its 5-node chain was priced at 8.0 ms where it took 6.65), intercept +
+  per level + per drafted node + per token caught up +
   per request-level (`LinearCost` over the method's recent drafting calls of every shape
   it drafted; levels are its sequential drafter calls, request-levels the levels each
   drafting request goes through, summed: a draft LM's level attends over every request's
@@ -135,7 +136,8 @@ HORIZON_EMA = 0.2
 DINKELBACH_ROUNDS = 3
 RECHOOSE_EVERY = 16
 """Steps a settled all-auto-regressive decision stands while nothing is drafted (at 8, its
-age ended a third of them at batch 8, T=1: ~0.25 ms a solve on a ~6 ms step)."""
+age caused ~40% of the full solves in ReDrafter's steps without drafting at batch 8, T=1:
+~0.25 ms a solve on a ~6 ms step)."""
 Row = tuple[tuple[int, float, float, int, str], ...]
 """One request's options: (size, tau, nodes, levels, drafting-cost fit) per size."""
 DraftCall = tuple[int, int, int, int, float]
