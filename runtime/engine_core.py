@@ -243,9 +243,12 @@ class EngineCore:
         a method, `Proposer.cost_paths`), the requests whose drafting failed (with what went
         wrong), and each call's timing for load-aware speculation (per drafting-cost fit)."""
         groups: dict[str, list[ScheduledWork]] = {}
+        levels_of: dict[Request, int] = {}  # drafter levels of each request's tree this step
         for item in work:
-            sizes, _, _, fits = self._offered(item.request)
-            groups.setdefault(fits[sizes.index(item.budget)], []).append(item)
+            sizes, levels, _, fits = self._offered(item.request)
+            k = sizes.index(item.budget)
+            groups.setdefault(fits[k], []).append(item)
+            levels_of[item.request] = levels[k]
         trees: dict[Request, DraftTree] = {}
         failures: list[tuple[Request, str]] = []
         drafting: dict[str, DraftCall] = {}
@@ -263,8 +266,8 @@ class EngineCore:
             trees |= {item.request: tree for item, tree in done}
             failures += [(item.request, message) for item, message in failed]
             if drafted := sum(len(t.tokens) - 1 for _, t in done):
-                levels = [self._offered(i.request)[1][i.sizes.index(i.budget)] for i in items]
-                drafting[fit] = (max(levels), drafted, caught_up, sum(levels), seconds)
+                depths = [levels_of[i.request] for i in items]
+                drafting[fit] = (max(depths), drafted, caught_up, sum(depths), seconds)
         return trees, failures, drafting
 
     def _verify(
