@@ -64,11 +64,15 @@ anyway. So at batch 1 after a run of
 bad drafts it re-probes every few dozen steps, at batch 32 every few steps, and throughput
 lost to probing stays near 2% even when no probe pays.
 
-A settled decision (every request at size 1, no probe due) stands for up to
-`RECHOOSE_EVERY` steps while the requests and their options are the same and nothing was
-drafted: a step without drafting brings no acceptance evidence, only a drifting forward
-time, so re-solving it would cost ~0.2 ms a step (2% of a one-token CPU forward) to reach
-the same answer. Exploration credit still accrues, and a probe that comes due ends it.
+A settled decision stands while the requests and their options are the same and no probe
+is due; exploration credit still accrues, and a probe that comes due ends it (`_Settled`):
+- every request at size 1: for up to `RECHOOSE_EVERY` steps while nothing is drafted. A
+  step without drafting brings no acceptance evidence, only a drifting forward time, so
+  re-solving it would cost ~0.2 ms a step (2% of a one-token CPU forward) to reach the
+  same answer;
+- one that drafts, where the solve before drafted too: for `DRAFTING_STANDS` steps, while
+  its own trees feed the estimates (a tree of a size it did not set, a probe's, ends it).
+  Solved every step, the choice cost ~2% of a drafting step.
 
 Whatever the sizes, acceptance is lossless; the policy only moves speed.
 """
@@ -138,6 +142,12 @@ RECHOOSE_EVERY = 16
 """Steps a settled all-auto-regressive decision stands while nothing is drafted (at 8, its
 age caused ~40% of the full solves in ReDrafter's steps without drafting at batch 8, T=1:
 ~0.25 ms a solve on a ~6 ms step)."""
+DRAFTING_STANDS = 4
+"""Steps a decision that drafts stands while the requests and their options are the same
+(and no probe is due; `_Settled`). Unlike an all-auto-regressive decision, each of its
+steps brings evidence (its trees), which the estimates take in at once; the choice follows
+it at most this many steps late. Solved every step, the choice cost ~2% of a drafting
+step (sd, T=0: 0.14 ms of ~6.8 at batch 1, 0.30 ms of ~16 at batch 8)."""
 Row = tuple[tuple[int, float, float, int, str], ...]
 """One request's options: (size, tau, nodes, levels, drafting-cost fit) per size."""
 DraftCall = tuple[int, int, int, int, float]
@@ -493,24 +503,50 @@ class _Choice:
 
 @dataclass(frozen=True)
 class _Settled:
-    """An all-auto-regressive decision and what it was made for (`SpeculationPolicy._settled`)."""
+    """A decision that stands for a few steps and what it was made for
+    (`SpeculationPolicy._settled`; module docstring)."""
 
     signature: tuple[object, ...]
-    """The offers (request, kind, sizes, levels) and the other requests' count."""
+    """The offers (request, kind, sizes, levels; for a decision that drafts, the bound on
+    the tokens each may still emit where it is below a tree's most) and the other requests' count."""
     step: int
     """The step it was made at."""
     seconds: float
     """Predicted seconds of such a step (what earns exploration credit)."""
-    probe_loss: float
-    """Expected loss in seconds of the probe that would come next."""
+    probe_loss: float | None
+    """Expected loss in seconds of the probe that would come next (None: none can come)."""
+    sizes: dict[str, int]
+    """request -> its size (all 1: the all-auto-regressive decision)."""
+    steps: int
+    """Steps it stands (`RECHOOSE_EVERY`, or `DRAFTING_STANDS` for one that drafts)."""
+
+    @property
+    def drafts(self) -> bool:
+        return any(s > 1 for s in self.sizes.values())
 
 
-def _signature(offers: list[Offer], others: int) -> tuple[object, ...]:
+def _signature(offers: list[Offer], others: int, drafting: bool = False) -> tuple[object, ...]:
     """What a settled decision was made for: the offers, less `Offer.left`. A request's
     `left` only shrinks, and a smaller one makes its trees worth no more, so auto-regression
     stays the choice; in the signature, it ended the decision at each of a request's last
-    few steps (a fifth of the full solves at batch 1)."""
-    return (others, *((o.key, o.kind, o.sizes, o.levels) for o in offers))
+    few steps (a fifth of the full solves at batch 1). A decision that `drafting` keeps a
+    request's `left` where it is under the most tokens any of its trees can yield (its last
+    steps, where its trees are cut down: `choose`'s row)."""
+    if not drafting:
+        return (others, *((o.key, o.kind, o.sizes, o.levels) for o in offers))
+    return (
+        others,
+        *(
+            (
+                o.key,
+                o.kind,
+                o.sizes,
+                o.levels,
+                o.left if o.left is not None and o.left <= ceiling(o, o.sizes[-1]) else None,
+            )
+            for o in offers
+        ),
+    )
 
 
 @dataclass
@@ -543,6 +579,8 @@ class SpeculationPolicy:
     """request -> (method, steps) of the run of drafting it is in (probes not counted)."""
     _settled: _Settled | None = None
     """The standing all-auto-regressive decision, if any (module docstring)."""
+    _drafted: bool = False
+    """Whether the last full solve chose to draft (`_settle`)."""
     reused: int = 0
     """Steps that reused a settled decision instead of solving again (for tests and reports)."""
     overhead: dict[int, float] = field(default_factory=dict)
@@ -661,8 +699,8 @@ class SpeculationPolicy:
         probed = None
         if not self.adaptive:
             chosen = {o.key: o.sizes[-1] for o in offers}
-        elif self._stands(signature := _signature(offers, others), offers):
-            chosen = {o.key: 1 for o in offers}
+        elif (standing := self._standing(offers, others)) is not None:
+            chosen = {o.key: standing.sizes[o.key] for o in offers}
         else:
             # requests with the same options and beliefs (most of a batch) are decided together
             groups: dict[tuple[str, Row], list[Offer]] = {}
@@ -684,10 +722,8 @@ class SpeculationPolicy:
                 offer, size = probe
                 chosen[offer.key], probed = size, offer.key
             self._settled = None
-            if max(best.sizes) == 1 and probe is None:
-                next_probe = self._probe(list(groups.values()), batch, others, best, stale_only=False)
-                if next_probe is not None:
-                    self._settled = _Settled(signature, self.steps, best.seconds, next_probe[2])
+            if probe is None:
+                self._settle(list(groups.values()), batch, others, best, offers, chosen)
         for o in offers:
             self.chosen[(o.method, chosen[o.key])] += 1
             if chosen[o.key] == 1:
@@ -786,20 +822,49 @@ class SpeculationPolicy:
             return None
         return min(sizes, key=lambda s: (e.last if (e := self.kinds.get((offer.kind, s))) else -1, -s))
 
-    def _stands(self, signature: tuple[object, ...], offers: list[Offer]) -> bool:
-        """Whether the settled decision holds for this step (module docstring); if it does,
+    def _settle(
+        self,
+        members: list[list[Offer]],
+        batch: list[_Group],
+        others: int,
+        best: _Choice,
+        offers: list[Offer],
+        chosen: dict[str, int],
+    ) -> None:
+        """Let the decision just solved (`best`, no probe in it) stand for the next steps
+        (`_standing`). An all-auto-regressive one only while a probe can still come (one that
+        cannot would never be ended by one); one that drafts only where the solve before
+        chose to draft too: a first choice to draft after auto-regression often rests on
+        optimism about sizes barely measured, and its first trees should end it (standing at
+        once, a batch of 8 drafted 4 steps of rejected trees in the synthetic worlds of the
+        tests: 0.965x auto-regression where solving every step made 0.978x)."""
+        drafts = max(best.sizes) > 1
+        confirmed, self._drafted = self._drafted, drafts
+        if drafts and not confirmed:
+            return  # a first choice to draft (optimism about sizes barely measured): its trees may end it
+        next_probe = self._probe(members, batch, others, best, stale_only=False)
+        if next_probe is None and not drafts:
+            return
+        steps = DRAFTING_STANDS if drafts else RECHOOSE_EVERY
+        loss = next_probe[2] if next_probe is not None else None
+        signature = _signature(offers, others, drafts)
+        self._settled = _Settled(signature, self.steps, best.seconds, loss, chosen.copy(), steps)
+
+    def _standing(self, offers: list[Offer], others: int) -> _Settled | None:
+        """The settled decision if it holds for this step (module docstring); if it does,
         the step earns its exploration credit here."""
         s = self._settled
-        if s is None or s.signature != signature or self.steps - s.step >= RECHOOSE_EVERY:
-            return False
+        if s is None or self.steps - s.step >= s.steps or s.signature != _signature(offers, others, s.drafts):
+            return None
         stale = self.steps - PROBE_EVERY
         can_probe = any(self._measured.get(o.kind, -1) <= stale for o in offers)
-        credit = self._earned(s.seconds, s.probe_loss if can_probe else None)
-        if can_probe and credit >= s.probe_loss:
-            return False  # a probe is due: solve this step in full
+        loss = s.probe_loss if can_probe else None
+        credit = self._earned(s.seconds, loss)
+        if loss is not None and credit >= loss:
+            return None  # a probe is due: solve this step in full
         self.credit = credit
         self.reused += 1
-        return True
+        return s
 
     def _earned(self, seconds: float, probe_loss: float | None) -> float:
         """The exploration credit after a step of `seconds`: it earns `PROBE_SHARE` of them,
@@ -901,8 +966,9 @@ class SpeculationPolicy:
         self.draft_cost.setdefault(key, LinearCost()).add(x, seconds, shape, start_up)
 
     def observe(self, stats: StepStats) -> None:
-        if stats.outcomes or any(drafted for _, drafted, *_ in stats.drafting.values()):
-            self._settled = None  # new evidence: decide afresh
+        settled = self._settled
+        if settled is not None and any(o.size != settled.sizes.get(o.key) for o in stats.outcomes):
+            self._settled = None  # a tree it did not choose (a probe): decide afresh
         if not stats.prefill:
             self.forward_cost.observe(stats.num_tokens, stats.num_requests, stats.forward_seconds)
             if stats.overhead_seconds is not None:
