@@ -577,6 +577,8 @@ class SpeculationPolicy:
     """method -> mean steps its requests' runs of drafting lasted (`CATCH_UP_HORIZON` before any)."""
     _runs: dict[str, tuple[str, int]] = field(default_factory=dict)
     """request -> (method, steps) of the run of drafting it is in (probes not counted)."""
+    _ended: list[tuple[str, int]] = field(default_factory=list)
+    """(method, steps) of the runs of drafting that ended since the last choice (`_horizon`)."""
     _settled: _Settled | None = None
     """The standing all-auto-regressive decision, if any (module docstring)."""
     _drafted: bool = False
@@ -913,15 +915,28 @@ class SpeculationPolicy:
         return float(per_level) / requests + float(per_request_level), float(per_node), float(per_token)
 
     def _end_run(self, key: str) -> None:
-        """Request `key` stopped drafting (or left): its run's length joins its method's mean."""
+        """Request `key` stopped drafting (or left): its run's length joins its method's
+        mean at the next choice (`_horizon`)."""
         run = self._runs.pop(key, None)
         if run is not None:
-            method, steps = run
-            mean = self.horizons.get(method, CATCH_UP_HORIZON)
-            self.horizons[method] = mean + HORIZON_EMA * (steps - mean)
+            self._ended.append(run)
 
     def _horizon(self, method: str) -> float:
-        """Steps a run of drafting of `method` is expected to last (`CATCH_UP_HORIZON`)."""
+        """Steps a run of drafting of `method` is expected to last (`CATCH_UP_HORIZON`).
+        The runs that ended since the last choice are one observation, their mean: the
+        requests of a batch mostly stop together, by one decision, and taken one by one,
+        8 requests that drafted one step (their first trees unlucky, auto-regression not
+        yet measured at batch 8 and priced low) cut sd's horizon from 13 to 4.5 steps.
+        Their prompts' catch-up, then charged nearly whole, kept them auto-regressive for
+        ~30 steps where 3- to 5-node chains ran ~10% faster (T=1)."""
+        if self._ended:
+            ended: dict[str, list[int]] = {}
+            for m, steps in self._ended:
+                ended.setdefault(m, []).append(steps)
+            self._ended.clear()
+            for m, lengths in ended.items():
+                mean = self.horizons.get(m, CATCH_UP_HORIZON)
+                self.horizons[m] = mean + HORIZON_EMA * (sum(lengths) / len(lengths) - mean)
         return max(self.horizons.get(method, CATCH_UP_HORIZON), 1.0)
 
     # ---- measurements -------------------------------------------------------------------
@@ -970,9 +985,15 @@ class SpeculationPolicy:
         if settled is not None and any(o.size != settled.sizes.get(o.key) for o in stats.outcomes):
             self._settled = None  # a tree it did not choose (a probe): decide afresh
         if not stats.prefill:
+            trees = stats.num_tokens > stats.num_requests
+            if stats.num_requests not in (self.forward_cost.extra_trees if trees else self.forward_cost.extra):
+                # a first step of its shape at this count: the decision priced it by
+                # extrapolation (a first auto-regressive step of 8 requests at 5.1 ms where it
+                # took ~7; standing 16 steps on it, sd at T=1 stayed auto-regressive where
+                # chains ran ~10% faster)
+                self._settled = None
             self.forward_cost.observe(stats.num_tokens, stats.num_requests, stats.forward_seconds)
             if stats.overhead_seconds is not None:
-                trees = stats.num_tokens > stats.num_requests
                 decay_into(self.overhead_trees if trees else self.overhead, stats.num_requests, stats.overhead_seconds)
         for method, (levels, drafted, caught_up, request_levels, seconds) in stats.drafting.items():
             if drafted:

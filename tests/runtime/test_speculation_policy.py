@@ -739,6 +739,38 @@ def test_the_catch_up_horizon_is_how_long_runs_of_drafting_last() -> None:
     assert runs([60] * 12) > 50
 
 
+def test_runs_of_drafting_that_end_together_are_one_observation_of_the_horizon() -> None:
+    """The requests of a batch mostly stop drafting together, by one decision: their runs'
+    mean moves the horizon by one `HORIZON_EMA` step. Taken one by one, 8 requests that
+    drafted a single step moved it 8 times, from 16 steps to ~3, and the next catch-up
+    was charged nearly whole (sd at T=1, batch 8 stayed auto-regressive ~30 steps)."""
+    p = calibrated(GOOD)
+    assert set(p.choose(offers(8)).values()) != {1}
+    for o in offers(8):
+        p.forget(o.key)  # all leave after one step of drafting
+    start = speculation_policy.CATCH_UP_HORIZON
+    assert p._horizon("redrafter") == pytest.approx(start + speculation_policy.HORIZON_EMA * (1 - start))
+
+
+def test_a_first_step_at_a_new_batch_size_ends_a_settled_decision() -> None:
+    """A decision made before any step of its shape ran at its request count priced that
+    step by extrapolation (auto-regression at batch 8 from batch 1's host work: 5.1 ms where
+    it took ~7). The first such step's timing ends it; later ones, no news, do not."""
+    p = calibrated(POOR)
+    run(p, POOR, batch=1, steps=40)
+    assert set(p.choose(offers(8)).values()) == {1} and p._settled is not None
+
+    def step() -> None:
+        p.observe(StepStats(8, POOR.forward(8, 8), num_requests=8, overhead_seconds=0.001))
+
+    step()
+    assert p._settled is None
+    p.choose(offers(8))
+    assert p._settled is not None
+    step()
+    assert p._settled is not None
+
+
 def test_sizes_that_are_beam_widths_are_priced_by_their_own_trees() -> None:
     """A wider beam search keeps a different top beam, so a 2-beam tree need not accept
     what the 1-beam tree inside a 4-beam tree did: for ReDrafter's widths
