@@ -580,7 +580,7 @@ class SpeculationPolicy:
     _ended: list[tuple[str, int]] = field(default_factory=list)
     """(method, steps) of the runs of drafting that ended since the last choice (`_horizon`)."""
     _settled: _Settled | None = None
-    """The standing all-auto-regressive decision, if any (module docstring)."""
+    """The standing decision, if any (module docstring)."""
     _drafted: bool = False
     """Whether the last full solve chose to draft (`_settle`)."""
     reused: int = 0
