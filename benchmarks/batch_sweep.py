@@ -9,7 +9,8 @@ For each batch size B, max(B, --min-prompts) held-out prompts are decoded with a
 running at once (in-flight batching: a finished request's place goes to the next; so
 batch 1 averages over several prompts instead of timing one), fixed output length, EOS
 ignored, greedy or at --temperature, by each of the three configurations, in alternating
-rounds on the same engine so machine noise hits them alike. Reported per B:
+rounds on the same engine so machine noise hits them alike (each round's requests seeded
+apart from the other rounds', the same for every configuration: `round_runs`). Reported per B:
 - output tokens/s of each configuration (prefill included, as a user sees it) and its
   ratio to auto-regressive decoding: the median over rounds of the ratio measured within
   one round (robust to bursts of load on a shared machine);
@@ -39,7 +40,7 @@ from typing import Any
 from tqdm import tqdm
 
 from benchmarks.report import command, machine, write_report
-from benchmarks.timing import alternate, sampling_params, timed, warm_up
+from benchmarks.timing import Run, alternate, sampling_params, timed, warm_up
 from runtime.config import RuntimeConfig
 from runtime.llm_engine import LLMEngine
 from runtime.loaded_engine import LoadedEngine
@@ -89,10 +90,8 @@ def run_batch(
     """tokens/s over all rounds, median per-round ratio to AR, tau, load-aware budget histogram."""
     for llm in engines.values():
         llm.clock.reset()
-    params = sampling_params(len(prompts), max_tokens, temperature)
     names = configs(method)
-    runs = {name: functools.partial(timed, engine, prompts, params, names[name][0]) for name, engine in engines.items()}
-    timings = alternate([runs] * rounds, "ar")
+    timings = alternate([round_runs(engines, names, prompts, max_tokens, temperature, i) for i in range(rounds)], "ar")
     widths = Counter[int]()
     for (_, size), n in engines[f"{method}-load-aware"].policy.chosen.items():
         widths[size] += n
@@ -105,6 +104,25 @@ def run_batch(
     )
 
 
+def round_runs(
+    engines: dict[str, LLMEngine],
+    names: dict[str, tuple[str, str]],
+    prompts: list[list[int]],
+    max_tokens: int,
+    temperature: float,
+    round_: int,
+) -> dict[str, functools.partial[Run]]:
+    """Round `round_`'s runs: every configuration decodes the same requests, seeded apart
+    from every other round's. Sampled text depends on the seeds and on what was drafted, and
+    acceptance on the text: with the same seeds every round, a configuration saw one text
+    per prompt in every round. sd's 5-node chains at T=1, batch 8 make 2.86-3.30 tokens a
+    step over 8 seed sets of the 8 prompts (mean 3.07), and the set every round used read
+    3.30: fixed chains looked ~7% faster than they are, the load-aware policy's own texts
+    came out nearer the mean."""
+    params = sampling_params(len(prompts), max_tokens, temperature, first_seed=round_ * len(prompts))
+    return {name: functools.partial(timed, engine, prompts, params, names[name][0]) for name, engine in engines.items()}
+
+
 def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
     method = meta["method"]
     names = list(configs(method))
@@ -113,7 +131,7 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
         "",
         f"Engine `{meta['engine']}`, method `{method}`, temperature {meta['temperature']}, "
         f"{meta['max_tokens']} output tokens per request, max(batch, {meta['min_prompts']}) prompts from the "
-        f"held-out files with at most `batch` running, {meta['rounds']} alternating rounds; "
+        f"held-out files with at most `batch` running, {meta['rounds']} alternating rounds (each seeded apart); "
         f"{meta['machine']['cpu']} ({meta['machine']['torch_threads']} threads). Ratios: median over rounds of "
         "the ratio to auto-regressive decoding within a round; tau = tokens per decoding step per request. "
         f"Command: `{meta['command']}`",

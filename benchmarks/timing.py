@@ -109,10 +109,13 @@ class Timings:
         return statistics.median(self.ratios)
 
 
-def sampling_params(num: int, max_tokens: int, temperature: float) -> list[SamplingParams]:
-    """`num` requests of exactly `max_tokens` tokens (EOS ignored), request i seeded with i,
-    so every method decodes the same number of tokens from the same seeds."""
-    return [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i, ignore_eos=True) for i in range(num)]
+def sampling_params(num: int, max_tokens: int, temperature: float, first_seed: int = 0) -> list[SamplingParams]:
+    """`num` requests of exactly `max_tokens` tokens (EOS ignored), request i seeded with
+    `first_seed` + i, so every method decodes the same number of tokens from the same seeds."""
+    return [
+        SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=first_seed + i, ignore_eos=True)
+        for i in range(num)
+    ]
 
 
 def synchronize(device: torch.device) -> None:
