@@ -319,12 +319,16 @@ class ForwardCost:
     def calibrate(self, n: int, seconds: float) -> None:
         self.tokens.add(n, seconds)
 
-    def observe(self, n: int, requests: int, seconds: float) -> None:
+    def observe(self, n: int, requests: int, seconds: float) -> bool:
+        """Learn a live forward's timing; whether it is the first of its shape (trees or one
+        token per request) at this request count (until then, `residual` extrapolated)."""
+        table = self.extra_trees if n > requests else self.extra
+        first = requests not in table
         if not self.tokens.points:  # never calibrated (a cost fit learning from live steps only)
             self.tokens.add(n, seconds)
-            return
-        residual = seconds - self.tokens(n)
-        decay_into(self.extra_trees if n > requests else self.extra, requests, residual)
+            return first
+        decay_into(table, requests, seconds - self.tokens(n))
+        return first
 
 
 def decay_into(table: dict[int, float], requests: int, seconds: float) -> None:
@@ -517,12 +521,8 @@ class _Settled:
     """Expected loss in seconds of the probe that would come next (None: none can come)."""
     sizes: dict[str, int]
     """request -> its size (all 1: the all-auto-regressive decision)."""
-    steps: int
-    """Steps it stands (`RECHOOSE_EVERY`, or `DRAFTING_STANDS` for one that drafts)."""
-
-    @property
-    def drafts(self) -> bool:
-        return any(s > 1 for s in self.sizes.values())
+    drafts: bool
+    """Whether some request drafts: it stands `DRAFTING_STANDS` steps, else `RECHOOSE_EVERY`."""
 
 
 def _signature(offers: list[Offer], others: int, drafting: bool = False) -> tuple[object, ...]:
@@ -532,21 +532,12 @@ def _signature(offers: list[Offer], others: int, drafting: bool = False) -> tupl
     few steps (a fifth of the full solves at batch 1). A decision that `drafting` keeps a
     request's `left` where it is under the most tokens any of its trees can yield (its last
     steps, where its trees are cut down: `choose`'s row)."""
-    if not drafting:
-        return (others, *((o.key, o.kind, o.sizes, o.levels) for o in offers))
-    return (
-        others,
-        *(
-            (
-                o.key,
-                o.kind,
-                o.sizes,
-                o.levels,
-                o.left if o.left is not None and o.left <= ceiling(o, o.sizes[-1]) else None,
-            )
-            for o in offers
-        ),
-    )
+    return (others, *((o.key, o.kind, o.sizes, o.levels, _bound(o) if drafting else None) for o in offers))
+
+
+def _bound(offer: Offer) -> int | None:
+    """`offer.left` where it is under the most tokens its largest tree can yield, else None."""
+    return offer.left if offer.left is not None and offer.left <= ceiling(offer, offer.sizes[-1]) else None
 
 
 @dataclass
@@ -847,16 +838,17 @@ class SpeculationPolicy:
         next_probe = self._probe(members, batch, others, best, stale_only=False)
         if next_probe is None and not drafts:
             return
-        steps = DRAFTING_STANDS if drafts else RECHOOSE_EVERY
         loss = next_probe[2] if next_probe is not None else None
         signature = _signature(offers, others, drafts)
-        self._settled = _Settled(signature, self.steps, best.seconds, loss, chosen.copy(), steps)
+        self._settled = _Settled(signature, self.steps, best.seconds, loss, chosen.copy(), drafts)
 
     def _standing(self, offers: list[Offer], others: int) -> _Settled | None:
         """The settled decision if it holds for this step (module docstring); if it does,
         the step earns its exploration credit here."""
         s = self._settled
-        if s is None or self.steps - s.step >= s.steps or s.signature != _signature(offers, others, s.drafts):
+        if s is None or self.steps - s.step >= (DRAFTING_STANDS if s.drafts else RECHOOSE_EVERY):
+            return None
+        if s.signature != _signature(offers, others, s.drafts):
             return None
         stale = self.steps - PROBE_EVERY
         can_probe = any(self._measured.get(o.kind, -1) <= stale for o in offers)
@@ -886,7 +878,9 @@ class SpeculationPolicy:
             nodes += g.count * n
             requests += g.count
             if s > 1:
-                acc = drafting.setdefault(fit, [0.0, 0.0, 0.0, 0.0, self._horizon(g.method)])
+                acc = drafting.get(fit)
+                if acc is None:
+                    acc = drafting[fit] = [0.0, 0.0, 0.0, 0.0, self._horizon(g.method)]
                 acc[0] = max(acc[0], levels)
                 acc[1] += g.count * (s - 1)
                 acc[2] += g.lag
@@ -985,15 +979,14 @@ class SpeculationPolicy:
         if settled is not None and any(o.size != settled.sizes.get(o.key) for o in stats.outcomes):
             self._settled = None  # a tree it did not choose (a probe): decide afresh
         if not stats.prefill:
-            trees = stats.num_tokens > stats.num_requests
-            if stats.num_requests not in (self.forward_cost.extra_trees if trees else self.forward_cost.extra):
+            if self.forward_cost.observe(stats.num_tokens, stats.num_requests, stats.forward_seconds):
                 # a first step of its shape at this count: the decision priced it by
                 # extrapolation (a first auto-regressive step of 8 requests at 5.1 ms where it
                 # took ~7; standing 16 steps on it, sd at T=1 stayed auto-regressive where
                 # chains ran ~10% faster)
                 self._settled = None
-            self.forward_cost.observe(stats.num_tokens, stats.num_requests, stats.forward_seconds)
             if stats.overhead_seconds is not None:
+                trees = stats.num_tokens > stats.num_requests
                 decay_into(self.overhead_trees if trees else self.overhead, stats.num_requests, stats.overhead_seconds)
         for method, (levels, drafted, caught_up, request_levels, seconds) in stats.drafting.items():
             if drafted:
