@@ -6,10 +6,22 @@ alike.
     python -m benchmarks.triton_overhead --engine engines/demo-redrafter   # `make bench-triton-overhead`
 
 Each round decodes the same held-out prompts (fixed length, EOS ignored, greedy) one after
-another, for every method: in-process, then through Triton. Reported per method: tokens/s
-both ways (over all rounds), the median over rounds of the Triton / in-process ratio, and
-through Triton the mean time from a request's send to its first response and between its
-streamed responses (one per engine step). Writes `<out>.json` and `<out>.md`.
+another, for every method: in-process, then through Triton with each client:
+
+- `perf_analyzer`: NVIDIA's C++ client (`make perf-analyzer-install`), at concurrency 1
+  (the next request goes when the last one's final response is in), its times from its
+  profile export. It cannot count tokens; each request's are the in-process run's of the
+  same prompt in that round (EOS ignored: `max_tokens`, or fewer only where the engine's
+  length limit ends a request the same way both ways; the `python` client checks this);
+- `python`: `tritonclient.grpc` with a streaming callback, as most Python users write it,
+  counting the tokens each final response reports.
+
+The clients run on the same machine as the server; on a small one a client's own CPU per
+streamed response is taken from the engine, and the Python client spends more of it than
+perf_analyzer. Reported per method and client: tokens/s both ways (over all rounds), the
+median over rounds of the Triton / in-process ratio, and through Triton the mean time from
+a request's send to its first response and between its streamed responses (one per
+engine step). Writes `<out>.json` and `<out>.md`.
 """
 
 from __future__ import annotations
@@ -17,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import json
 import queue
 import statistics
 import tempfile
@@ -37,9 +50,13 @@ from training.corpus import heldout_prompts
 MODEL = "specpipe"
 
 
+CLIENTS = ("perf_analyzer", "python")
+
+
 @dataclass
 class Row:
     method: str
+    client: str
     in_process_tokens_per_s: float
     triton_tokens_per_s: float
     ratio: float
@@ -49,7 +66,8 @@ class Row:
     mean_response_gap_ms: float
     """Mean time between two streamed responses of one request (one engine step)."""
     tokens: tuple[int, int]
-    """Output tokens of one round, in-process and through Triton (the same when EOS is ignored)."""
+    """Output tokens of one round, in-process and through Triton (the same when EOS is ignored;
+    perf_analyzer's are the in-process ones, see the module docstring)."""
 
 
 @dataclass
@@ -60,11 +78,12 @@ class Timed:
     gaps_ms: list[float]
 
 
-def in_process(llm: LLMEngine, prompts: list[list[int]], max_tokens: int, method: str) -> Timed:
-    start, tokens = time.perf_counter(), 0
+def in_process(llm: LLMEngine, prompts: list[list[int]], max_tokens: int, method: str) -> tuple[Timed, list[int]]:
+    """The run, and each prompt's output tokens."""
+    start, tokens = time.perf_counter(), []
     for prompt in prompts:
-        tokens += len(llm.generate([prompt], sampling_params(1, max_tokens, 0.0), method)[0].output_ids)
-    return Timed(tokens, time.perf_counter() - start, [], [])
+        tokens.append(len(llm.generate([prompt], sampling_params(1, max_tokens, 0.0), method)[0].output_ids))
+    return Timed(sum(tokens), time.perf_counter() - start, [], []), tokens
 
 
 class TritonClient:
@@ -79,12 +98,14 @@ class TritonClient:
             callback=lambda result, error: self.responses.put((result, error, time.perf_counter()))
         )
 
-    def run(self, texts: list[str], max_tokens: int, method: str) -> Timed:
+    def run(self, texts: list[str], max_tokens: int, method: str, tokens: list[int] | None = None) -> Timed:
+        """`texts` once each, in order; with `tokens` (what each decodes in-process), a request
+        whose final response reports another count is an error."""
         from triton_repo.client import make_inputs
 
         timed = Timed(0, 0.0, [], [])
         start = time.perf_counter()
-        for text in texts:
+        for i, text in enumerate(texts):
             inputs = make_inputs(text, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, method=method)
             sent = time.perf_counter()
             self.client.async_stream_infer(MODEL, inputs, enable_empty_final_response=True)
@@ -95,7 +116,10 @@ class TritonClient:
                     raise SystemExit(f"error: the server answered {error}")
                 arrivals.append(at)
                 if result.get_response().parameters["triton_final_response"].bool_param:
-                    timed.tokens += int(result.as_numpy("num_output_tokens").reshape(-1)[0])
+                    decoded = int(result.as_numpy("num_output_tokens").reshape(-1)[0])
+                    if tokens is not None and decoded != tokens[i]:
+                        raise SystemExit(f"error: prompt {i}: {decoded} tokens through Triton, {tokens[i]} in-process")
+                    timed.tokens += decoded
                     break
             timed.first_ms.append(1e3 * (arrivals[0] - sent))
             timed.gaps_ms += [1e3 * (b - a) for a, b in itertools.pairwise(arrivals)]
@@ -105,6 +129,45 @@ class TritonClient:
     def close(self) -> None:
         self.client.stop_stream()
         self.client.close()
+
+
+class PerfAnalyzerClient:
+    """NVIDIA perf_analyzer at concurrency 1 on the same server, one run per round."""
+
+    def __init__(self, url: str, work: Path) -> None:
+        from triton_repo.nvidia_perf import tool_problem
+
+        if (problem := tool_problem("perf_analyzer")) is not None:
+            raise SystemExit(f"error: {problem} (or leave it out: --clients python)")
+        self.url, self.work = url, work
+
+    def run(self, texts: list[str], max_tokens: int, method: str, tokens: list[int]) -> Timed:
+        """`texts` once each, in order; `tokens[i]`: what request i decodes (see the module docstring)."""
+        from triton_repo.nvidia_perf import perf_analyzer_command, perf_analyzer_input, run_perf_analyzer
+
+        data = perf_analyzer_input(
+            self.work / "input_data.json", texts, max_tokens, temperature=0.0, ignore_eos=True, method=method
+        )
+        export = self.work / "profile_export.json"
+        command = perf_analyzer_command(self.url, data, export, concurrency=1, request_count=len(texts))
+        proc = run_perf_analyzer(command, export, capture=True)
+        if proc.returncode != 0:
+            raise SystemExit(
+                f"error: perf_analyzer exited {proc.returncode}: {proc.stderr.strip() or proc.stdout[-2000:]}"
+            )
+        doc = json.loads(export.read_text())
+        requests = sorted((r for exp in doc["experiments"] for r in exp["requests"]), key=lambda r: r["timestamp"])
+        if len(requests) != len(texts) or any(not r["response_timestamps"] for r in requests):
+            raise SystemExit(
+                f"error: perf_analyzer recorded {len(requests)} requests (or one without a response), not {len(texts)}"
+            )
+        end = max(r["response_timestamps"][-1] for r in requests)
+        return Timed(
+            tokens=sum(tokens),
+            seconds=(end - requests[0]["timestamp"]) / 1e9,
+            first_ms=[(r["response_timestamps"][0] - r["timestamp"]) / 1e6 for r in requests],
+            gaps_ms=[(b - a) / 1e6 for r in requests for a, b in itertools.pairwise(r["response_timestamps"])],
+        )
 
 
 def tokens_per_s(runs: list[Timed]) -> float:
@@ -123,17 +186,19 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
         "",
         f"Engine `{meta['engine']}`, {meta['num_prompts']} held-out prompts decoded one at a time, "
         f"{meta['max_tokens']} tokens each (greedy, EOS ignored), {meta['rounds']} alternating rounds; Triton "
-        f"over gRPC streaming on the same machine; {meta['machine']['cpu']} "
+        f"over gRPC streaming, each client on the same machine as the server; {meta['machine']['cpu']} "
         f"({meta['machine']['torch_threads']} threads). Ratio: median over rounds of Triton / in-process "
-        f"tokens/s within a round. Command: `{meta['command']}`",
+        f"tokens/s within a round. Clients: `perf_analyzer` is NVIDIA's (C++, concurrency 1), `python` is "
+        f"`tritonclient.grpc` with a streaming callback. Command: `{meta['command']}`",
         "",
-        "| method | in-process tok/s | Triton tok/s | Triton / in-process | first response ms | ms between responses |",
-        "|---|---|---|---|---|---|",
+        "| method | client | in-process tok/s | Triton tok/s | Triton / in-process | first response ms "
+        "| ms between responses |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r.method} | {r.in_process_tokens_per_s:.1f} | {r.triton_tokens_per_s:.1f} | {r.ratio:.2f} "
-            f"| {r.mean_first_response_ms:.1f} | {r.mean_response_gap_ms:.1f} |"
+            f"| {r.method} | {r.client} | {r.in_process_tokens_per_s:.1f} | {r.triton_tokens_per_s:.1f} "
+            f"| {r.ratio:.2f} | {r.mean_first_response_ms:.1f} | {r.mean_response_gap_ms:.1f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -142,6 +207,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", type=Path, default=Path("engines/demo-redrafter"), help="(default: %(default)s)")
     ap.add_argument("--methods", nargs="+", default=["ar", "redrafter"], help="(default: %(default)s)")
+    ap.add_argument(
+        "--clients", nargs="+", choices=CLIENTS, default=list(CLIENTS), help="Triton clients (default: %(default)s)"
+    )
     ap.add_argument("--num-prompts", type=int, default=6, help="prompts per round (default: %(default)s)")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (default: %(default)s)")
@@ -157,34 +225,39 @@ def main(argv: list[str] | None = None) -> None:
     texts = heldout_prompts(args.num_prompts)
     prompts = [loaded.encode(t) for t in texts]
     local: dict[str, list[Timed]] = {m: [] for m in args.methods}
-    served: dict[str, list[Timed]] = {m: [] for m in args.methods}
+    served: dict[tuple[str, str], list[Timed]] = {(m, c): [] for m in args.methods for c in args.clients}
     with contextlib.ExitStack() as stack:
-        url = args.url
-        if url is None:
-            run_dir = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-            url = stack.enter_context(TritonServer(ServingConfig(args.engine), run_dir)).grpc_url
-        client = TritonClient(url)
-        stack.callback(client.close)
+        work = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        url = args.url or stack.enter_context(TritonServer(ServingConfig(args.engine), work / "triton")).grpc_url
+        python = TritonClient(url)
+        stack.callback(python.close)
+        clients: dict[str, TritonClient | PerfAnalyzerClient] = {"python": python}
+        if "perf_analyzer" in args.clients:
+            clients["perf_analyzer"] = PerfAnalyzerClient(url, work)
         for method in args.methods:  # warm-up both ways
             warm_up(llm, prompts[0], method, 0.0)
-            client.run(texts[:1], 8, method)
-        for _ in tqdm(range(args.rounds), desc="rounds"):
+            python.run(texts[:1], 8, method)
+        for turn in tqdm(range(args.rounds), desc="rounds"):
+            order = args.clients[turn % len(args.clients) :] + args.clients[: turn % len(args.clients)]
             for method in args.methods:
-                local[method].append(in_process(llm, prompts, args.max_tokens, method))
-                served[method].append(client.run(texts, args.max_tokens, method))
+                timed, tokens = in_process(llm, prompts, args.max_tokens, method)
+                local[method].append(timed)
+                for name in order:
+                    served[method, name].append(clients[name].run(texts, args.max_tokens, method, tokens))
     rows = []
-    for method in args.methods:
-        ratios = rate_ratios(served[method], local[method])
+    for (method, name), runs in served.items():
+        ratios = rate_ratios(runs, local[method])
         rows.append(
             Row(
                 method=method,
+                client=name,
                 in_process_tokens_per_s=tokens_per_s(local[method]),
-                triton_tokens_per_s=tokens_per_s(served[method]),
+                triton_tokens_per_s=tokens_per_s(runs),
                 ratio=statistics.median(ratios),
                 ratios=[round(r, 3) for r in ratios],
-                mean_first_response_ms=statistics.mean(x for t in served[method] for x in t.first_ms),
-                mean_response_gap_ms=statistics.mean(x for t in served[method] for x in t.gaps_ms),
-                tokens=(local[method][0].tokens, served[method][0].tokens),
+                mean_first_response_ms=statistics.mean(x for t in runs for x in t.first_ms),
+                mean_response_gap_ms=statistics.mean(x for t in runs for x in t.gaps_ms),
+                tokens=(local[method][0].tokens, runs[0].tokens),
             )
         )
     meta = {
@@ -192,6 +265,7 @@ def main(argv: list[str] | None = None) -> None:
         "num_prompts": args.num_prompts,
         "max_tokens": args.max_tokens,
         "rounds": args.rounds,
+        "clients": args.clients,
         "command": command("benchmarks.triton_overhead", argv),
         "machine": machine(),
     }

@@ -164,10 +164,13 @@ def genai_perf_command(
     ]
 
 
-def perf_analyzer_input(path: Path, prompts: Sequence[str], max_tokens: int) -> Path:
+def perf_analyzer_input(path: Path, prompts: Sequence[str], max_tokens: int, **inputs: object) -> Path:
     """perf_analyzer's `--input-data` JSON: one streaming request per prompt (Triton's
-    TensorRT-LLM tensor names, shapes without a batch dimension)."""
+    TensorRT-LLM tensor names, shapes without a batch dimension); `inputs` are more inputs
+    every request carries (name -> value, e.g. `ignore_eos=True`, `method="redrafter"`)."""
     data = [{"text_input": [p], "max_tokens": [max_tokens], "stream": [True]} for p in prompts]
+    for request in data:
+        request.update({name: [value] for name, value in inputs.items()})
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"data": data}, indent=1) + "\n")
     return path
@@ -181,11 +184,14 @@ def perf_analyzer_command(
     model: str = MODEL,
     request_rate: float = 1.0,
     request_count: int = 8,
+    concurrency: int | None = None,
     extra: Sequence[str] = (),
     venv: Path = PERF_VENV,
 ) -> list[str]:
-    """perf_analyzer at a fixed request rate over gRPC streaming, `request_count` requests in
-    one measurement (no stability search), each response's time exported to `export`."""
+    """perf_analyzer at a fixed request rate (or, with `concurrency`, that many requests in
+    flight at all times) over gRPC streaming, `request_count` requests in one measurement
+    (no stability search), each response's time exported to `export`."""
+    load = ["--concurrency-range", str(concurrency)] if concurrency else ["--request-rate-range", str(request_rate)]
     return [
         str(venv / "bin" / "perf_analyzer"),
         "-m",
@@ -195,8 +201,7 @@ def perf_analyzer_command(
         "-i",
         "grpc",
         "--streaming",
-        "--request-rate-range",
-        str(request_rate),
+        *load,
         "--request-count",
         str(request_count),
         "--input-data",

@@ -120,15 +120,19 @@ def test_the_openai_backend_writes_the_same_report(server: TritonServer, tmp_pat
 
 def test_triton_overhead_report_times_the_same_requests_both_ways(server: TritonServer, tmp_path: Path) -> None:
     """`benchmarks/triton_overhead.py` against the running server: each method decodes the
-    same fixed-length requests in-process and through Triton, and the report says so."""
+    same fixed-length requests in-process and through Triton, with NVIDIA perf_analyzer and
+    the Python gRPC client, and the report says so."""
     out = tmp_path / "overhead"
     overhead_main(
         ["--engine", str(server.cfg.engine_dir), "--url", server.grpc_url, "--num-prompts", "2",
          "--max-tokens", "6", "--rounds", "1", "--out", str(out)]
     )  # fmt: skip
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
-    assert [r["method"] for r in rows] == ["ar", "redrafter"]
+    assert [(r["method"], r["client"]) for r in rows] == [
+        ("ar", "perf_analyzer"), ("ar", "python"), ("redrafter", "perf_analyzer"), ("redrafter", "python")
+    ]  # fmt: skip
     for r in rows:
         assert r["tokens"] == [12, 12]
         assert r["ratio"] > 0 and r["mean_response_gap_ms"] > 0 and r["mean_first_response_ms"] > 0
-    assert "python -m benchmarks.triton_overhead --engine" in out.with_suffix(".md").read_text()
+    md = out.with_suffix(".md").read_text()
+    assert "python -m benchmarks.triton_overhead --engine" in md and "| redrafter | perf_analyzer |" in md
