@@ -40,7 +40,7 @@ from typing import Any
 from tqdm import tqdm
 
 from benchmarks.report import command, machine, write_report
-from benchmarks.timing import Run, alternate, sampling_params, timed, warm_up
+from benchmarks.timing import Run, alternate, round_params, timed, warm_up
 from runtime.config import RuntimeConfig
 from runtime.llm_engine import LLMEngine
 from runtime.loaded_engine import LoadedEngine
@@ -113,13 +113,8 @@ def round_runs(
     round_: int,
 ) -> dict[str, functools.partial[Run]]:
     """Round `round_`'s runs: every configuration decodes the same requests, seeded apart
-    from every other round's. Sampled text depends on the seeds and on what was drafted, and
-    acceptance on the text: with the same seeds every round, a configuration saw one text
-    per prompt in every round. sd's 5-node chains at T=1, batch 8 make 2.86-3.30 tokens a
-    step over 8 seed sets of the 8 prompts (mean 3.07), and the set every round used read
-    3.30: fixed chains looked ~7% faster than they are, the load-aware policy's own texts
-    came out nearer the mean."""
-    params = sampling_params(len(prompts), max_tokens, temperature, first_seed=round_ * len(prompts))
+    from every other round's (`round_params` says why)."""
+    params = round_params(len(prompts), max_tokens, temperature, round_)
     return {name: functools.partial(timed, engine, prompts, params, names[name][0]) for name, engine in engines.items()}
 
 

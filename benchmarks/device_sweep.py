@@ -36,7 +36,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.report import machine, torch_threads, write_report
-from benchmarks.timing import Timings, alternate, sampling_params, timed, warm_up
+from benchmarks.timing import Timings, alternate, round_params, timed, warm_up
 from runtime.config import RuntimeConfig
 from runtime.engine_dir import DTYPES
 from runtime.llm_engine import LLMEngine
@@ -105,11 +105,13 @@ def supported_methods(llm: LLMEngine, prompt: list[int]) -> tuple[list[str], dic
 def run_cell(
     llm: LLMEngine, methods: list[str], prompts: list[list[int]], temperature: float, max_tokens: int, rounds: int
 ) -> dict[str, Timings]:
-    """Alternating rounds over `methods` (AR first) on one batch: per method, its runs, each
-    compared to AR's run in the same round."""
-    params = sampling_params(len(prompts), max_tokens, temperature)
-    runs = {method: functools.partial(timed, llm, prompts, params, method) for method in methods}
-    return alternate([runs] * rounds, "ar")
+    """Alternating rounds over `methods` (AR first) on one batch, each round seeded apart
+    (`round_params`): per method, its runs, each compared to AR's run in the same round."""
+    rounds_runs = []
+    for r in range(rounds):
+        params = round_params(len(prompts), max_tokens, temperature, r)
+        rounds_runs.append({m: functools.partial(timed, llm, prompts, params, m) for m in methods})
+    return alternate(rounds_runs, "ar")
 
 
 def cells_of(engine: str, drafter: str, batch: int, temperature: float, measured: dict[str, Timings]) -> list[Cell]:

@@ -42,7 +42,7 @@ from tqdm import tqdm
 
 from benchmarks.prompts import bundled
 from benchmarks.report import machine, write_report
-from benchmarks.timing import ONE_AT_A_TIME, Timings, bracketed_round, grouped, sampling_params, warm_up
+from benchmarks.timing import ONE_AT_A_TIME, Timings, bracketed_round, grouped, round_params, warm_up
 from runtime.llm_engine import LLMEngine
 from runtime.loaded_engine import LoadedEngine
 from runtime.proposers.rsd import TreeSpec
@@ -182,10 +182,10 @@ def sweep_engine(
         warm_up(llm, prompts[0], c.method, **c.overrides())
     rows = []
     for temperature in temperatures:
-        params = sampling_params(len(prompts), max_tokens, temperature)
         timings = {c: Timings() for c in configs}
         ar = Timings()
-        for _ in range(rounds):
+        for r in range(rounds):
+            params = round_params(len(prompts), max_tokens, temperature, r)
             bracketed_round(llm, prompts, params, columns, timings, ar, bar.update)
         for experiment in sorted({c.experiment for c in configs}):
             ar_row = Row(experiment, path, drafter, temperature, "ar", "", 0, 0, tokens_per_step(ar.results),

@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from benchmarks.lyanna.common import DEPTH, WIDTH, build, drafted_per_step, ints
 from benchmarks.report import write_report
-from benchmarks.timing import ONE_AT_A_TIME, Timings, bracketed_round, grouped, sampling_params, warm_up
+from benchmarks.timing import ONE_AT_A_TIME, Timings, bracketed_round, grouped, round_params, warm_up
 from runtime.llm_engine import LLMEngine
 from runtime.loaded_engine import LoadedEngine
 from runtime.results import tokens_per_step
@@ -110,9 +110,9 @@ def run(
     rows = []
     with tqdm(total=runs, desc="fig12", unit="run") as bar:
         for temperature in temperatures:
-            params = sampling_params(len(prompts), max_tokens, temperature)
             timings = {c: Timings() for c in configs}
             for r in range(rounds):
+                params = round_params(len(prompts), max_tokens, temperature, r)
                 order = ["lyanna", "redrafter"] if r % 2 == 0 else ["redrafter", "lyanna"]
                 for name in order:
                     bracketed_round(engines[name], prompts, params, columns[name], timings, Timings(), bar.update)

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from benchmarks.batch_sweep import configs, main, round_runs
-from benchmarks.timing import Run, alternate
+from benchmarks.device_sweep import run_cell
+from benchmarks.timing import Run, alternate, batch_rounds
 from build.engine import build_engine
 from runtime.engine_dir import BuildConfig
 from runtime.llm_engine import LLMEngine
@@ -76,3 +78,25 @@ def test_each_round_seeds_its_requests_apart_and_alike_for_every_configuration(t
         run = runs["ngram-fixed"]()
         assert [len(r.output_ids) for r in run.results] == [4, 4]
     assert seeds == [[0, 1], [2, 3]]
+
+
+@dataclass(frozen=True)
+class _Method:
+    method: str
+
+    def overrides(self) -> dict[str, object]:
+        return {}
+
+
+def test_bracketed_and_alternating_rounds_seed_each_round_apart(tmp_path: Path) -> None:
+    """The other sweeps' rounds (`batch_rounds`, which `bracketed_round` runs for the RSD and
+    Lyanna sweeps too, and the device sweep's `run_cell`) seed like `round_runs`: at T=1 the
+    two AR runs around a round's configurations decode the same text, and the next round
+    another."""
+    loaded = LoadedEngine.load(build_engine(TARGET, tmp_path / "demo", BuildConfig(max_batch_size=2)))
+    prompts = [[5, 6, 7], [8, 9]]
+    _, ar = batch_rounds(loaded, 2, prompts, [_Method("ngram")], 6, [1.0], 2)[1.0]
+    texts = [[r.output_ids for r in run.results] for run in ar.runs]
+    assert len(texts) == 4 and texts[0] == texts[1] and texts[2] == texts[3] and texts[0] != texts[2]
+    cell = run_cell(LLMEngine(loaded), ["ar", "ngram"], prompts, 1.0, 6, 2)
+    assert [[r.output_ids for r in run.results] for run in cell["ar"].runs] == [texts[0], texts[2]]
