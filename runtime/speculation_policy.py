@@ -124,8 +124,7 @@ T = 0, ReDrafter load-aware ran 1.11-1.23x auto-regression at batch 8 over 7 run
 runs, 1.19-1.25x and 1.03-1.04x (every request at 3-node chains: 1.05-1.08x at batch
 32). The price: only a request far from its kind counts. In the tests' GOOD world, one
 whose trees accept nothing among 7 making ~4.7 tokens a step now drafts every step (with
-0.75 it was switched off in half of them): 3.7 tokens off, it is inside the margin until
-its kind's estimate reads ~4.5 or more with it."""
+0.75 it was switched off in half of them)."""
 REQUEST_HALF_LIFE = 8
 """Steps after which an unrefreshed own estimate counts half as much (it drifts back to its kind's)."""
 FORWARD_EMA = 0.2
