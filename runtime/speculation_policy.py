@@ -81,7 +81,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -115,21 +114,7 @@ a few lucky or unlucky trees must not switch a request off for good)."""
 REQUEST_NOISE = 0.75
 """Tokens per step by which a request's own estimate of `REQUEST_PRIOR` or more trees may
 differ from its kind's by chance (about the spread of their mean): only the excess counts.
-Fewer trees spread more, by sqrt(REQUEST_PRIOR / n): one tree may be 1.5 tokens off.
-Among n requests of a kind in one batch, the largest chance deviation is larger still,
-~sqrt(2 ln n) spreads more, and each request's size is the best of its own noisy
-estimates (the optimizer's curse), so the margin grows with the peers (`_margin`): with
-the one-request margin at every batch,
-requests that share one acceptance law were set apart by chance in 11-33% of steady steps
-at batch 8-32 in the synthetic worlds of the tests, and on the demo engines (held-out
-prompts, T = 0) load-aware ReDrafter ran 1.11-1.23x auto-regression at batch 8 over 7
-runs of 8-12 rounds and 0.97-1.01x at batch 32 over 4 runs; with a margin of 3 tokens at
-any batch, in 6 and 2 of the same runs, 1.19-1.25x and 1.03-1.04x (every request at
-3-node chains: 1.05-1.08x at batch 32). At batch 1 there are no peers to be picked
-among, and there 3 tokens lost rsd-s at T = 1 ~4% (1.61x against 1.68x, means of 5 runs):
-its own estimates steer a request back from wide beams to chains within a text. The rule
-of `_margin` in one more run of 10 rounds at batch 8: 1.21x, the one-request margin
-1.19x."""
+Fewer trees spread more, by sqrt(REQUEST_PRIOR / n): one tree may be 1.5 tokens off."""
 REQUEST_HALF_LIFE = 8
 """Steps after which an unrefreshed own estimate counts half as much (it drifts back to its kind's)."""
 FORWARD_EMA = 0.2
@@ -283,16 +268,6 @@ class TokenCost:
     def slope(self, lo: float, hi: float) -> float:
         """Marginal seconds per token between lo and hi tokens."""
         return max((self(hi) - self(lo)) / (hi - lo), 0.0) if hi > lo else 0.0
-
-
-def _margin(trees: int, peers: int) -> float:
-    """Tokens by which a request's own estimate over `trees` trees may differ from its
-    kind's by chance, among `peers` requests of its kind (`REQUEST_NOISE`): one spread of
-    a mean of that many trees, plus, among peers, twice the largest of their chance
-    deviations (~sqrt(2 ln peers) spreads; twice, as each request also picks the best of
-    its sizes): at batch 8, 3.8 tokens; at 32, 4.7; alone, 0.75."""
-    spread = REQUEST_NOISE * max(1.0, (REQUEST_PRIOR / trees) ** 0.5)
-    return spread * (1.0 + 2.0 * (2.0 * math.log(peers)) ** 0.5) if peers > 1 else spread
 
 
 class ForwardCost:
@@ -621,12 +596,9 @@ class SpeculationPolicy:
 
     # ---- estimates ----------------------------------------------------------------------
 
-    def taus(
-        self, offer: Offer, kinds: dict[tuple[object, ...], list[float]] | None = None, peers: int = 1
-    ) -> list[float]:
+    def taus(self, offer: Offer, kinds: dict[tuple[object, ...], list[float]] | None = None) -> list[float]:
         """Expected tokens per step of `offer`'s request at each of its sizes: its kind's
-        estimates (`kind_taus`) shifted by what its own trees show beyond chance among
-        `peers` requests of its kind in the batch (`_shift`),
+        estimates (`kind_taus`) shifted by what its own trees show beyond chance (`_shift`),
         never less at a larger size than at a smaller one where smaller trees are cuts of
         larger ones (`Offer.exact`: the larger holds the smaller's accepted path). `kinds`:
         the kind estimates already worked out this step (a batch is mostly one kind)."""
@@ -643,7 +615,7 @@ class SpeculationPolicy:
             if size == 1 or (offer.kind, size) not in self.kinds:  # never measured: its ceiling, no floor above
                 out.append(max(shared, floor) if size > 1 else 1.0)
                 continue
-            value = shared + self._shift(offer.key, size, shared, peers)
+            value = shared + self._shift(offer.key, size, shared)
             if offer.exact:  # a cut of a larger tree: the larger accepts at least as much
                 value = floor = max(floor, value)
             out.append(value)
@@ -680,16 +652,15 @@ class SpeculationPolicy:
             below = value
         return out
 
-    def _shift(self, key: str, size: int, shared: float, peers: int = 1) -> float:
+    def _shift(self, key: str, size: int, shared: float) -> float:
         """How far request `key`'s own estimate at `size` moves its kind's (`shared`): by
-        what exceeds the chance spread of its trees among `peers` requests of its kind
-        (`_margin`), weighted by their number and age (module docstring); 0 if it drafted
-        no tree of `size`."""
+        what exceeds the chance spread of its trees, weighted by their number and age
+        (module docstring); 0 if it drafted no tree of `size`."""
         own = self.requests.get((key, size))
         if own is None:
             return 0.0
         tau, n, last = own
-        noise = _margin(n, peers)
+        noise = REQUEST_NOISE * max(1.0, (REQUEST_PRIOR / n) ** 0.5)  # the spread of a mean of n trees
         excess = abs(tau - shared) - noise  # only what exceeds it counts
         if excess <= 0:
             return 0.0
@@ -727,14 +698,11 @@ class SpeculationPolicy:
             # requests with the same options and beliefs (most of a batch) are decided together
             groups: dict[tuple[str, Row], list[Offer]] = {}
             kinds: dict[tuple[object, ...], list[float]] = {}
-            peers = Counter(o.kind for o in offers)
             for o in offers:
                 most = float("inf") if o.left is None else o.left
                 row = tuple(
                     (s, min(tau, most), self.nodes(o, s), lv, cost)
-                    for s, tau, lv, cost in zip(
-                        o.sizes, self.taus(o, kinds, peers[o.kind]), o.levels, costs(o), strict=True
-                    )
+                    for s, tau, lv, cost in zip(o.sizes, self.taus(o, kinds), o.levels, costs(o), strict=True)
                 )
                 groups.setdefault((o.method, row), []).append(o)
             batch = [_Group(m, row, len(members), sum(o.lag for o in members)) for (m, row), members in groups.items()]
