@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-import json
 import queue
 import statistics
 import tempfile
@@ -143,7 +142,12 @@ class PerfAnalyzerClient:
 
     def run(self, texts: list[str], max_tokens: int, method: str, tokens: list[int]) -> Timed:
         """`texts` once each, in order; `tokens[i]`: what request i decodes (see the module docstring)."""
-        from triton_repo.nvidia_perf import perf_analyzer_command, perf_analyzer_input, run_perf_analyzer
+        from triton_repo.nvidia_perf import (
+            export_requests,
+            perf_analyzer_command,
+            perf_analyzer_input,
+            run_perf_analyzer,
+        )
 
         data = perf_analyzer_input(
             self.work / "input_data.json", texts, max_tokens, temperature=0.0, ignore_eos=True, method=method
@@ -155,18 +159,17 @@ class PerfAnalyzerClient:
             raise SystemExit(
                 f"error: perf_analyzer exited {proc.returncode}: {proc.stderr.strip() or proc.stdout[-2000:]}"
             )
-        doc = json.loads(export.read_text())
-        requests = sorted((r for exp in doc["experiments"] for r in exp["requests"]), key=lambda r: r["timestamp"])
-        if len(requests) != len(texts) or any(not r["response_timestamps"] for r in requests):
+        requests = export_requests(export)
+        if len(requests) != len(texts) or any(not r.responses for r in requests):
             raise SystemExit(
                 f"error: perf_analyzer recorded {len(requests)} requests (or one without a response), not {len(texts)}"
             )
-        end = max(r["response_timestamps"][-1] for r in requests)
+        end = max(r.responses[-1] for r in requests)
         return Timed(
             tokens=sum(tokens),
-            seconds=(end - requests[0]["timestamp"]) / 1e9,
-            first_ms=[(r["response_timestamps"][0] - r["timestamp"]) / 1e6 for r in requests],
-            gaps_ms=[(b - a) / 1e6 for r in requests for a, b in itertools.pairwise(r["response_timestamps"])],
+            seconds=(end - requests[0].sent) / 1e9,
+            first_ms=[r.first_ms for r in requests],
+            gaps_ms=[gap for r in requests for gap in r.gaps_ms],
         )
 
 

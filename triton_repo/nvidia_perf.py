@@ -237,23 +237,46 @@ class StreamSummary:
         ]
 
 
-def summarize_export(export: Path) -> StreamSummary:
-    """TTFT / inter-response latency / throughput from perf_analyzer's `--profile-export-file`."""
+@dataclass(frozen=True)
+class RequestTimes:
+    """One request of perf_analyzer's profile export, on its clock (nanoseconds)."""
+
+    sent: int
+    responses: list[int]
+
+    @property
+    def first_ms(self) -> float:
+        """From sending the request to its first response (it must have one)."""
+        return (self.responses[0] - self.sent) / 1e6
+
+    @property
+    def gaps_ms(self) -> list[float]:
+        """Between its consecutive responses."""
+        return [(b - a) / 1e6 for a, b in itertools.pairwise(self.responses)]
+
+
+def export_requests(export: Path) -> list[RequestTimes]:
+    """Every request of perf_analyzer's `--profile-export-file`, in the order sent; raises
+    ValueError when it recorded none."""
     doc = json.loads(export.read_text())
-    requests = [r for exp in doc["experiments"] for r in exp["requests"]]
+    requests = [
+        RequestTimes(r["timestamp"], r["response_timestamps"]) for exp in doc["experiments"] for r in exp["requests"]
+    ]
     if not requests:
         raise ValueError(f"{export}: perf_analyzer recorded no request")
-    ttft, itl, e2e, responses = [], [], [], 0
-    for r in requests:
-        times = r["response_timestamps"]
-        responses += len(times)
-        if not times:
-            continue
-        ttft.append((times[0] - r["timestamp"]) / 1e6)
-        e2e.append((times[-1] - r["timestamp"]) / 1e6)
-        itl += [(b - a) / 1e6 for a, b in itertools.pairwise(times)]
-    start = min(r["timestamp"] for r in requests)
-    end = max(max(r["response_timestamps"], default=r["timestamp"]) for r in requests)
+    return sorted(requests, key=lambda r: r.sent)
+
+
+def summarize_export(export: Path) -> StreamSummary:
+    """TTFT / inter-response latency / throughput from perf_analyzer's `--profile-export-file`."""
+    requests = export_requests(export)
+    answered = [r for r in requests if r.responses]
+    ttft = [r.first_ms for r in answered]
+    e2e = [(r.responses[-1] - r.sent) / 1e6 for r in answered]
+    itl = [gap for r in answered for gap in r.gaps_ms]
+    responses = sum(len(r.responses) for r in requests)
+    start = min(r.sent for r in requests)
+    end = max(max(r.responses, default=r.sent) for r in requests)
     duration = max((end - start) / 1e9, 1e-9)
     return StreamSummary(
         requests=len(requests),
