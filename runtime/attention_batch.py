@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from model_defs.paged_kv_cache import Attention, AttentionGroup, RowMetadata
 
@@ -109,34 +108,46 @@ def build_rows(segments: list[Segment], block_size: int) -> RowMetadata:
     tree node: its ancestors and itself, in packed order; L = c + num_new, K = mask
     columns). A tree node at depth d thus sees the same logical key sequence as the
     decode token at position c + d would, which is what makes the kernel's result for it
-    equal to auto-regression's when the K/V agree."""
-    prefixes, trees, tables, requests = [], [], [], []
-    for r, s in enumerate(segments):
-        n, length = s.num_new, int(s.slots.shape[0])
-        tables.append(torch.div(s.slots[::block_size], block_size, rounding_mode="floor"))
-        requests.append(torch.full((n,), r, dtype=torch.long))
-        if s.tree_mask is None:
-            prefixes.append(torch.arange(s.context_len + 1, s.context_len + n + 1))
-            trees.append(torch.full((n, 0), -1, dtype=torch.long))
-            continue
-        base = length - s.tree_mask.shape[1]
-        counts = s.tree_mask.sum(1)
-        tree = torch.full((n, int(counts.max())), -1, dtype=torch.long)
-        t, j = s.tree_mask.nonzero(as_tuple=True)  # row-major: a row's columns ascending
-        offsets = torch.cumsum(counts, 0) - counts
-        tree[t, torch.arange(t.shape[0]) - offsets[t]] = base + j
-        prefixes.append(torch.full((n,), base, dtype=torch.long))
-        trees.append(tree)
-    width = max(1, max(t.shape[1] for t in trees))
-    row_tree = torch.cat([F.pad(t, (0, width - t.shape[1]), value=-1) for t in trees])
-    row_prefix = torch.cat(prefixes)
-    row_len = row_prefix + (row_tree >= 0).sum(1)
-    max_blocks = max(int(t.shape[0]) for t in tables)
-    block_tables = torch.stack([F.pad(t, (0, max_blocks - t.shape[0])) for t in tables])
-    i32 = torch.int32
-    row_request = torch.cat(requests).to(i32)
-    table_rows = block_tables.to(i32)
-    return RowMetadata(table_rows, row_request, row_prefix.to(i32), row_tree.to(i32), row_len.to(i32), block_size)
+    equal to auto-regression's when the K/V agree.
+
+    Filled in numpy, as `group` is: on a GPU this runs for every target step and every
+    draft-LM level, and with ~20 torch ops a segment it took 0.3-0.6 ms of an H100 host's
+    ~1.5 ms auto-regressive step at batch 1."""
+    news = [s.num_new for s in segments]
+    masks = [None if s.tree_mask is None else s.tree_mask.numpy() for s in segments]
+    counts = [None if m is None else m.sum(1) for m in masks]
+    width = max([1] + [int(c.max()) for c in counts if c is not None])
+    lengths = [int(s.slots.shape[0]) for s in segments]
+    total = sum(news)
+    tables = np.zeros((len(segments), max(-(-n // block_size) for n in lengths)), dtype=np.int32)
+    row_request = np.empty(total, dtype=np.int32)
+    row_prefix = np.empty(total, dtype=np.int32)
+    row_len = np.empty(total, dtype=np.int32)
+    row_tree = np.full((total, width), -1, dtype=np.int32)
+    row = 0
+    for r, (s, n, mask, count) in enumerate(zip(segments, news, masks, counts, strict=True)):
+        table = s.slots.numpy()[::block_size] // block_size
+        tables[r, : table.shape[0]] = table
+        rows = slice(row, row + n)
+        row_request[rows] = r
+        if mask is None or count is None:
+            row_prefix[rows] = row_len[rows] = np.arange(s.context_len + 1, s.context_len + n + 1)
+        else:
+            base = lengths[r] - mask.shape[1]
+            t, j = mask.nonzero()  # row-major: a row's columns ascending
+            offsets = np.cumsum(count) - count
+            row_tree[row + t, np.arange(t.shape[0]) - offsets[t]] = base + j
+            row_prefix[rows] = base
+            row_len[rows] = base + count
+        row += n
+    return RowMetadata(
+        torch.from_numpy(tables),
+        torch.from_numpy(row_request),
+        torch.from_numpy(row_prefix),
+        torch.from_numpy(row_tree),
+        torch.from_numpy(row_len),
+        block_size,
+    )
 
 
 def build_attention(

@@ -1,4 +1,6 @@
-"""CUDA graphs for the target forward: captured once per token-count bucket, replayed.
+"""CUDA graphs: the target's (and a draft LM's) forwards captured once per token-count
+bucket and replayed (`CudaGraphs`); any other fixed-shape device work, such as ReDrafter's
+beam search, captured per shape on its first call (`CapturedCalls`).
 
 A step of N new tokens (decode tokens, draft trees, prefill chunks of any mix) runs the
 graph of the smallest bucket >= N. The graph reads fixed device buffers: tokens,
@@ -16,15 +18,85 @@ all-reduces in the same order).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
+from torch import Tensor
 
 from model_defs.llama import LlamaForCausalLM, LlamaOutput
 from model_defs.paged_kv_cache import Attention, PagedBatch, PagedKVCache, RowMetadata
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 """Token counts a graph is captured for (those up to the step token budget)."""
+
+
+def bucket_of(n: int, buckets: tuple[int, ...] = BUCKETS) -> int | None:
+    """The smallest bucket >= n (None: larger than every bucket)."""
+    return next((b for b in buckets if b >= n), None)
+
+
+@dataclass(frozen=True)
+class GraphLimits:
+    """What one engine's captured graphs hold (`EngineCore` sets them from its config and
+    hands them to every proposer: `Proposer.capture_graphs`)."""
+
+    max_requests: int
+    max_blocks: int
+    """Block-table entries of the longest request."""
+    max_tree: int
+    """Tree columns of a query row (the most draft nodes a step verifies, plus one)."""
+    max_tokens: int
+    """The step token budget: the largest bucket a forward is captured for."""
+
+    def forwards(self, model: LlamaForCausalLM, cache: PagedKVCache) -> CudaGraphs:
+        """`model`'s forwards over `cache`, captured per bucket."""
+        return CudaGraphs(model, cache, self.max_requests, self.max_blocks, self.max_tree, self.max_tokens)
+
+
+class CapturedCalls:
+    """Calls of functions of device tensors that never read back to the host: each (key,
+    input shapes and dtypes) is captured as one CUDA graph on its first call (after one
+    eager warm-up run) and replayed after. A replay copies the inputs into the graph's own
+    and returns the graph's outputs, which the next call of the same key overwrites: read
+    them first. Past `limit` graphs, new keys run eagerly. All share one memory pool (the
+    calls run one at a time on one stream)."""
+
+    def __init__(self, limit: int = 256) -> None:
+        self.limit = limit
+        self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, tuple[Tensor, ...], tuple[Tensor, ...]]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    @torch.inference_mode()
+    def __call__(self, key: Hashable, fn: Callable[..., tuple[Tensor, ...]], *inputs: Tensor) -> tuple[Tensor, ...]:
+        """`fn(*inputs)`, through the graph of `key` (`fn` must be the same function for one key)."""
+        full = (key, *((tuple(t.shape), t.dtype) for t in inputs))
+        entry = self.graphs.get(full)
+        if entry is None:
+            if len(self.graphs) >= self.limit:
+                return fn(*inputs)
+            entry = self.graphs[full] = self._capture(fn, inputs)
+        graph, static, outputs = entry
+        for buffer, value in zip(static, inputs, strict=True):
+            buffer.copy_(value, non_blocking=True)
+        graph.replay()
+        return outputs
+
+    def _capture(
+        self, fn: Callable[..., tuple[Tensor, ...]], inputs: tuple[Tensor, ...]
+    ) -> tuple[torch.cuda.CUDAGraph, tuple[Tensor, ...], tuple[Tensor, ...]]:
+        static = tuple(t.clone() for t in inputs)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn(*static)  # warm-up: lazy initialisation, Triton compiles, cuBLAS picks its kernels
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = fn(*static)
+        return graph, static, outputs
 
 
 class CudaGraphs:
@@ -50,7 +122,8 @@ class CudaGraphs:
         self.host64 = torch.zeros(4, n, dtype=torch.long, pin_memory=True)
         self.host32 = torch.zeros(max_requests * max_blocks + n * (3 + max_tree), dtype=torch.int32, pin_memory=True)
         self.dev64, self.dev32 = self.host64.to(device), self.host32.to(device)
-        self._pack(self.host64, self.host32, 0, n)  # all padding: what the captures run on
+        self.np64, self.np32 = self.host64.numpy(), self.host32.numpy()  # views of the pinned memory
+        self._pack(self.np64, self.np32, 0, n)  # all padding: what the captures run on
         self.dev64.copy_(self.host64)
         self.dev32.copy_(self.host32)
         self._copied = torch.cuda.Event()
@@ -59,33 +132,41 @@ class CudaGraphs:
         for b in reversed(self.buckets):  # largest first: the smaller ones reuse its memory
             self.graphs[b] = self._capture(b, pool)
 
-    def _views(self, buf32: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor, RowMetadata]:
-        """(block_tables, row_tree, metadata of the first b rows) over an int32 buffer."""
+    def _views(self, buf32: torch.Tensor, b: int) -> RowMetadata:
+        """The row metadata of the first b rows over the device's int32 buffer."""
         n, r, w = self.buckets[-1], self.max_requests, self.max_blocks
         tables = buf32[: r * w].view(r, w)
         rows = buf32[r * w : r * w + 3 * n].view(3, n)
         tree = buf32[r * w + 3 * n :].view(n, self.max_tree)
-        meta = RowMetadata(tables, rows[0, :b], rows[1, :b], tree[:b], rows[2, :b], self.cache.block_size)
-        return tables, tree, meta
+        return RowMetadata(tables, rows[0, :b], rows[1, :b], tree[:b], rows[2, :b], self.cache.block_size)
 
-    def _pack(self, host64: torch.Tensor, host32: torch.Tensor, n: int, b: int) -> None:
+    def _pack(self, host64: np.ndarray, host32: np.ndarray, n: int, b: int) -> None:
         """Padding rows n .. b-1: token 0 at position 0 writing the scratch slot, logits at
         row 0, attending to key 0 of request 0 (a real slot: row 0 of the block tables is
         always a real table or the scratch block's)."""
-        host64[0, n:b] = 0
-        host64[1, n:b] = 0
+        host64[0:2, n:b] = 0
         host64[2, n:b] = self.cache.scratch_slot
-        _, _, meta = self._views(host32, b)
-        meta.row_request[n:] = 0
-        meta.row_prefix[n:] = 1
-        meta.row_len[n:] = 1
+        tables, rows, tree = self._host_views(host32)
+        rows[0, n:b] = 0  # row_request
+        rows[1:, n:b] = 1  # row_prefix, row_len
         if n == 0:
             host64[3, :b] = 0
-            meta.block_tables.fill_(self.cache.scratch_slot // self.cache.block_size)
-            meta.row_tree.fill_(-1)
+            tables.fill(self.cache.scratch_slot // self.cache.block_size)
+            tree.fill(-1)
+
+    def _host_views(self, host32: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(block_tables, rows [request, prefix, len], row_tree) over the pinned int32
+        buffer, as numpy views: a step is packed with ~15 slice assignments, ~0.5 us each in
+        numpy against ~4 us as torch ops."""
+        n, r, w = self.buckets[-1], self.max_requests, self.max_blocks
+        return (
+            host32[: r * w].reshape(r, w),
+            host32[r * w : r * w + 3 * n].reshape(3, n),
+            host32[r * w + 3 * n :].reshape(n, self.max_tree),
+        )
 
     def _forward(self, b: int) -> LlamaOutput:
-        _, _, meta = self._views(self.dev32, b)
+        meta = self._views(self.dev32, b)
         paged = PagedBatch(self.cache, self.dev64[2, :b], meta)
         tokens, positions, rows = self.dev64[0, :b][None], self.dev64[1, :b][None], self.dev64[3, :b][None]
         return self.model(tokens, positions, paged, logits_indices=rows)
@@ -103,7 +184,7 @@ class CudaGraphs:
         return graph, out
 
     def bucket(self, num_tokens: int) -> int | None:
-        return next((b for b in self.buckets if b >= num_tokens), None)
+        return bucket_of(num_tokens, tuple(self.buckets))
 
     def fits(self, num_tokens: int, meta: Attention) -> bool:
         """A step the graphs can run: row form, within the buckets and the buffers."""
@@ -129,18 +210,23 @@ class CudaGraphs:
         b = self.bucket(n)
         assert b is not None
         self._copied.synchronize()  # the last step's copies have left the pinned buffers
-        h64, h32 = self.host64, self.host32
-        h64[0, :n], h64[1, :n], h64[2, :n], h64[3, :k] = tokens, positions, slots, rows
+        h64 = self.np64
+        h64[0, :n], h64[1, :n], h64[2, :n], h64[3, :k] = tokens.numpy(), positions.numpy(), slots.numpy(), rows.numpy()
         h64[3, k:b] = 0
-        tables, tree, view = self._views(h32, b)
+        tables, meta_rows, tree = self._host_views(self.np32)
         r, w = meta.block_tables.shape
         t = meta.row_tree.shape[1]
-        tables[:r, :w] = meta.block_tables
-        view.row_request[:n], view.row_prefix[:n], view.row_len[:n] = meta.row_request, meta.row_prefix, meta.row_len
-        tree[:n, :t] = meta.row_tree
-        self._pack(h64, h32, n, b)
-        self.dev64.copy_(h64, non_blocking=True)
-        self.dev32.copy_(h32, non_blocking=True)
+        tables[:r, :w] = meta.block_tables.numpy()
+        meta_rows[0, :n], meta_rows[1, :n], meta_rows[2, :n] = (
+            meta.row_request.numpy(),
+            meta.row_prefix.numpy(),
+            meta.row_len.numpy(),
+        )
+        tree[:n, :t] = meta.row_tree.numpy()
+        tree[:n, t:] = -1
+        self._pack(h64, self.np32, n, b)
+        self.dev64.copy_(self.host64, non_blocking=True)
+        self.dev32.copy_(self.host32, non_blocking=True)
         self._copied.record()
         graph, out = self.graphs[b]
         graph.replay()

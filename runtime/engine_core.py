@@ -31,7 +31,7 @@ import torch
 from runtime.attention_batch import Segment
 from runtime.block_manager import BlockManager
 from runtime.config import RuntimeConfig
-from runtime.cuda_graphs import CudaGraphs
+from runtime.cuda_graphs import GraphLimits
 from runtime.faults import FaultInjector, describe, each_alone
 from runtime.kv_budget import kv_cache_blocks
 from runtime.loaded_engine import LoadedEngine
@@ -67,13 +67,13 @@ class EngineCore:
         self.blocks = BlockManager(num_blocks, config.block_size)
         cache = engine.model.new_kv_cache(num_blocks, config.block_size)
         engine.model.set_batch_invariant(config.batch_invariant)
-        graphs = None
+        limits = None
         if config.cuda_graphs and engine.device.type == "cuda" and broadcast is None:
             longest = engine.config.build.max_seq_len + config.max_draft_tokens + 1
-            graphs = CudaGraphs(
-                engine.model, cache, self.max_batch_size, self.blocks.blocks_for(longest),
-                config.max_draft_tokens + 1, config.max_num_tokens,
-            )  # fmt: skip
+            limits = GraphLimits(
+                self.max_batch_size, self.blocks.blocks_for(longest), config.max_draft_tokens + 1, config.max_num_tokens
+            )
+        graphs = limits.forwards(engine.model, cache) if limits is not None else None
         self.runner = ModelRunner(engine.model, cache, broadcast, graphs)
         self.scheduler = Scheduler(self.blocks, self.max_batch_size, config.max_num_tokens, config.max_queue_size)
         self.kind = engine.config.drafter.kind if engine.config.drafter else None
@@ -83,6 +83,9 @@ class EngineCore:
             for m in methods_for(self.kind)
             if (cls := proposer_class(m, self.kind))
         }
+        if limits is not None:
+            for proposer in instances.values():
+                proposer.capture_graphs(limits)
         self.policy = SpeculationPolicy(adaptive=config.speculation == "load-aware")
         self.clock = StepClock(torch.cuda.synchronize if config.profile and engine.device.type == "cuda" else None)
         """Seconds per step phase (`make profile`)."""

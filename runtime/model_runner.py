@@ -89,12 +89,23 @@ class ModelRunner:
         """Logits `[1, K, V]` at `logits_indices` and hidden states `[1, N, D]`."""
         if step.copies is not None:
             self.cache.copy(*step.copies)
-        if self.graphs is not None and self.graphs.fits(step.tokens.shape[0], step.attention):
-            return self.graphs.run(step.tokens, step.positions, step.slots, step.attention, step.logits_indices)
-        step = step.to(self.cache.kv.device)
-        paged = PagedBatch(self.cache, step.slots, step.attention, fp64=self.model.batch_invariant)
-        return self.model(step.tokens[None], step.positions[None], paged, logits_indices=step.logits_indices[None])
+        return forward(self.model, self.cache, step, self.graphs)
 
     def shutdown(self) -> None:
         if self.broadcast is not None:
             self.broadcast.send_step(None)
+
+
+@torch.inference_mode()
+def forward(
+    model: LlamaForCausalLM, cache: PagedKVCache, step: StepInput, graphs: CudaGraphs | None = None
+) -> LlamaOutput:
+    """`model`'s forward of `step` (host tensors) over `cache`: the replay of a captured
+    graph where `graphs` covers the step, else eagerly on the cache's device. Logits
+    `[1, K, V]` at `logits_indices`, hidden states `[1, N, D]`. The target's steps and the
+    draft LM's levels (`runtime/proposers/level_drafters.py`) both run through here."""
+    if graphs is not None and graphs.fits(step.tokens.shape[0], step.attention):
+        return graphs.run(step.tokens, step.positions, step.slots, step.attention, step.logits_indices)
+    step = step.to(cache.kv.device)
+    paged = PagedBatch(cache, step.slots, step.attention, fp64=model.batch_invariant)
+    return model(step.tokens[None], step.positions[None], paged, logits_indices=step.logits_indices[None])

@@ -12,7 +12,8 @@
   ancestors. The proposer applies the target's accepted-path compaction to this cache too,
   and keeps in `Request.draft_state` how many of the request's tokens the cache holds.
   A forward is one C++ call where the draft LM runs on int8 copies on the CPU
-  (`plugins/draft_lm_forward.py`), else the model's own forward.
+  (`plugins/draft_lm_forward.py`), the replay of a captured CUDA graph on a GPU
+  (`runtime/cuda_graphs.py`, as the target's steps), else the model's own forward.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ import torch
 from torch import nn
 
 from model_defs.llama import LlamaForCausalLM
-from model_defs.paged_kv_cache import PagedBatch, PagedKVCache
+from model_defs.paged_kv_cache import PagedKVCache
 from model_defs.redrafter import ReDrafter
 from plugins.draft_lm_forward import Int8DraftLM
 from runtime.attention_batch import Segment
 from runtime.block_manager import BlockManager
+from runtime.cuda_graphs import CudaGraphs
+from runtime.model_runner import forward
 from runtime.request import Request
 from runtime.step_batch import step_input
 from runtime.tree import bit_rows
@@ -61,8 +64,10 @@ class DraftLMLevels:
         blocks: BlockManager,
         requests: list[Request],
         fused: Int8DraftLM | None = None,
+        graphs: CudaGraphs | None = None,
     ) -> None:
-        self.model, self.cache, self.blocks, self.requests, self.fused = model, cache, blocks, requests, fused
+        self.model, self.cache, self.blocks, self.requests = model, cache, blocks, requests
+        self.fused, self.graphs = fused, graphs
         self.device = model.lm_head.weight.device
         self.depths: list[list[int]] = [[0] for _ in requests]
         self.ancestors: list[list[int]] = [[1] for _ in requests]
@@ -81,16 +86,14 @@ class DraftLMLevels:
             torch.tensor(rows, dtype=torch.long),
             self.device,
             self.blocks.block_size,
-        ).to(self.device)
+        )
         if self.fused is not None:  # the whole forward in one C++ call (`plugins/draft_lm_forward.py`)
             logits = self.fused(
                 step.tokens, step.positions, step.slots, step.attention, step.logits_indices, self.cache
             )
             if logits is not None:
                 return logits
-        paged = PagedBatch(self.cache, step.slots, step.attention)
-        out = self.model(step.tokens[None], step.positions[None], paged, logits_indices=step.logits_indices[None])
-        return out.logits[0]
+        return forward(self.model, self.cache, step, self.graphs).logits[0]
 
     def first(self) -> torch.Tensor:
         """Every request's catch-up and root in one forward."""

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from runtime.block_manager import BlockManager
+from runtime.cuda_graphs import GraphLimits
 from runtime.loaded_engine import LoadedEngine
 from runtime.request import Request
 from runtime.speculation_policy import DraftCall
@@ -100,6 +101,12 @@ class Proposer(ABC):
         (`cost_paths`), to seed load-aware speculation's draft-cost fits (vLLM's profiling
         run). Default: none (the fits then learn from live steps)."""
         return {}
+
+    def capture_graphs(self, limits: GraphLimits) -> None:  # noqa: B027 (an optional hook)
+        """On a GPU with CUDA graphs on, `EngineCore` hands every proposer the engine's
+        graph limits once, at start: a proposer captures its drafter's device work as CUDA
+        graphs (`runtime/cuda_graphs.py`: a draft LM's forwards as the target's, a
+        fixed-shape search per shape) and replays them. Default: nothing (eager drafting)."""
 
     def on_accept(  # noqa: B027 (an optional hook)
         self, request: Request, tree: DraftTree, accepted: Acceptance, moves: KVMoves | None

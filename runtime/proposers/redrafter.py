@@ -13,6 +13,7 @@ whose drafter is a draft LM, "redrafter" means deterministic beams drafted level
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
@@ -23,6 +24,9 @@ from torch import nn
 
 from model_defs.redrafter import ReDrafter
 from plugins.beam_packing import pack, unpacked
+from runtime.block_manager import BlockManager
+from runtime.cuda_graphs import BUCKETS, CapturedCalls, GraphLimits, bucket_of
+from runtime.loaded_engine import LoadedEngine
 from runtime.proposers.beam_search import beam_search
 from runtime.proposers.proposer import Proposer, target_hidden
 from runtime.request import Request
@@ -65,6 +69,36 @@ def node_probs(
     return out.scatter_(1, index, step_log_probs.reshape(b, w * length, v).exp())[:, :num_nodes]
 
 
+def search_trees(
+    drafter: ReDrafter,
+    embed: nn.Embedding,
+    hidden: torch.Tensor,  # [B, D]
+    bonus: torch.Tensor,  # [B] int64
+    width: int,
+    length: int,
+    packing: bool = True,
+    with_dists: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """Beam search and packing on the device, up to what the host reads, with no read-back
+    (so `CapturedCalls` can capture it as one CUDA graph): `[5, B, N]` int64 (per packed
+    node: token, parent, depth, node budget; then the tree's node count, repeated) and the
+    tree masks `[B, N, N]`; with `with_dists`, the draft laws `[B, N, V]` too."""
+    drafts = beam_search(drafter, embed, hidden, bonus, width, length, with_dists)
+    tree = pack(drafts.beams) if packing else unpacked(drafts.beams)
+    b, w, d = tree.unpack_index.shape
+    beam = torch.arange(w, device=hidden.device)[None, :, None].expand(b, w, d).reshape(b, w * d)
+    first = torch.full((b, w * d), w, device=hidden.device)
+    first_beam = first.scatter_reduce(1, tree.unpack_index.reshape(b, w * d), beam, "amin")
+    # smallest size that holds a node (`ReDrafterProposer.sizes`): the first beam's node at depth d is
+    # the one-beam chain cut at d (d + 1 nodes); a node first in beam k > 0, the first k + 1 beams
+    node_budget = torch.where(first_beam == 0, tree.depths + 1, 1 + (first_beam + 1) * length)
+    num_nodes = tree.num_nodes[:, None].expand(b, w * d)
+    fields = torch.stack([tree.tokens, tree.parents, tree.depths, node_budget, num_nodes])
+    if drafts.step_log_probs is None:
+        return fields, tree.tree_mask
+    return fields, tree.tree_mask, node_probs(drafts.step_log_probs, tree.unpack_index, w * d)
+
+
 @torch.inference_mode()
 def draft_trees(
     drafter: ReDrafter,
@@ -75,6 +109,7 @@ def draft_trees(
     length: int,
     with_dists: bool,
     packing: bool = True,
+    graphs: CapturedCalls | None = None,
 ) -> list[DraftTree]:
     """One packed tree per request (`packing=False`: beams unmerged); `with_dists` attaches
     the per-node draft distributions. The proposer never asks for them: beams are
@@ -82,24 +117,28 @@ def draft_trees(
     (`runtime/verify.py`), and the laws only serve the test that Apple's per-beam rule,
     which reads them, fails. Asked for, the search builds `[B, W, V]` log-distributions a
     level and leaves the C++ path: on the demo engine at T=1 that made drafting 2-5x
-    dearer (batch 1, one beam of 5: 2.36 -> 0.68 ms; batch 32: 19.0 -> 4.3 ms)."""
-    drafts = beam_search(drafter, embed, hidden, torch.tensor(bonus, device=hidden.device), width, length, with_dists)
-    tree = pack(drafts.beams) if packing else unpacked(drafts.beams)
-    b, w, d = tree.unpack_index.shape
-    beam = torch.arange(w, device=hidden.device)[None, :, None].expand(b, w, d).reshape(b, w * d)
-    first = torch.full((b, w * d), w, device=hidden.device)
-    first_beam = first.scatter_reduce(1, tree.unpack_index.reshape(b, w * d), beam, "amin")
-    # smallest size that holds a node (`ReDrafterProposer.sizes`): the first beam's node at depth d is
-    # the one-beam chain cut at d (d + 1 nodes); a node first in beam k > 0, the first k + 1 beams
-    node_budget = torch.where(first_beam == 0, tree.depths + 1, 1 + (first_beam + 1) * length)
+    dearer (batch 1, one beam of 5: 2.36 -> 0.68 ms; batch 32: 19.0 -> 4.3 ms).
+
+    With `graphs` (a GPU), the search replays a CUDA graph captured for the batch padded
+    to its bucket (`runtime/cuda_graphs.py`), one per (bucket, width, length, packing): an
+    eager search launches ~12 kernels a level from Python and cost ~2.4 ms of an H100
+    host's ~5 ms ReDrafter step (W=4, L=5, batch 1). The padding rows' trees are dropped."""
+    rows = len(bonus)
+    roots = torch.tensor(bonus, device=hidden.device)
+    padded = None if graphs is None or with_dists else bucket_of(rows)
+    if graphs is None or padded is None:
+        found = search_trees(drafter, embed, hidden, roots, width, length, packing, with_dists)
+    else:
+        if padded > rows:
+            hidden = torch.cat([hidden, hidden.new_zeros(padded - rows, hidden.shape[1])])
+            roots = torch.cat([roots, roots.new_zeros(padded - rows)])
+        search = functools.partial(search_trees, drafter, embed, width=width, length=length, packing=packing)
+        fields, masks = graphs((width, length, packing), search, hidden, roots)
+        found = (fields[:, :rows], masks[:rows])
     # everything the host needs in two copies (one per dtype): each .tolist() on a GPU would sync
-    num_nodes = tree.num_nodes[:, None].expand(b, w * d)
-    tokens, parents, depths, budgets, counts = torch.stack(
-        [tree.tokens, tree.parents, tree.depths, node_budget, num_nodes]
-    ).tolist()
-    masks = tree.tree_mask.cpu()
-    sizes = [c[0] for c in counts]
-    dists = None if drafts.step_log_probs is None else node_probs(drafts.step_log_probs, tree.unpack_index, max(sizes))
+    tokens, parents, depths, budgets, counts = found[0].tolist()
+    masks = found[1].cpu()
+    dists = found[2] if with_dists else None
     return [
         DraftTree(
             tokens[b][:num],
@@ -109,7 +148,7 @@ def draft_trees(
             masks[b, :num, :num],
             budgets[b][:num],
         )
-        for b, num in enumerate(sizes)
+        for b, num in enumerate(c[0] for c in counts)
     ]
 
 
@@ -132,8 +171,36 @@ class ReDrafterProposer(Proposer):
     auto-regression (3 rounds in one process, same prompts), where the sizes were beam widths only
     (1 + w L nodes: 6, 11, 21) and no choice but no drafting paid."""
 
+    def __init__(self, engine: LoadedEngine, blocks: BlockManager) -> None:
+        super().__init__(engine, blocks)
+        self.searches: CapturedCalls | None = None
+        """The beam searches captured as CUDA graphs (`capture_graphs`), on a GPU."""
+
     def setting_names(self, method: str) -> Collection[str]:
         return ("beam_width", "beam_length", "packing")
+
+    def capture_graphs(self, limits: GraphLimits) -> None:
+        """Capture the search of every tree size the engine's default settings offer
+        (`sizes`), for every batch bucket up to the engine's batch: ~40 graphs for W=4,
+        L=5 up to batch 32. A request's own settings are captured on their first call."""
+        self.searches = CapturedCalls()
+        spec = self.engine.config.drafter
+        params = self.params("redrafter", spec.settings if spec else {})
+        shapes = [self.shape(params, size) for size in self.sizes(params)[1:]]
+        top = bucket_of(limits.max_requests) or limits.max_requests
+        for rows in (b for b in BUCKETS if b <= top):
+            for width, length in shapes:
+                self._draft([0] * rows, self._zeros(rows), width, length, params.packing)
+
+    def _zeros(self, rows: int) -> torch.Tensor:
+        model = self.engine.model
+        return torch.zeros(rows, model.config.hidden_size, dtype=model.lm_head.weight.dtype, device=self.engine.device)
+
+    def _draft(self, roots: list[int], hidden: torch.Tensor, width: int, length: int, packing: bool) -> list[DraftTree]:
+        drafter = self.engine.redrafter
+        assert drafter is not None
+        embed = self.engine.model.model.embed_tokens
+        return draft_trees(drafter, embed, hidden, roots, width, length, False, packing, self.searches)
 
     def params(self, method: str, settings: Mapping[str, Any]) -> ReDrafterParams:
         return ReDrafterParams(**settings)
@@ -164,8 +231,6 @@ class ReDrafterProposer(Proposer):
         pick for one request, one beam for 8 and 32 requests (so the fit sees nodes drafted
         by wider beams as well as by more requests), and short chains (1 draft for one
         request, 2 for 8 and 32: so the per-level price is fitted apart from the per-node one)."""
-        drafter, model = self.engine.redrafter, self.engine.model
-        assert drafter is not None
         spec = self.engine.config.drafter
         settings = spec.settings if spec else {}
         length = settings.get("beam_length", ReDrafterParams.beam_length)
@@ -173,18 +238,14 @@ class ReDrafterProposer(Proposer):
         samples = []
         shapes = [(1, w, length) for w in widths] + [(8, 1, length), (32, 1, length), (1, 1, 1), (8, 1, 2), (32, 1, 2)]
         for rows, width, depth in shapes:
-            hidden = torch.zeros(
-                rows, model.config.hidden_size, dtype=model.lm_head.weight.dtype, device=self.engine.device
-            )
+            hidden = self._zeros(rows)
             for _ in range(2):
                 start = time.perf_counter()
-                draft_trees(drafter, model.model.embed_tokens, hidden, [0] * rows, width, depth, False)
+                self._draft([0] * rows, hidden, width, depth, True)
                 samples.append((depth, rows * width * depth, 0, rows * depth, time.perf_counter() - start))
         return {"": samples}
 
     def propose(self, requests: list[Request], budgets: list[int]) -> list[DraftTree]:
-        drafter = self.engine.redrafter
-        assert drafter is not None
         trees: dict[Request, DraftTree] = {}
         groups: dict[tuple[int, int, bool], list[Request]] = {}
         for request, budget in zip(requests, budgets, strict=True):
@@ -194,10 +255,8 @@ class ReDrafterProposer(Proposer):
             params = request.draft_params
             width, length = self.shape(params, largest_fitting(self.sizes(params), budget))
             groups.setdefault((width, length, params.packing), []).append(request)
-        embed = self.engine.model.model.embed_tokens
         for (width, length, packing), group in groups.items():
             # no draft laws, whatever the temperature: beams are deterministic, verified as point masses
-            roots = [r.tokens[-1] for r in group]
-            drafted = draft_trees(drafter, embed, target_hidden(group), roots, width, length, False, packing)
+            drafted = self._draft([r.tokens[-1] for r in group], target_hidden(group), width, length, packing)
             trees |= dict(zip(group, drafted, strict=True))
         return [trees[r] for r in requests]

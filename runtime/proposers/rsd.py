@@ -42,6 +42,7 @@ import torch
 from model_defs.paged_kv_cache import PagedKVCache
 from plugins.draft_lm_forward import Int8DraftLM
 from runtime.block_manager import BlockManager
+from runtime.cuda_graphs import CudaGraphs, GraphLimits
 from runtime.gumbel import draw_rows, gumbel_top_k_rows, top_k_valid_rows, truncated_gumbel
 from runtime.loaded_engine import LoadedEngine
 from runtime.proposers.level_drafters import DraftLMLevels, RNNLevels
@@ -578,6 +579,13 @@ class LevelTreeProposer(Proposer):
         )
         self.fused = Int8DraftLM.of(draft) if draft is not None else None
         """The draft LM's forward as one C++ call, where it applies (`plugins/draft_lm_forward.py`)."""
+        self.graphs: CudaGraphs | None = None
+        """The draft LM's forwards captured as CUDA graphs (`capture_graphs`), on a GPU."""
+
+    def capture_graphs(self, limits: GraphLimits) -> None:
+        if self.draft_cache is not None:
+            assert self.engine.draft_model is not None
+            self.graphs = limits.forwards(self.engine.draft_model, self.draft_cache)
 
     def setting_names(self, method: str) -> Collection[str]:
         return SETTINGS[method]
@@ -691,7 +699,9 @@ class LevelTreeProposer(Proposer):
             drafter: RNNLevels | DraftLMLevels
             if self.draft_cache is not None:
                 assert self.engine.draft_model is not None
-                drafter = DraftLMLevels(self.engine.draft_model, self.draft_cache, self.blocks, group, self.fused)
+                drafter = DraftLMLevels(
+                    self.engine.draft_model, self.draft_cache, self.blocks, group, self.fused, self.graphs
+                )
             else:
                 assert self.engine.redrafter is not None
                 embed = self.engine.model.model.embed_tokens

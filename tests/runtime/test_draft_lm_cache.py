@@ -20,6 +20,7 @@ from tokenizers import Tokenizer, models
 from model_defs.llama import ARCHITECTURE
 from runtime import engine_core
 from runtime.config import RuntimeConfig
+from runtime.cuda_graphs import CudaGraphs
 from runtime.engine_dir import BuildConfig, DrafterSpec, EngineConfig
 from runtime.kv_budget import KVBudget
 from runtime.llm_engine import LLMEngine
@@ -27,7 +28,7 @@ from runtime.loaded_engine import LoadedEngine
 from runtime.sampling import SamplingParams
 from runtime.tree import DraftTree, children_lists
 from runtime.verify import Acceptance
-from tests.device import TEST_DEVICE
+from tests.device import ON_CPU, TEST_DEVICE
 from tests.tiny_models import tiny_target
 
 V = 11
@@ -76,3 +77,35 @@ def test_identical_draft_is_always_accepted(method: str, temperature: float, mon
     if temperature == 0:
         reference = LLMEngine(engine, RuntimeConfig(max_batch_size=6)).generate(prompts(), params, "ar")
         assert [r.output_ids for r in results] == [r.output_ids for r in reference]
+
+
+@pytest.mark.skipif(ON_CPU, reason="CUDA graphs need a GPU (SPECPIPE_TEST_DEVICE=cuda)")
+@pytest.mark.parametrize("method", ["sd", "rsd-s"])
+def test_draft_lm_graphs_draft_what_eager_forwards_draft(method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the draft LM's levels replay captured CUDA graphs (`Proposer.capture_graphs`).
+    Greedy drafting is the argmax of the draft logits, so an engine whose graphs read stale
+    inputs or a misplaced K/V drafts other trees than one that runs the same forwards eagerly;
+    the outputs stay AR's either way (verification is the target's)."""
+    drafted: dict[bool, list[list[int]]] = {True: [], False: []}
+    replays: list[int] = []
+
+    def recording(trees: list[DraftTree], *args: Any) -> list[Acceptance]:
+        drafted[graphs_on].extend(tree.tokens for tree in trees)
+        return real_accept(trees, *args)
+
+    def counting(self: CudaGraphs, tokens: torch.Tensor, *args: Any) -> Any:
+        replays.append(self.model is engine.draft_model)
+        return real_run(self, tokens, *args)
+
+    real_accept, real_run = engine_core.accept_batch, CudaGraphs.run
+    monkeypatch.setattr(engine_core, "accept_batch", recording)
+    monkeypatch.setattr(CudaGraphs, "run", counting)
+    engine = self_drafting_engine()
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True) for _ in range(6)]
+    outputs = {}
+    for graphs_on in (True, False):
+        config = RuntimeConfig(max_batch_size=6, max_num_tokens=128, speculation="fixed", cuda_graphs=graphs_on)
+        outputs[graphs_on] = [r.output_ids for r in LLMEngine(engine, config).generate(prompts()[:6], params, method)]
+    assert sum(replays) > 20, "the draft LM's levels must replay its graphs"
+    assert drafted[True] == drafted[False]
+    assert outputs[True] == outputs[False]

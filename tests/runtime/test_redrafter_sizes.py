@@ -12,7 +12,9 @@ import itertools
 import pytest
 import torch
 
+from runtime.cuda_graphs import CapturedCalls
 from runtime.proposers.redrafter import ReDrafterParams, ReDrafterProposer, draft_trees
+from tests.device import ON_CPU
 from tests.runtime.test_beam_search import inputs, setup
 from tests.runtime.test_tree_ladder import _within
 
@@ -72,3 +74,26 @@ def test_a_wider_tree_labels_its_first_beam_by_depth_and_the_others_by_beam() ->
             held = [n for n, b in enumerate(tree.node_budget) if b <= 1 + k * length]
             assert len(held) <= 1 + k * length and all(tree.parents[n] in held for n in held[1:])
         assert max(tree.node_budget) <= 1 + width * length
+
+
+@pytest.mark.skipif(ON_CPU, reason="CUDA graphs need a GPU (SPECPIPE_TEST_DEVICE=cuda)")
+@torch.no_grad()
+def test_captured_searches_draft_the_eager_searches_trees() -> None:
+    """On a GPU the proposer replays its beam searches as CUDA graphs, the batch padded to
+    a bucket (`draft_trees(graphs=...)`): every tree, for batches on and between buckets,
+    every width and depth and both packings, is the eager search's, node for node; a
+    replay that read the previous call's inputs (or a padding row's tree) would not be."""
+    drafter, embed = setup(vocab=40)
+    graphs = CapturedCalls()
+    for rows, width, length in [(1, 1, 3), (3, 4, 4), (4, 4, 4), (5, 2, 3), (3, 4, 4)]:
+        for packing in (True, False):
+            roots = [(7 * i + rows) % 40 for i in range(rows)]
+            h, _ = inputs(rows, roots)
+            eager = draft_trees(drafter, embed, h, roots, width, length, False, packing)
+            replayed = draft_trees(drafter, embed, h, roots, width, length, False, packing, graphs)
+            for got, want in zip(replayed, eager, strict=True):
+                assert (got.tokens, got.parents, got.depths, got.node_budget) == (
+                    want.tokens, want.parents, want.depths, want.node_budget,
+                )  # fmt: skip
+                assert got.mask is not None and want.mask is not None and torch.equal(got.mask, want.mask)
+    assert len(graphs.graphs) == 6  # (1 row, 3 and 4 rows padded to 4, 5 to 8) x packing; the rest replay
