@@ -313,10 +313,16 @@ def run(args: argparse.Namespace) -> None:
                         f"{path.name} B={batch} T={temperature:g}: "
                         + ", ".join(f"{c.method} {c.tokens_per_s:.0f} tok/s {c.ratio_to_ar:.2f}x" for c in new)
                     )
+                    report(args, cells, engines_meta)  # after every cell: a run cut short keeps what it measured
                     bar.update()
             del llm, loaded
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
+    report(args, cells, engines_meta)
+
+
+def report(args: argparse.Namespace, cells: list[Cell], engines_meta: dict[str, dict[str, Any]]) -> None:
+    """Write `<out>.json` and `<out>.md` with the cells measured so far."""
     meta = {
         "command": command_line(args),
         "args": {
