@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from plugins import kv_compaction
 from plugins.kv_compaction import copy_kv_slots
 from plugins.kv_write import write_new_tokens
 from plugins.paged_attention import paged_attention
@@ -64,6 +65,11 @@ class PagedKVCache:
         """Store k, v `[N, H_kv, D]` of N new tokens at `slots` `[N]`."""
         self.k[layer][slots] = k
         self.v[layer][slots] = v
+
+    def warm_up(self) -> None:
+        """On a GPU, compile the compaction kernel for this cache now (`kv_compaction.warm_up`)."""
+        if self.kv.device.type == "cuda":
+            kv_compaction.warm_up(self.kv, self.scratch_slot)
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Move the K/V at slots `src` `[M]` to slots `dst` `[M]` in every layer (accepted-path

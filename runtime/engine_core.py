@@ -66,6 +66,7 @@ class EngineCore:
         num_blocks = kv_cache_blocks(engine, config.kv, config.block_size, self.max_batch_size, config.max_draft_tokens)
         self.blocks = BlockManager(num_blocks, config.block_size)
         cache = engine.model.new_kv_cache(num_blocks, config.block_size)
+        cache.warm_up()
         engine.model.set_batch_invariant(config.batch_invariant)
         limits = None
         if config.cuda_graphs and engine.device.type == "cuda" and broadcast is None:
@@ -87,7 +88,7 @@ class EngineCore:
             for proposer in instances.values():
                 proposer.capture_graphs(limits)
         self.policy = SpeculationPolicy(adaptive=config.speculation == "load-aware")
-        self.clock = StepClock(torch.cuda.synchronize if config.profile and engine.device.type == "cuda" else None)
+        self.clock = StepClock(torch.cuda.synchronize if engine.device.type == "cuda" else None, config.profile)
         """Seconds per step phase (`make profile`)."""
         self._requests: dict[str, Request] = {}
         self._lock = threading.Lock()
@@ -122,6 +123,8 @@ class EngineCore:
             segments, rows = [Segment(0, 0, slots[:n])], torch.arange(n)
             step = step_input(torch.zeros_like(rows), rows, segments, rows, self.engine.device, self.blocks.block_size)
             self.runner.execute(step)
+            if self.engine.device.type == "cuda":
+                torch.cuda.synchronize()  # what is timed is the forward's kernels, not their launch
 
         try:
             self.policy.calibrate(forward, most)
@@ -165,7 +168,7 @@ class EngineCore:
             return finished + [self._finish(item.request, "error", describe(e)) for item in work]
         stats = StepStats(
             len(batch.step.tokens),
-            clock.lap("forward"),
+            clock.lap("forward", wait=True),
             drafting,
             num_requests=len(work),
             prefill=any(item.prefill for item in work),

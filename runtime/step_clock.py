@@ -9,8 +9,12 @@ reads it; the load-aware policy reads the draft and forward phases of each step)
     commit    KV compaction, block bookkeeping, the proposers' `on_accept`
     emit      the requests' callbacks (streaming, detokenizing in front ends)
 
-On a GPU the work is asynchronous: without `sync` a phase's kernels are paid by whichever
-later phase first waits for them, so profiles synchronise the device at every lap.
+On a GPU the work is asynchronous: without a synchronise a phase's kernels are paid by
+whichever later phase first waits for them, so profiles synchronise the device at every lap,
+and every step at the end of its forward (`lap(..., wait=True)`): load-aware speculation
+prices forwards and drafting apart, and the forward's kernels, paid by verification, were
+charged to drafting (verification's time is), so that on an H100 the policy switched
+drafting off where a fixed ReDrafter ran ~2x auto-regression.
 """
 
 from __future__ import annotations
@@ -33,9 +37,11 @@ class StepKind:
 
 
 class StepClock:
-    def __init__(self, sync: Callable[[], None] | None = None) -> None:
+    def __init__(self, sync: Callable[[], None] | None = None, every_lap: bool = False) -> None:
         self.sync = sync
-        """Called before every reading (a device synchronise), or None."""
+        """A device synchronise (None on the CPU): before every reading if `every_lap`
+        (profiles), else before the laps that ask for it (`lap(wait=True)`)."""
+        self.every_lap = every_lap
         self.totals = dict.fromkeys(PHASES, 0.0)
         """Seconds per phase since the last `reset`."""
         self.steps = 0
@@ -86,9 +92,10 @@ class StepClock:
         self._emitted = 0
         self._last = self._now()
 
-    def lap(self, phase: str) -> float:
-        """The time since the last lap (less any `nested` time in it) goes to `phase`."""
-        now = self._now()
+    def lap(self, phase: str, wait: bool = False) -> float:
+        """The time since the last lap (less any `nested` time in it) goes to `phase`;
+        `wait`: the device's work queued so far is part of it."""
+        now = self._now(wait)
         seconds = now - self._last - self._nested
         self._last, self._nested = now, 0.0
         self._add(phase, seconds)
@@ -113,7 +120,7 @@ class StepClock:
         self.totals[phase] += seconds
         self.step[phase] += seconds
 
-    def _now(self) -> float:
-        if self.sync is not None:
+    def _now(self, wait: bool = False) -> float:
+        if self.sync is not None and (wait or self.every_lap):
             self.sync()
         return time.perf_counter()

@@ -577,6 +577,8 @@ class LevelTreeProposer(Proposer):
         self.draft_cache: PagedKVCache | None = (
             draft.new_kv_cache(blocks.num_blocks, blocks.block_size) if draft is not None else None
         )
+        if self.draft_cache is not None:
+            self.draft_cache.warm_up()
         self.fused = Int8DraftLM.of(draft) if draft is not None else None
         """The draft LM's forward as one C++ call, where it applies (`plugins/draft_lm_forward.py`)."""
         self.graphs: CudaGraphs | None = None

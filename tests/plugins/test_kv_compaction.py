@@ -16,7 +16,7 @@ if ON_CPU:
 import pytest
 import torch
 
-from plugins.kv_compaction import copy_kv_slots, copy_kv_slots_triton
+from plugins.kv_compaction import copy_kv_slots, copy_kv_slots_triton, warm_up
 
 DEVICE = TEST_DEVICE  # SPECPIPE_TEST_DEVICE: "cpu" (kernels in the interpreter) or "cuda"
 
@@ -111,3 +111,12 @@ def test_bad_inputs_are_refused() -> None:
         copy_kv_slots(kv, index.float(), index)
     with pytest.raises(ValueError, match=r"\[2, L, num_slots, H_kv, D\]"):
         copy_kv_slots_triton(kv[:1], index, index)
+
+
+def test_warm_up_moves_one_slot_onto_itself_and_changes_nothing() -> None:
+    """`warm_up` launches every tile size up to its bound (on a GPU: compiles them), moving
+    one slot onto itself: the cache is unchanged, the slot's K/V included."""
+    kv = random_kv()
+    before = kv.clone()
+    warm_up(kv, slot=5, most=8)
+    assert torch.equal(kv, before)

@@ -1,0 +1,35 @@
+"""`StepClock` on an asynchronous device: the laps that wait (the forward) are charged the
+device's queued work; the others are not synchronised, except in profiles (every lap)."""
+
+from __future__ import annotations
+
+import time
+
+from runtime.step_clock import StepClock
+
+
+class SlowDevice:
+    """Stands in for `torch.cuda.synchronize` (no GPU here): each call drains 20 ms of work."""
+
+    def __init__(self) -> None:
+        self.syncs = 0
+
+    def __call__(self) -> None:
+        self.syncs += 1
+        time.sleep(0.02)
+
+
+def test_the_forward_lap_waits_for_the_device_and_the_others_do_not() -> None:
+    device = SlowDevice()
+    clock = StepClock(device)
+    clock.start()
+    clock.lap("draft")
+    forward = clock.lap("forward", wait=True)
+    clock.lap("verify")
+    assert device.syncs == 1
+    assert forward >= 0.02  # the queued kernels are the forward's, not verification's
+    profiling = StepClock(device, every_lap=True)
+    profiling.start()
+    for phase in ("draft", "forward", "verify"):
+        profiling.lap(phase)
+    assert device.syncs == 1 + 4  # start and every lap
