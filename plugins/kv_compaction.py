@@ -122,9 +122,9 @@ def copy_kv_slots_triton(kv: Tensor, src: Tensor, dst: Tensor) -> None:
 def warm_up(kv: Tensor, slot: int, most: int = WARM_SLOTS) -> None:
     """Compile the kernel for `kv`'s shape now, for every power-of-two tile of up to `most`
     moved slots, by moving `slot` onto itself (K/V unchanged). Triton compiles a kernel on
-    its first launch of each tile size (~0.1-1 s): unwarmed, that landed in the first steps
-    that accepted drafts, and in the first timed rounds of an H100 sweep (ReDrafter at
-    0.44x auto-regression at batch 1, where a warm engine ran ~2x)."""
+    its first launch of each tile size (~0.1-1 s, less from its disk cache): unwarmed, the
+    first steps that accepted drafts paid for it, inside a request's latency (and inside
+    the first timed round of a benchmark)."""
     m = 1
     while m <= min(most, MAX_TILE):
         index = torch.full((m,), slot, dtype=torch.int64, device=kv.device)
