@@ -116,7 +116,7 @@ class CudaGraphs:
         max_tokens: int,
     ) -> None:
         self.model, self.cache = model, cache
-        self.buckets = [b for b in BUCKETS if b <= max_tokens] or [BUCKETS[0]]
+        self.buckets = tuple(b for b in BUCKETS if b <= max_tokens) or BUCKETS[:1]
         n, device = self.buckets[-1], cache.kv.device
         self.max_requests, self.max_blocks, self.max_tree = max_requests, max_blocks, max_tree
         self.host64 = torch.zeros(4, n, dtype=torch.long, pin_memory=True)
@@ -184,7 +184,7 @@ class CudaGraphs:
         return graph, out
 
     def bucket(self, num_tokens: int) -> int | None:
-        return bucket_of(num_tokens, tuple(self.buckets))
+        return bucket_of(num_tokens, self.buckets)
 
     def fits(self, num_tokens: int, meta: Attention) -> bool:
         """A step the graphs can run: row form, within the buckets and the buffers."""
