@@ -17,7 +17,7 @@ Drafting is only proposals: the emitted tokens never depend on the drafter's rou
 
 `Int8DraftLM.of(model)` is None where the op does not apply (not fp32 on the CPU, a linear
 without an int8 copy, biases, tensor parallelism, a head size the attention kernel is not
-built for, kernels off, a CPU without AVX-512 VNNI: `plugins.int8_linear.vectorized`);
+built for, kernels off, a CPU with neither AVX-512 VNNI nor AVX2: `plugins.int8_linear.vectorized`);
 `__call__` is None for a step it does not take (the row form of attention metadata, a
 prefill chunk longer than the attention kernel's `KERNEL_MAX_T`), and the caller runs the
 model's forward.

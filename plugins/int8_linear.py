@@ -1,6 +1,6 @@
 """`specpipe::int8_linear`: a drafter's linear on int8 weights, for the few-row products of
-drafting, with a C++ kernel (`plugins/csrc/int8_linear.h`, AVX-512 VNNI where the CPU has
-it) that the draft LM's one-call forward uses (`plugins/draft_lm_forward.py`).
+drafting, with a C++ kernel (`plugins/csrc/int8_linear.h`: AVX-512 VNNI where the CPU has
+it, else AVX2) that the draft LM's one-call forward uses (`plugins/draft_lm_forward.py`).
 
     x [M, I] fp32; w [O, I] int8, symmetric, one scale per output row (`Int8Weight`)
     per row m: s_m = max(max |x_m|, FLT_MIN) / 127, q_m = round_half_even(x_m / s_m)
@@ -38,6 +38,8 @@ class Int8Weight(NamedTuple):
         """From fbgemm's packed copy (`quantize_int8`): the same int8 weights and scales."""
         qweight, _ = packed.unpack()
         weight = qweight.int_repr().contiguous()
+        if weight.numel() and int(weight.min()) == -128:  # AVX2's vpsignb cannot negate -128
+            raise ValueError("int8 weights must lie in [-127, 127]: quantize with scale max|w| / 127 (quantize_int8)")
         scale = qweight.q_per_channel_scales().float().contiguous()
         return cls(weight, block_weight(weight), scale, weight.sum(1, dtype=torch.int32))
 
@@ -65,8 +67,8 @@ def _kernel_built() -> bool:
 
 
 def vectorized() -> bool:
-    """Whether the kernel is built with its AVX-512 VNNI tiles on this CPU; without them it is
-    a scalar loop, slower than fbgemm, and the ops that would call it stand aside."""
+    """Whether the kernel is built with its AVX-512 VNNI or AVX2 tiles on this CPU; without
+    them it is a scalar loop, slower than fbgemm, and the ops that would call it stand aside."""
     return _kernel_built() and bool(torch.ops.specpipe_cpu.int8_linear_vectorized())
 
 

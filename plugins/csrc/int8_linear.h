@@ -9,7 +9,10 @@
 //
 // The integer sums are exact, so any summation order gives the same bits. With AVX-512 VNNI
 // `vpdpbusd` multiplies unsigned by signed bytes: the kernel feeds q + 128 (0..255) and takes
-// 128 w_sum[o] back off. Unlike fbgemm's dynamic linear, activations keep 8 bits (fbgemm's x86
+// 128 w_sum[o] back off. With AVX2 only (no VNNI), `vpmaddubsw` multiplies |q| (0..127) by
+// w carrying q's sign (`vpsignb`), so a pair sum is at most 2 x 127 x 127 < 2^15 and never
+// saturates: exact too, given w in [-127, 127] (`Int8Weight.of` checks; fbgemm's symmetric
+// scales give that), and `vpmaddwd` by ones widens the pairs to 32 bits. Unlike fbgemm's dynamic linear, activations keep 8 bits (fbgemm's x86
 // path uses 7 to stay clear of int16 saturation, which vpdpbusd does not have) and nothing is
 // allocated or packed per call: fbgemm spends ~13 us a call before its first product, which on
 // the demo draft LM's 256-wide layers is most of the call.
@@ -30,6 +33,9 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define SPECPIPE_VNNI 1
+#elif defined(__AVX2__)
+#include <immintrin.h>
+#define SPECPIPE_AVX2 1
 #endif
 
 namespace specpipe {
@@ -109,6 +115,51 @@ inline void int8_tile_rows(int64_t R, const uint8_t* qu, const float* s, int64_t
 }
 #endif
 
+#ifdef SPECPIPE_AVX2
+// One block of 16 output rows (b) for R rows of x (from m0), each 64-byte line of the blocked
+// weight taken as two 32-byte halves (outputs 0-7 and 8-15): 2 x R independent accumulators.
+template <int R>
+inline void int8_tile_avx2(const int8_t* q, const float* s, int64_t Ip, const int8_t* blocked, const float* w_scale,
+                           float* y, int64_t O, int64_t b, int64_t m0) {
+  const int64_t J = Ip / 4;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i acc[2][R];
+  for (int h = 0; h < 2; ++h)
+    for (int r = 0; r < R; ++r) acc[h][r] = _mm256_setzero_si256();
+  for (int64_t j = 0; j < J; ++j) {
+    __m256i xs[R], xa[R];
+    for (int r = 0; r < R; ++r) {
+      int32_t four;
+      std::memcpy(&four, q + (m0 + r) * Ip + 4 * j, 4);
+      xs[r] = _mm256_set1_epi32(four);
+      xa[r] = _mm256_abs_epi8(xs[r]);
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blocked + (b * J + j) * 64 + 32 * h));
+      for (int r = 0; r < R; ++r) {
+        const __m256i pairs = _mm256_maddubs_epi16(xa[r], _mm256_sign_epi8(wv, xs[r]));
+        acc[h][r] = _mm256_add_epi32(acc[h][r], _mm256_madd_epi16(pairs, ones));
+      }
+    }
+  }
+  for (int h = 0; h < 2; ++h) {
+    const int64_t o = 16 * b + 8 * h, lanes = std::min<int64_t>(8, O - o);
+    if (lanes <= 0) break;
+    for (int r = 0; r < R; ++r) {
+      float* out = y + (m0 + r) * O + o;
+      const __m256 exact = _mm256_cvtepi32_ps(acc[h][r]);
+      if (lanes == 8) {
+        _mm256_storeu_ps(out, _mm256_mul_ps(exact, _mm256_mul_ps(_mm256_set1_ps(s[m0 + r]), _mm256_loadu_ps(w_scale + o))));
+      } else {
+        alignas(32) float sums[8];
+        _mm256_store_ps(sums, exact);
+        for (int64_t l = 0; l < lanes; ++l) out[l] = sums[l] * (s[m0 + r] * w_scale[o + l]);
+      }
+    }
+  }
+}
+#endif
+
 // Output rows are taken 16 at a time from the blocked copy of w, `blocked [ceil(O/16),
 // ceil(I/4), 16, 4]` (`plugins.int8_linear.block_weight`: element [b, j, r, c] = w[16 b + r,
 // 4 j + c], zero past w's edges), so one `vpdpbusd` adds 4 inputs' products into 16 outputs'
@@ -126,6 +177,22 @@ inline void int8_blocks(const uint8_t* qu, const int8_t* q, const float* s, int6
     int64_t b = b0;
     for (; b + 4 <= b1; b += 4) int8_tile_rows<4>(R, qu, s, Ip, blocked, w_scale, w_sum, y, O, b, m0);
     for (; b < b1; ++b) int8_tile_rows<1>(R, qu, s, Ip, blocked, w_scale, w_sum, y, O, b, m0);
+  }
+#elif defined(SPECPIPE_AVX2)
+  (void)qu;
+  (void)w;
+  (void)I;
+  (void)w_sum;
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    const int64_t R = std::min<int64_t>(4, M - m0);
+    for (int64_t b = b0; b < b1; ++b) {
+      switch (R) {
+        case 4: int8_tile_avx2<4>(q, s, Ip, blocked, w_scale, y, O, b, m0); break;
+        case 3: int8_tile_avx2<3>(q, s, Ip, blocked, w_scale, y, O, b, m0); break;
+        case 2: int8_tile_avx2<2>(q, s, Ip, blocked, w_scale, y, O, b, m0); break;
+        default: int8_tile_avx2<1>(q, s, Ip, blocked, w_scale, y, O, b, m0);
+      }
+    }
   }
 #else
   (void)qu;

@@ -15,9 +15,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   return specpipe::int8_linear(x, w, blocked, w_scale, w_sum);
 }
 
-// Whether the kernel was built with its AVX-512 VNNI tiles (else a scalar loop, slower than fbgemm).
+// Whether the kernel was built with its AVX-512 VNNI or AVX2 tiles (else a scalar loop, slower than fbgemm).
 bool int8_linear_vectorized() {
-#ifdef SPECPIPE_VNNI
+#if defined(SPECPIPE_VNNI) || defined(SPECPIPE_AVX2)
   return true;
 #else
   return false;

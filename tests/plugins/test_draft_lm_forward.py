@@ -25,7 +25,7 @@ from runtime.model_runner import StepInput
 from runtime.step_batch import step_input
 
 pytestmark = pytest.mark.skipif(
-    not cpu_kernels.load() or not vectorized(), reason="the op runs where the C++ kernels are built with AVX-512 VNNI"
+    not cpu_kernels.load() or not vectorized(), reason="the op runs where the C++ kernels are built with AVX-512 VNNI or AVX2"
 )
 
 VOCAB, SPAN = 211, 80
@@ -166,7 +166,7 @@ def test_a_variant_with_the_norms_swapped_fails() -> None:
 
 
 def test_it_stands_aside_where_it_does_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:
-    with monkeypatch.context() as m:  # a CPU without AVX-512 VNNI: fbgemm's products, through the model
+    with monkeypatch.context() as m:  # a CPU with neither VNNI nor AVX2: fbgemm's products, through the model
         m.setattr(draft_lm_forward, "vectorized", lambda: False)
         assert Int8DraftLM.of(draft_lm()) is None
     assert Int8DraftLM.of(draft_lm(int8=False)) is None  # fp32 linears
