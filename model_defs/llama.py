@@ -58,7 +58,7 @@ from torch import nn
 from model_defs.paged_kv_cache import PagedBatch, PagedKVCache
 from model_defs.rope import RopeConfig, RotaryEmbedding, apply_rope
 from plugins.batch_invariant import bi_linear_nd, bi_rms_norm
-from plugins.cpu_linear import cpu_packed_linear, int8_linear, pack_cpu_weight, packed_pays, quantize_int8
+from plugins.cpu_linear import Int8Copy, cpu_packed_linear, int8_linear, pack_cpu_weight, packed_pays, quantize_int8
 
 ARCHITECTURE = "LlamaForCausalLM"
 
@@ -250,8 +250,8 @@ class Linear(nn.Linear):
     """Set per instance by `LlamaForCausalLM.set_batch_invariant`."""
     packed: torch.Tensor | None = None
     """oneDNN-layout copy of `weight` (`pack_cpu_weights`), or None."""
-    int8: Any = None
-    """fbgemm int8 copy of `weight` (`quantize_int8`; drafters only), or None."""
+    int8: Int8Copy | None = None
+    """int8 copy of `weight` (`quantize_int8`; drafters only), or None."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x, self.bias)
@@ -289,7 +289,7 @@ def takes_cpu_copy(x: torch.Tensor) -> bool:
 class LinearStack(NamedTuple):
     """Several `Linear`s that read the same input (q/k/v, gate/up) as one product on a
     stacked copy of their weights, split back apart: oneDNN's blocked fp32 copy
-    (`pack_cpu_weights`: every fp32 model on the CPU) or fbgemm's int8 copy
+    (`pack_cpu_weights`: every fp32 model on the CPU) or an int8 copy
     (`quantize_linears_int8`: drafters). One call instead of two or three: a 1-token forward
     of the demo target makes 25 GEMM calls instead of 43 (q/k/v 83 -> 29 us, gate/up 100 ->
     61 us a layer). Every output element is the same dot product either way; int8 stacks are

@@ -25,21 +25,26 @@ that is 1.6-2x slower from 2 rows on; 32 is as fast as 8 at every size we measur
 (1-64 rows). A blocked weight is a copy: pack after the weights are final (at engine
 load), never while training.
 
-Drafter vocabulary heads may also run in int8 (`quantize_int8` / `int8_linear`, fbgemm's
-dynamic quantized linear: int8 weights per output channel, activations quantized per
-call, 7-bit). A one-row product with the 8192 x 384 head of the demo drafters is memory-bound:
-~0.9 ms in fp32 inside a draft loop, ~0.17 ms in int8, and a ReDrafter draft calls it
-once per level. Only proposals change (demo ReDrafter, 8 held-out prompts at batch 1:
-tau 3.37 either way, 1.55x -> 1.73x AR); verification and output never see it, so it is
-for drafters only, never for the target.
+Drafter linears may also run in int8 (`quantize_int8` / `int8_linear`): int8 weights per
+output row, activations quantized per row per call. The product is `specpipe::int8_linear`'s
+kernel (`plugins/int8_linear.py`: 8-bit activations, exact integer sums, AVX-512 VNNI or AVX2)
+where this CPU has it, else fbgemm's dynamic quantized linear (7-bit activations). A one-row
+product with the 8192 x 384 head of the demo drafters is memory-bound: ~0.9 ms in fp32
+inside a draft loop, ~0.17 ms in fbgemm's int8, and a ReDrafter draft calls it once per
+level; on the 2-core AMD EPYC without VNNI, 1 x 256 x 768 / 1 x 256 x 8192 cost 14 / 52 us
+a call through the kernel and 46 / 123 us through fbgemm. Only proposals change (demo
+ReDrafter, 8 held-out prompts at batch 1: tau 3.37 either way, 1.55x -> 1.73x AR);
+verification and output never see it, so it is for drafters only, never for the target.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+
+from plugins.int8_linear import Int8Weight, vectorized
 
 BATCH_HINT = 32
 
@@ -71,9 +76,20 @@ def int8_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines or "x86" in torch.backends.quantized.supported_engines
 
 
-def quantize_int8(weight: torch.Tensor) -> Any | None:
-    """fbgemm's packed int8 copy of an fp32 CPU weight `[out, in]` (symmetric, one scale per
-    output row), for `int8_linear`; None where it does not apply (another dtype or device)."""
+class Int8Copy(NamedTuple):
+    """A drafter weight's int8 copy (`quantize_int8`)."""
+
+    packed: Any
+    """fbgemm's packed copy: the weights and scales, and fbgemm's product where `kernel` is None."""
+    kernel: Int8Weight | None
+    """The same weights in `specpipe::int8_linear`'s layout, where its kernel is vectorized on
+    this CPU (decided once, at quantization); else None."""
+
+
+def quantize_int8(weight: torch.Tensor) -> Int8Copy | None:
+    """The int8 copy of an fp32 CPU weight `[out, in]` (symmetric, one scale per output row,
+    values in [-127, 127]), for `int8_linear`; None where it does not apply (another dtype or
+    device, a torch without fbgemm)."""
     if weight.dtype != torch.float32 or weight.device.type != "cpu" or not int8_available():
         return None
     w = weight.detach().contiguous()
@@ -82,13 +98,18 @@ def quantize_int8(weight: torch.Tensor) -> Any | None:
     with warnings.catch_warnings():  # quantized-tensor creation is deprecated, the fbgemm kernels are not
         warnings.simplefilter("ignore")
         qweight = torch.quantize_per_channel(w, scales, zero_points, 0, torch.qint8)
-    return torch.ops.quantized.linear_prepack(qweight, None)
+    packed = torch.ops.quantized.linear_prepack(qweight, None)
+    return Int8Copy(packed, Int8Weight.of(packed) if vectorized() else None)
 
 
-def int8_linear(x: torch.Tensor, packed: Any, bias: torch.Tensor | None) -> torch.Tensor:
-    """`x W^T + bias` with `packed = quantize_int8(W)`; x `[..., in]` fp32 on the CPU."""
-    # reduce_range: 7-bit activations, as torch's own dynamic quantization uses on x86. With
-    # 8 bits, AVX2's u8 x s8 pair sums saturate int16 (255 * 127 * 2 > 32767) and a few
-    # outputs come out wrong by far more than the rounding (4.5 vs 0.3 on a random test).
-    y = torch.ops.quantized.linear_dynamic(x, packed, reduce_range=True)
+def int8_linear(x: torch.Tensor, copy: Int8Copy, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x W^T + bias` with `copy = quantize_int8(W)`; x `[..., in]` fp32 on the CPU."""
+    if copy.kernel is not None:
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        y = torch.ops.specpipe_cpu.int8_linear(rows, *copy.kernel).view(*x.shape[:-1], -1)
+    else:
+        # reduce_range: 7-bit activations, as torch's own dynamic quantization uses on x86. With
+        # 8 bits, AVX2's u8 x s8 pair sums saturate int16 (255 * 127 * 2 > 32767) and a few
+        # outputs come out wrong by far more than the rounding (4.5 vs 0.3 on a random test).
+        y = torch.ops.quantized.linear_dynamic(x, copy.packed, reduce_range=True)
     return y if bias is None else y + bias

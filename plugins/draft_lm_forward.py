@@ -1,9 +1,9 @@
 """`specpipe_cpu::draft_lm_forward`: a draft LM's whole forward over the paged KV cache in one
 C++ call (`plugins/csrc/draft_lm_forward_cpu.cpp`), for a Llama drafter whose linears have
 int8 copies (`model_defs.llama.quantize_linears_int8`: the CPU default for draft LMs). Its
-reference is the model's own forward (`LlamaForCausalLM.forward` with a `PagedBatch`) with
-its int8 products computed as the op computes them (`specpipe::int8_linear`, on the same
-int8 weights, where the model calls fbgemm): the same RoPE/K-V writes
+reference is the model's own forward (`LlamaForCausalLM.forward` with a `PagedBatch`), whose
+int8 products are the op's (`specpipe::int8_linear`'s kernel on the same int8 weights,
+`plugins.cpu_linear.int8_linear`): the same RoPE/K-V writes
 (`specpipe_cpu::rope_kv_write`) and attention (`specpipe_cpu::tree_attention`), with RMSNorm,
 SiLU-times-up, the residual adds and the RoPE tables as plain loops in between; logits and
 cache agree to fp32 rounding (tests/plugins/test_draft_lm_forward.py).
@@ -17,7 +17,8 @@ Drafting is only proposals: the emitted tokens never depend on the drafter's rou
 
 `Int8DraftLM.of(model)` is None where the op does not apply (not fp32 on the CPU, a linear
 without an int8 copy, biases, tensor parallelism, a head size the attention kernel is not
-built for, kernels off, a CPU with neither AVX-512 VNNI nor AVX2: `plugins.int8_linear.vectorized`);
+built for, kernels off, a CPU with neither AVX-512 VNNI nor AVX2:
+`plugins.int8_linear.vectorized`);
 `__call__` is None for a step it does not take (the row form of attention metadata, a
 prefill chunk longer than the attention kernel's `KERNEL_MAX_T`), and the caller runs the
 model's forward.
@@ -44,12 +45,12 @@ def _fake(tokens: Tensor, positions: Tensor, slots: Tensor, *rest: Any) -> Tenso
     return embed.new_empty((logits_indices.shape[0], embed.shape[0]))
 
 
-def _int8(linear: Linear | LinearStack | None) -> Any | None:
-    """The int8 copy of a bias-free `Linear` or int8 `LinearStack`, else None."""
+def _int8(linear: Linear | LinearStack | None) -> Int8Weight | None:
+    """The kernel's int8 weights of a bias-free `Linear` or int8 `LinearStack`, else None."""
     if isinstance(linear, LinearStack):
-        return linear.packed if linear.int8 and linear.bias is None else None
-    if isinstance(linear, Linear) and linear.bias is None:
-        return linear.int8
+        return linear.packed.kernel if linear.int8 and linear.bias is None else None
+    if isinstance(linear, Linear) and linear.bias is None and linear.int8 is not None:
+        return linear.int8.kernel
     return None
 
 
@@ -89,7 +90,7 @@ class Int8DraftLM:
         if not vectorized():  # its products would be a scalar loop: fbgemm's, through the model, are faster
             return None
         norms = [n.weight.detach() for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
-        linears = [Int8Weight.of(p) for p in packed]
+        linears = [p for p in packed if p is not None]
         return cls(model, rope.inv_freq.float().contiguous(), rope.scale, norms, linears)
 
     def __call__(

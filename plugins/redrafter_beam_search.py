@@ -1,7 +1,7 @@
 """`specpipe_cpu::redrafter_beam_search`: ReDrafter's beam search (arXiv 2403.09919 §3.2)
-over the warp's support, on a drafter whose linears run on fbgemm int8 copies (the CPU
-default, `BuildConfig.drafter_layers` / `drafter_head`), in one C++ call
-(`plugins/csrc/redrafter_beam_search_cpu.cpp`). Its reference is the Python search itself
+over the warp's support, on a drafter whose linears run on int8 copies (the CPU default,
+`BuildConfig.drafter_layers` / `drafter_head`) through `specpipe::int8_linear`'s kernel, in
+one C++ call (`plugins/csrc/redrafter_beam_search_cpu.cpp`). Its reference is the Python search itself
 (`runtime.proposers.beam_search.beam_search` with `with_dists=False`, what greedy
 verification drafts with): the same ATen ops in the same order, so the same beams,
 log-probs and scores bit for bit (tests/plugins/test_redrafter_beam_search.py). What it
@@ -10,8 +10,8 @@ ms on the 2-core CPU (one beam is what load-aware speculation drafts most at bat
 
 It applies to Apple's recurrent configuration (`rnn`, an input projection, residual blocks
 with biases, a head without); `int8_beam_search` returns None for anything else (another
-configuration, fp32 or bf16 linears, a GPU, autograd on, kernels off), and the Python
-search runs.
+configuration, fp32 or bf16 linears, a GPU, autograd on, kernels off, a CPU where the int8
+kernel is not vectorized and the copies run fbgemm's products), and the Python search runs.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from model_defs.llama import Linear
 from model_defs.redrafter import WARP_TOP_K, ReDrafter
 from plugins import cpu_kernels
+from plugins.int8_linear import Int8Weight
 
 
 def _fake(h: Tensor, embed: Tensor, bonus: Tensor, width: int, length: int, *rest: object) -> tuple[Tensor, ...]:
@@ -31,11 +32,13 @@ def _fake(h: Tensor, embed: Tensor, bonus: Tensor, width: int, length: int, *res
     return h.new_empty((b, width, length), dtype=torch.long), h.new_empty((b, width, length)), h.new_empty((b, width))
 
 
-def _int8(linear: nn.Module | None, bias: bool) -> object | None:
-    """The int8 copy of `linear` if it is a `Linear` with one and has a bias exactly when `bias`."""
+def _int8(linear: nn.Module | None, bias: bool) -> Int8Weight | None:
+    """The kernel's int8 weights of `linear` if it is a `Linear` with an int8 copy that takes
+    `specpipe::int8_linear`'s kernel (`plugins.cpu_linear.Int8Copy`) and has a bias exactly
+    when `bias`."""
     if not isinstance(linear, Linear) or linear.int8 is None or (linear.bias is not None) != bias:
         return None
-    return linear.int8
+    return linear.int8.kernel
 
 
 def int8_beam_search(
@@ -54,11 +57,11 @@ def int8_beam_search(
         _int8(drafter.rnn_w, False), _int8(drafter.rnn_u, True), _int8(drafter.input_proj, True),
         *(_int8(linear, True) for linear in blocks), _int8(drafter.lm_head[-1], False),
     ]  # fmt: skip
-    if any(w is None for w in weights) or not cpu_kernels.load_with_fake("redrafter_beam_search", _fake):
+    kernels = [w for w in weights if w is not None]
+    if len(kernels) < len(weights) or not cpu_kernels.load_with_fake("redrafter_beam_search", _fake):
         return None
-    rnn_w, rnn_u, proj, *res, head = weights
+    lists = [list(field) for field in zip(*kernels, strict=True)]  # weight, blocked, scale, sum
     return torch.ops.specpipe_cpu.redrafter_beam_search(
-        h_target.contiguous(), embed.weight, bonus, width, length, k,
-        rnn_w, rnn_u, drafter.rnn_u.bias, proj, drafter.input_proj.bias,
-        res, [linear.bias for linear in blocks], head,
+        h_target.contiguous(), embed.weight, bonus, width, length, k, *lists,
+        drafter.rnn_u.bias, drafter.input_proj.bias, [linear.bias for linear in blocks],
     )  # fmt: skip

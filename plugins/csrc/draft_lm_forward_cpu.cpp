@@ -25,15 +25,6 @@
 
 namespace {
 
-// Linear k of the op's int8 lists (`specpipe::int8_linear`, int8_linear.h).
-struct Int8Linears {
-  at::TensorList weight, blocked, scale, sum;
-  at::Tensor operator()(int64_t k, const at::Tensor& x) const {  // the kernel reads raw memory: widths must agree
-    TORCH_CHECK(x.size(1) == weight[k].size(1), "linear ", k, " takes ", weight[k].size(1), " inputs, got ", x.size(1));
-    return specpipe::int8_linear(x, weight[k], blocked[k], scale[k], sum[k]);
-  }
-};
-
 // y = x / sqrt(mean(x^2) + eps) * w, row by row: x [N, E] dense.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   const int64_t N = x.size(0), E = x.size(1);
@@ -121,7 +112,7 @@ at::Tensor draft_lm_forward(const at::Tensor& tokens, const at::Tensor& position
                             const at::Tensor& final_norm, int64_t num_heads, double eps) {
   const int64_t L = static_cast<int64_t>(k_cache.size()), N = tokens.size(0), G = static_cast<int64_t>(rows.size());
   TORCH_CHECK(L >= 1, "a draft LM has at least one layer");
-  const Int8Linears linear{weights, blocked, scales, sums};  // per layer qkv, o, gate_up, down; then the head
+  const specpipe::Int8Linears linear{weights, blocked, scales, sums};  // per layer qkv, o, gate_up, down; then the head
   TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong && positions.sizes() == tokens.sizes() &&
                   positions.scalar_type() == at::kLong && positions.is_contiguous() && slots.sizes() == tokens.sizes(),
               "tokens, positions and slots must be [N] int64");

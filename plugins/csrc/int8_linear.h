@@ -229,4 +229,14 @@ inline at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at
   return y;
 }
 
+// Linear k of an op's int8 lists (weight, blocked, scale, sum: `Int8Weight`'s fields, one
+// entry per linear), on dense rows x [M, I].
+struct Int8Linears {
+  at::TensorList weight, blocked, scale, sum;
+  at::Tensor operator()(int64_t k, const at::Tensor& x) const {  // the kernel reads raw memory: widths must agree
+    TORCH_CHECK(x.size(1) == weight[k].size(1), "linear ", k, " takes ", weight[k].size(1), " inputs, got ", x.size(1));
+    return int8_linear(x, weight[k], blocked[k], scale[k], sum[k]);
+  }
+};
+
 }  // namespace specpipe

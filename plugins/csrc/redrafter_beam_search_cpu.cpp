@@ -13,31 +13,39 @@
 // The same ATen ops in the same order as the Python form, so the same bits; what it saves is
 // the Python between them (~20-30 ops a level: 1.7 -> 0.9 ms for five levels of one beam).
 #include <ATen/ATen.h>
-#include <ATen/native/quantized/PackedParams.h>
 #include <torch/library.h>
 
 #include <limits>
 #include <tuple>
 #include <vector>
 
+#include "int8_linear.h"
+
 namespace {
 
-using Packed = c10::intrusive_ptr<LinearPackedParamsBase>;
-
-// `plugins.cpu_linear.int8_linear`: 7-bit activations (reduce_range), the bias added after.
-at::Tensor int8_linear(const Packed& w, const at::Tensor& x, const c10::optional<at::Tensor>& bias) {
-  at::Tensor y = w->apply_dynamic(x, /*reduce_range=*/true);
+// `plugins.cpu_linear.int8_linear`: the kernel on x's rows, the bias added after.
+at::Tensor int8_linear(const specpipe::Int8Linears& linear, int64_t k, const at::Tensor& x,
+                       const c10::optional<at::Tensor>& bias) {
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = linear.weight[k].size(0);
+  at::Tensor y = linear(k, x.reshape({-1, x.size(-1)}).contiguous()).view(sizes);
   return bias.has_value() ? y + *bias : y;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> redrafter_beam_search(
     const at::Tensor& h, const at::Tensor& embed, const at::Tensor& bonus, int64_t width, int64_t length,
-    int64_t k, const Packed& rnn_w, const Packed& rnn_u, const at::Tensor& rnn_b, const Packed& proj,
-    const at::Tensor& proj_b, const c10::List<Packed>& res, const std::vector<at::Tensor>& res_b,
-    const Packed& head) {
+    int64_t k, at::TensorList weight, at::TensorList blocked, at::TensorList scale, at::TensorList sum,
+    const at::Tensor& rnn_b, const at::Tensor& proj_b, at::TensorList res_b) {
+  // the drafter's int8 linears in order: rnn_w, rnn_u, proj, one per residual block, head
+  const int64_t n = static_cast<int64_t>(weight.size()), nres = static_cast<int64_t>(res_b.size());
+  TORCH_CHECK(n == nres + 4 && static_cast<int64_t>(blocked.size()) == n && static_cast<int64_t>(scale.size()) == n &&
+                  static_cast<int64_t>(sum.size()) == n,
+              "int8 linears rnn_w, rnn_u, proj, one per residual block, head (4 lists alike); a bias per residual block");
+  for (int64_t i = 0; i < n; ++i) specpipe::check_int8_weight(weight[i], blocked[i], scale[i], sum[i]);
+  const specpipe::Int8Linears linear{weight, blocked, scale, sum};
+  const int64_t rnn_w = 0, rnn_u = 1, proj = 2, head = n - 1;
   TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat, "h must be [B, D] float32");
   TORCH_CHECK(bonus.dim() == 1 && bonus.size(0) == h.size(0), "bonus must be [B]");
-  TORCH_CHECK(res.size() == res_b.size(), "one bias per residual block");
   TORCH_CHECK(width >= 1 && length >= 1 && k >= width, "need 1 <= width <= k and length >= 1");
   const int64_t b = h.size(0), w = width;
   const at::Tensor context = h.unsqueeze(1).expand({b, w, h.size(1)});  // [B, W, D]
@@ -48,12 +56,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> redrafter_beam_search(
   std::vector<at::Tensor> step_tokens, step_parents, step_lps;
   for (int64_t t = 0; t < length; ++t) {
     const at::Tensor e = at::embedding(embed, tokens);
-    state = at::silu(int8_linear(rnn_w, e, c10::nullopt) + int8_linear(rnn_u, state, rnn_b));
-    at::Tensor z = int8_linear(proj, at::cat({context, state}, -1), proj_b);
-    for (size_t i = 0; i < res.size(); ++i) {
-      z = z + at::silu(int8_linear(res.get(i), z, res_b[i]));
+    state = at::silu(int8_linear(linear, rnn_w, e, c10::nullopt) + int8_linear(linear, rnn_u, state, rnn_b));
+    at::Tensor z = int8_linear(linear, proj, at::cat({context, state}, -1), proj_b);
+    for (int64_t i = 0; i < nres; ++i) {
+      z = z + at::silu(int8_linear(linear, 3 + i, z, res_b[i]));
     }
-    auto [top, index] = at::topk(int8_linear(head, z, c10::nullopt), k, -1);  // [B, W, K]
+    auto [top, index] = at::topk(int8_linear(linear, head, z, c10::nullopt), k, -1);  // [B, W, K]
     if (w == 1) {  // the best extension of the one beam is its support's top token
       const at::Tensor lp = at::log_softmax(top, -1).select(-1, 0);  // [B, 1]
       scores = scores + lp;
@@ -91,11 +99,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> redrafter_beam_search(
 TORCH_LIBRARY_FRAGMENT(specpipe_cpu, m) {
   m.def(
       "redrafter_beam_search(Tensor h, Tensor embed, Tensor bonus, int width, int length, int k, "
-      "__torch__.torch.classes.quantized.LinearPackedParamsBase rnn_w, "
-      "__torch__.torch.classes.quantized.LinearPackedParamsBase rnn_u, Tensor rnn_b, "
-      "__torch__.torch.classes.quantized.LinearPackedParamsBase proj, Tensor proj_b, "
-      "__torch__.torch.classes.quantized.LinearPackedParamsBase[] res, Tensor[] res_b, "
-      "__torch__.torch.classes.quantized.LinearPackedParamsBase head) -> (Tensor, Tensor, Tensor)");
+      "Tensor[] weight, Tensor[] blocked, Tensor[] scale, Tensor[] sum, Tensor rnn_b, Tensor proj_b, "
+      "Tensor[] res_b) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(specpipe_cpu, CPU, m) { m.impl("redrafter_beam_search", &redrafter_beam_search); }

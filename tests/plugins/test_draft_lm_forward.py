@@ -1,7 +1,7 @@
 """`specpipe_cpu::draft_lm_forward` (`plugins/draft_lm_forward.py`) against its reference, the
-model's own paged forward (`LlamaForCausalLM.forward` with a `PagedBatch`) with its int8
-products as the op's (`specpipe::int8_linear`'s reference in place of fbgemm's), on an int8
-draft LM: the same logits and the same K/V written, to rounding, for decode tokens, a
+model's own paged forward (`LlamaForCausalLM.forward` with a `PagedBatch`), whose int8
+products are the op's (`specpipe::int8_linear`'s kernel, `plugins.cpu_linear.int8_linear`), on
+an int8 draft LM: the same logits and the same K/V written, to rounding, for decode tokens, a
 draft-tree level over cached tree nodes, and batches whose requests fall into several
 attention groups; a variant that feeds the norms in the wrong order fails; and it stands
 aside (None: the model's forward runs) wherever it does not apply."""
@@ -13,19 +13,19 @@ from dataclasses import replace
 import pytest
 import torch
 
-from model_defs import llama
 from model_defs.llama import LlamaConfig, LlamaForCausalLM, quantize_linears_int8
 from model_defs.paged_kv_cache import PagedBatch, PagedKVCache
 from plugins import cpu_kernels, draft_lm_forward
 from plugins.draft_lm_forward import Int8DraftLM
-from plugins.int8_linear import Int8Weight, int8_linear_reference, vectorized
+from plugins.int8_linear import vectorized
 from plugins.tree_attention import KERNEL_MAX_T
 from runtime.attention_batch import Segment, build_rows
 from runtime.model_runner import StepInput
 from runtime.step_batch import step_input
 
 pytestmark = pytest.mark.skipif(
-    not cpu_kernels.load() or not vectorized(), reason="the op runs where the C++ kernels are built with AVX-512 VNNI or AVX2"
+    not cpu_kernels.load() or not vectorized(),
+    reason="the op runs where the C++ kernels are built with AVX-512 VNNI or AVX2",
 )
 
 VOCAB, SPAN = 211, 80
@@ -35,18 +35,6 @@ TOLERANCE = 2e-3
 activations per row, so a last-bit difference in a norm (the op's loops sum in another order
 than ATen) can move one activation across a rounding step of the int8 grid; such a flip
 moves a logit by ~1e-3 here. Wrong arithmetic moves them by ~1."""
-
-
-@pytest.fixture(autouse=True)
-def op_products(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The model's int8 products computed as the op computes them (`int8_linear_reference`)."""
-
-    def product(x: torch.Tensor, packed: object, bias: torch.Tensor | None) -> torch.Tensor:
-        y = int8_linear_reference(x.reshape(-1, x.shape[-1]), *Int8Weight.of(packed))
-        y = y.view(*x.shape[:-1], -1)
-        return y if bias is None else y + bias
-
-    monkeypatch.setattr(llama, "int8_linear", product)
 
 
 def draft_lm(int8: bool = True, bias: bool = False, head_dim: int = 32) -> LlamaForCausalLM:

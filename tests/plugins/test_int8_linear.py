@@ -11,7 +11,8 @@ import torch
 
 from plugins import cpu_kernels
 from plugins.cpu_linear import int8_available, quantize_int8
-from plugins.int8_linear import Int8Weight, block_weight, int8_linear, int8_linear_reference
+from plugins.cpu_linear import int8_linear as cpu_int8_linear
+from plugins.int8_linear import Int8Weight, block_weight, int8_linear, int8_linear_reference, vectorized
 
 pytestmark = [
     pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ CPU kernels are not built"),
@@ -25,7 +26,9 @@ multiple of 4 or 64, O not of 16), more rows than a tile holds."""
 
 def weight_of(o: int, i: int) -> Int8Weight:
     torch.manual_seed(o * 7 + i)
-    return Int8Weight.of(quantize_int8(torch.randn(o, i)))
+    copy = quantize_int8(torch.randn(o, i))
+    assert copy is not None
+    return Int8Weight.of(copy.packed)
 
 
 @pytest.mark.parametrize(("m", "i", "o"), SIZES)
@@ -38,11 +41,32 @@ def test_the_kernel_is_the_reference_bit_for_bit(m: int, i: int, o: int) -> None
     assert torch.equal(int8_linear(strided, *w), int8_linear_reference(strided.contiguous(), *w))
 
 
+def test_extreme_products_are_exact() -> None:
+    """Every q and w at +-127: a pair of products sums to +-32258, just inside int16, so AVX2's
+    `vpmaddubsw` on |q| and sign-carrying w stays exact; feeding q + 128 (as VNNI does) there
+    would saturate, and 7-bit activations (fbgemm's) would round: both differ from this."""
+    gen = torch.Generator().manual_seed(5)
+    signs = lambda *shape: torch.randint(0, 2, shape, generator=gen).float() * 2 - 1  # noqa: E731
+    copy = quantize_int8(signs(48, 256))
+    assert copy is not None
+    w = Int8Weight.of(copy.packed)
+    assert w.weight.abs().min() == 127
+    x = signs(5, 256)
+    want = int8_linear_reference(x, *w)
+    assert torch.equal(torch.ops.specpipe_cpu.int8_linear(x, *w), want)
+    exact = x @ (w.weight.float() * w.scale[:, None]).T  # x is exactly on the 8-bit grid: no rounding at all
+    torch.testing.assert_close(want, exact, rtol=1e-6, atol=1e-6)
+    seven_bits = torch.ops.quantized.linear_dynamic(x, copy.packed, reduce_range=True)
+    assert not torch.allclose(seven_bits, exact, rtol=1e-3, atol=1e-3)
+
+
 def test_weights_are_fbgemms_and_the_product_is_the_fp32_one_to_int8_rounding() -> None:
     torch.manual_seed(0)
     weight, x = torch.randn(300, 128), torch.randn(4, 128)
-    packed = quantize_int8(weight)
-    w = Int8Weight.of(packed)
+    copy = quantize_int8(weight)
+    assert copy is not None
+    packed, w = copy.packed, Int8Weight.of(copy.packed)
+    assert copy.kernel is None or all(torch.equal(a, b) for a, b in zip(copy.kernel, w, strict=True))
     assert torch.equal(w.weight.float() * w.scale[:, None], packed.unpack()[0].dequantize())
     assert torch.equal(w.sum, w.weight.sum(1, dtype=torch.int32))
     assert torch.equal(block_weight(w.weight)[1, 2, 3], w.weight[16 + 3, 8:12])  # [b, j, r, c] = w[16b + r, 4j + c]
@@ -57,6 +81,30 @@ def test_a_kernel_that_keeps_its_unsigned_offset_fails() -> None:
     s = x.abs().amax(1, keepdim=True) / 127
     forgot = want + 128 * w.sum.float() * (s * w.scale)  # (q + 128) . w without the 128 * sum(w) back
     assert torch.equal(got, want) and not torch.allclose(forgot, want, atol=1e-3)
+
+
+def test_the_model_path_takes_the_kernel_where_it_is_vectorized() -> None:
+    """`plugins.cpu_linear.int8_linear` (every int8 `Linear` and stack of a drafter) is the
+    kernel's product, bitwise, where the kernel is vectorized (AVX-512 VNNI or AVX2), and
+    fbgemm's 7-bit one elsewhere; a weight at -128 (which AVX2's sign trick cannot negate)
+    is refused with the fix named."""
+    torch.manual_seed(1)
+    copy = quantize_int8(torch.randn(40, 72))
+    assert copy is not None and (copy.kernel is not None) == vectorized()
+    x, bias = torch.randn(2, 3, 72), torch.randn(40)
+    got = cpu_int8_linear(x, copy, bias)
+    if copy.kernel is not None:
+        assert torch.equal(got, int8_linear_reference(x.reshape(6, 72), *copy.kernel).view(2, 3, 40) + bias)
+    else:
+        assert torch.equal(got, torch.ops.quantized.linear_dynamic(x, copy.packed, reduce_range=True) + bias)
+    w = Int8Weight.of(copy.packed)
+    at_min = w.weight.clone()
+    at_min[0, 0] = -128
+    with pytest.raises(ValueError, match=r"\[-127, 127\]"):
+        Int8Weight.of(torch.ops.quantized.linear_prepack(
+            torch._make_per_channel_quantized_tensor(at_min, w.scale.double(), torch.zeros(40, dtype=torch.long), 0),
+            None,
+        ))  # fmt: skip
 
 
 def test_opcheck_and_bad_arguments() -> None:
