@@ -59,6 +59,7 @@ from model_defs.paged_kv_cache import PagedBatch, PagedKVCache
 from model_defs.rope import RopeConfig, RotaryEmbedding, apply_rope
 from plugins.batch_invariant import bi_linear_nd, bi_rms_norm
 from plugins.cpu_linear import Int8Copy, cpu_packed_linear, int8_linear, pack_cpu_weight, packed_pays, quantize_int8
+from plugins.int8_linear import Int8Weight
 
 ARCHITECTURE = "LlamaForCausalLM"
 
@@ -326,6 +327,17 @@ def stack_linears(linears: list[Linear], int8: bool) -> LinearStack | None:
     if any(m.bias is not None for m in linears):
         bias = torch.cat([m.weight.new_zeros(m.out_features) if m.bias is None else m.bias.detach() for m in linears])
     return LinearStack(packed, int8, bias, [m.out_features for m in linears])
+
+
+def int8_kernel(linear: Linear | LinearStack | None) -> Int8Weight | None:
+    """The int8 kernel's weights (`Int8Copy.kernel`) of a bias-free int8 `Linear` or
+    `LinearStack`, else None: what the C++ drafter forwards take (`plugins/draft_lm_forward.py`,
+    `plugins/lyanna_chain.py`)."""
+    if isinstance(linear, LinearStack):
+        return linear.packed.kernel if linear.int8 and linear.bias is None else None
+    if isinstance(linear, Linear) and linear.bias is None and linear.int8 is not None:
+        return linear.int8.kernel
+    return None
 
 
 def quantize_linears_int8(module: nn.Module, keep: Collection[nn.Module] = ()) -> int:

@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, cast
@@ -325,11 +326,17 @@ class LyannaDrafter(nn.Module):
         return self.fuse.weight.dtype
 
     def draft_chain(
-        self, h0: torch.Tensor, t1: torch.Tensor, embed: nn.Embedding | torch.Tensor, k: int
+        self,
+        h0: torch.Tensor,
+        t1: torch.Tensor,
+        embed: nn.Embedding | torch.Tensor,
+        k: int,
+        fused: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """h0 `[B, D]` (target final-norm state at the last accepted token), t1 `[B]` (bonus
         token) -> the chain's hidden states h_1..h_k `[B, k, D]`: k sequential layer steps
-        over a per-call KV, RoPE positions 1..k."""
+        over a per-call KV, RoPE positions 1..k. `fused(x_1, cos, sin)`: the k steps in one
+        call (`plugins.lyanna_chain.Int8Chain`, int8 layers on the CPU); None: these modules."""
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         x = h0.to(self.dtype)
@@ -338,6 +345,8 @@ class LyannaDrafter(nn.Module):
         x = self.fuse(x)[:, None]  # [B, 1, D]
         positions = torch.arange(1, k + 1, device=x.device).expand(x.shape[0], -1)
         cos, sin = self.rotary_emb(positions, x.dtype)
+        if fused is not None and not torch.is_grad_enabled():
+            return fused(x[:, 0], cos[0], sin[0])
         attend = cast(Attend, ChainKV())  # DecoderLayer only calls attend(layer, q, k, v)
         states = []
         for i in range(k):

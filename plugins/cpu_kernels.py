@@ -39,10 +39,11 @@ SOURCES = [
         "redrafter_beam_search_cpu.cpp",
         "int8_linear_cpu.cpp",
         "draft_lm_forward_cpu.cpp",
+        "lyanna_chain_cpu.cpp",
         "argmax_rows_cpu.cpp",
     )
 ]
-HEADERS = [Path(__file__).parent / "csrc" / name for name in ("int8_linear.h", "lanes.h")]
+HEADERS = [Path(__file__).parent / "csrc" / name for name in ("int8_linear.h", "lanes.h", "llama_loops.h")]
 """Headers the sources include: part of the build's hash like the sources."""
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
 """-fopenmp: `at::parallel_for` runs on the OpenMP runtime torch has loaded (libgomp)."""

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from model_defs.llama import DecoderLayer, Linear, LinearStack, LlamaForCausalLM
+from model_defs.llama import DecoderLayer, LlamaForCausalLM, int8_kernel
 from model_defs.paged_kv_cache import Attention, AttentionGroup, PagedKVCache
 from model_defs.rope import RotaryEmbedding
 from plugins import cpu_kernels
@@ -43,15 +43,6 @@ from plugins.tree_attention import KERNEL_MAX_T
 def _fake(tokens: Tensor, positions: Tensor, slots: Tensor, *rest: Any) -> Tensor:
     logits_indices, embed = rest[5], rest[6]
     return embed.new_empty((logits_indices.shape[0], embed.shape[0]))
-
-
-def _int8(linear: Linear | LinearStack | None) -> Int8Weight | None:
-    """The kernel's int8 weights of a bias-free `Linear` or int8 `LinearStack`, else None."""
-    if isinstance(linear, LinearStack):
-        return linear.packed.kernel if linear.int8 and linear.bias is None else None
-    if isinstance(linear, Linear) and linear.bias is None and linear.int8 is not None:
-        return linear.int8.kernel
-    return None
 
 
 @dataclass(frozen=True)
@@ -75,7 +66,7 @@ class Int8DraftLM:
             return None
         layers = [layer for layer in model.model.layers if isinstance(layer, DecoderLayer)]
         packed = [
-            _int8(linear)
+            int8_kernel(linear)
             for layer in layers
             for linear in (
                 layer.self_attn.qkv_stack,
@@ -84,7 +75,7 @@ class Int8DraftLM:
                 layer.mlp.down_proj,
             )
         ]
-        packed.append(_int8(model.lm_head))
+        packed.append(int8_kernel(model.lm_head))
         if any(p is None for p in packed) or not cpu_kernels.load_with_fake("draft_lm_forward", _fake):
             return None
         if not vectorized():  # its products would be a scalar loop: fbgemm's, through the model, are faster

@@ -45,6 +45,9 @@ from typing import Any
 
 import torch
 
+from plugins.lyanna_chain import Int8Chain
+from runtime.block_manager import BlockManager
+from runtime.loaded_engine import LoadedEngine
 from runtime.proposers.proposer import KVMoves, Proposer, target_hidden
 from runtime.request import Request
 from runtime.speculation_policy import largest_fitting
@@ -177,6 +180,12 @@ class LyannaProposer(Proposer):
     LM-head product over all of them, token-info sampling per request; a pending re-sampled
     subtree is merged in (fusion) or verified alone."""
 
+    def __init__(self, engine: LoadedEngine, blocks: BlockManager) -> None:
+        super().__init__(engine, blocks)
+        drafter = engine.lyanna_drafter
+        self.fused = Int8Chain.of(drafter.layer, drafter.norm) if drafter is not None else None
+        """The drafter's chain as one C++ call, where it applies (`plugins/lyanna_chain.py`)."""
+
     def setting_names(self, method: str) -> Collection[str]:
         return [f.name for f in fields(LyannaParams)]
 
@@ -216,7 +225,7 @@ class LyannaProposer(Proposer):
         assert drafter is not None
         requests = [r for r, _ in group]
         roots = torch.tensor([r.tokens[-1] for r in requests], device=self.engine.device)
-        chain = drafter.draft_chain(target_hidden(requests), roots, model.model.embed_tokens, depth)
+        chain = drafter.draft_chain(target_hidden(requests), roots, model.model.embed_tokens, depth, self.fused)
         head = self.engine.lyanna_head or model.lm_head  # an int8 copy, if the engine has one
         logits = drafter.head_logits(chain, head)  # [B, depth, V]
         drafted = token_info_trees(

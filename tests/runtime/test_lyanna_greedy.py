@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from build.engine import build_engine
+from plugins import cpu_kernels
+from plugins.int8_linear import vectorized
 from runtime import llm_engine
 from runtime.config import RuntimeConfig
 from runtime.engine_dir import BuildConfig
@@ -52,3 +54,10 @@ def test_batched_greedy_equals_target(
         assert r.output_ids == reference[i], f"prompt {i} diverged (resample={resample}, fuse={fuse})"
     steps = [a for r in results for a in r.accepted_per_step]
     assert sum(steps) / len(steps) > 0.5, "the trained drafter should get drafts accepted"
+
+
+def test_the_chain_is_one_call_where_the_op_applies(engine: LoadedEngine) -> None:
+    """On the CPU with the int8 kernel the proposer drafts its chains through
+    `specpipe_cpu::lyanna_chain` (the greedy test above then checks its output)."""
+    fused = llm_engine.LLMEngine(engine, FIXED).proposers["lyanna"].fused  # type: ignore[attr-defined]
+    assert (fused is not None) == (TEST_DEVICE == "cpu" and cpu_kernels.load() and vectorized())
