@@ -259,7 +259,12 @@ class HotTokenTable(NamedTuple):
         out = logits.clone()
         if hit.numel():
             add = self.table[rows[hit]].to(out.dtype)  # [M_hot, H]
-            out[hit[:, None], self.hot_ids[None, :]] += add
+            # one add per (row, hot column), as `out[hit[:, None], hot_ids] += add` but along
+            # one dimension (the 2-D index_put cost ~0.2 ms a call at 2048 hot columns)
+            if hit.numel() == out.shape[0]:
+                out.index_add_(1, self.hot_ids, add)
+            else:
+                out[hit] = out[hit].index_add_(1, self.hot_ids, add)
         return out
 
 

@@ -112,6 +112,8 @@ def test_hot_table_equals_low_rank_on_hot_tokens(target: LlamaForCausalLM) -> No
         exact = logits + drafter.token_bias(prev, embed)
     # hot previous token: exactly the low-rank bias on every hot next token ...
     torch.testing.assert_close(biased[:12][:, hot], exact[:12][:, hot], rtol=1e-5, atol=1e-5)
+    assert torch.equal(biased[:12][:, hot], logits[:12][:, hot] + table.table[:12])  # one fp32 add each
+    assert torch.equal(table.bias(prev[:12], logits[:12]), biased[:12])  # every row hot: the same
     # ... and nothing on the cold columns; a cold previous token gets no bias at all
     cold_cols = torch.ones(8192, dtype=torch.bool, device=TEST_DEVICE)
     cold_cols[hot] = False
