@@ -106,7 +106,7 @@ def int8_linear(x: torch.Tensor, copy: Int8Copy, bias: torch.Tensor | None) -> t
     """`x W^T + bias` with `copy = quantize_int8(W)`; x `[..., in]` fp32 on the CPU."""
     if copy.kernel is not None:
         rows = x.reshape(-1, x.shape[-1]).contiguous()
-        y = torch.ops.specpipe_cpu.int8_linear(rows, *copy.kernel).view(*x.shape[:-1], -1)
+        y = torch.ops.specpipe_cpu.int8_linear(rows, *copy.kernel).view(*x.shape[:-1], copy.kernel.weight.shape[0])
     else:
         # reduce_range: 7-bit activations, as torch's own dynamic quantization uses on x86. With
         # 8 bits, AVX2's u8 x s8 pair sums saturate int16 (255 * 127 * 2 > 32767) and a few
