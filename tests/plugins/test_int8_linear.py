@@ -43,8 +43,8 @@ def test_the_kernel_is_the_reference_bit_for_bit(m: int, i: int, o: int) -> None
 
 def test_extreme_products_are_exact() -> None:
     """Every q and w at +-127: a pair of products sums to +-32258, just inside int16, so AVX2's
-    `vpmaddubsw` on |q| and sign-carrying w stays exact; feeding q + 128 (as VNNI does) there
-    would saturate, and 7-bit activations (fbgemm's) would round: both differ from this."""
+    `vpmaddubsw` on |q| and sign-carrying w stays exact; q + 128 into `vpmaddubsw` (VNNI's
+    unsigned trick) would saturate there, and 7-bit activations (fbgemm's) round: both differ."""
     gen = torch.Generator().manual_seed(5)
     signs = lambda *shape: torch.randint(0, 2, shape, generator=gen).float() * 2 - 1  # noqa: E731
     copy = quantize_int8(signs(48, 256))
