@@ -12,8 +12,8 @@
 // 128 w_sum[o] back off. With AVX2 only (no VNNI), `vpmaddubsw` multiplies |q| (0..127) by
 // w carrying q's sign (`vpsignb`), so a pair sum is at most 2 x 127 x 127 < 2^15 and never
 // saturates: exact too, given w in [-127, 127] (`Int8Weight.of` checks; fbgemm's symmetric
-// scales give that), and `vpmaddwd` by ones widens the pairs to 32 bits. Unlike fbgemm's dynamic linear, activations keep 8 bits (fbgemm's x86
-// path uses 7 to stay clear of int16 saturation, which vpdpbusd does not have) and nothing is
+// scales give that), and `vpmaddwd` by ones widens the pairs to 32 bits. Unlike fbgemm's
+// dynamic linear, activations keep 8 bits (fbgemm's x86 path uses 7 to stay clear of int16 saturation, which vpdpbusd does not have) and nothing is
 // allocated or packed per call: fbgemm spends ~13 us a call before its first product, which on
 // the demo draft LM's 256-wide layers is most of the call.
 #pragma once
@@ -224,7 +224,9 @@ inline at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at
   std::vector<float> s(M);
   const float* xp = x.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m) s[m] = quantize_row(xp + m * I, I, q.data() + m * Ip);
+#ifdef SPECPIPE_VNNI  // only vpdpbusd reads the unsigned copy
   for (int64_t k = 0; k < M * Ip; ++k) qu[k] = static_cast<uint8_t>(static_cast<int32_t>(q[k]) + 128);
+#endif
   const int8_t* bp = blocked.data_ptr<int8_t>();
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = w_scale.data_ptr<float>();
