@@ -553,8 +553,9 @@ class SpeculationPolicy:
     gains: dict[tuple[Hashable, int], Estimate] = field(default_factory=dict)
     """(kind, size) -> tokens per step gained over the next smaller offered size, measured
     in the same trees (`kind_taus`; `nodes` unused)."""
-    requests: dict[tuple[str, int], tuple[float, int, int]] = field(default_factory=dict)
-    """(request, size) -> its own tau estimate, observations, step of the last one."""
+    requests: dict[str, dict[int, tuple[float, int, int]]] = field(default_factory=dict)
+    """request -> size -> its own tau estimate, observations, step of the last one (by
+    request first, so that `forget` is one pop: 20,000 requests in flight finish in O(1) each)."""
     chosen: Counter[tuple[str, int]] = field(default_factory=Counter)
     """(method, size) -> request-steps drafted at that size (for reports and metrics)."""
     probes: int = 0
@@ -656,7 +657,7 @@ class SpeculationPolicy:
         """How far request `key`'s own estimate at `size` moves its kind's (`shared`): by
         what exceeds the chance spread of its trees, weighted by their number and age
         (module docstring); 0 if it drafted no tree of `size`."""
-        own = self.requests.get((key, size))
+        own = self.requests.get(key, {}).get(size)
         if own is None:
             return 0.0
         tau, n, last = own
@@ -1010,11 +1011,12 @@ class SpeculationPolicy:
             for size, accepted, nodes in measured:
                 tau = 1.0 + accepted
                 step.setdefault((o.kind, size), []).append((tau, nodes))
-                own, n, _ = self.requests.get((o.key, size), (tau, 0, 0))
+                mine = self.requests.setdefault(o.key, {})
+                own, n, _ = mine.get(size, (tau, 0, 0))
                 # a running mean over its first trees, decayed after (one lucky tree must not
                 # stand for five: started at the first tree, the decayed mean did)
                 weight = max(1.0 / (n + 1), REQUEST_EMA)
-                self.requests[(o.key, size)] = (own + weight * (tau - own), n + 1, self.steps)
+                mine[size] = (own + weight * (tau - own), n + 1, self.steps)
         # one update per step, its trees' mean: weighed by its trees while they are few (`GROUP_EMA`)
         for estimates, observed in ((self.kinds, step), (self.gains, gains)):
             for key, values in observed.items():
@@ -1033,8 +1035,7 @@ class SpeculationPolicy:
         self._end_run(key)
         self._settled = None
         self._measured.pop(key, None)
-        for k in [k for k in self.requests if k[0] == key]:
-            del self.requests[k]
+        self.requests.pop(key, None)
 
 
 def _pick(

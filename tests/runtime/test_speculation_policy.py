@@ -272,7 +272,7 @@ def test_one_step_measures_every_smaller_size() -> None:
     p.observe(stats)
     assert {s: e.tau for (_, s), e in p.kinds.items()} == {17: 4.0, 5: 2.0, 9: 2.0}
     assert {s: e.nodes for (_, s), e in p.kinds.items()} == {17: 17.0, 5: 5.0, 9: 9.0}
-    assert p.requests[("r", 9)][:2] == (2.0, 1)
+    assert p.requests["r"][9][:2] == (2.0, 1)
     p.forget("r")
     assert not p.requests
 
@@ -524,7 +524,7 @@ def test_one_lucky_tree_is_one_tree_in_a_request_estimate() -> None:
     assert 0 < lifted <= (5.0 - shared - 2 * speculation_policy.REQUEST_NOISE) / (1 + speculation_policy.REQUEST_PRIOR)
     for _ in range(4):
         p.observe(StepStats(17, 0.01, outcomes=[Outcome("r", KIND, 17, BEAMS, 0, [], [0], 17)]))
-    assert p.requests[("r", 17)][:2] == (pytest.approx(1.8), 5)
+    assert p.requests["r"][17][:2] == (pytest.approx(1.8), 5)
     assert p.taus(offer)[-1] == pytest.approx(p.kind_taus(offer)[-1])
 
 
