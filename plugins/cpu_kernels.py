@@ -2,10 +2,11 @@
 
 `load()` builds them with torch's extension builder (a C++ compiler and `ninja`, both in
 `make setup`) into `~/.cache/specpipe/cpu_kernels/<hash>`, the hash covering the sources,
-the compiler flags, torch's version and this CPU's instruction sets (the build uses
-`-march=native`), and registers their ops (`torch.ops.specpipe_cpu.*`). A build takes
-~10 s once per machine; later processes load the cached library in well under a second.
-`make setup` builds it (`python -m plugins.cpu_kernels`).
+the compiler flags, torch's version, this CPU's instruction sets (the build uses
+`-march=native`) and the ninja that builds them, and registers their ops
+(`torch.ops.specpipe_cpu.*`). A build takes ~10 s on 16 cores, ~75 s on 2, once per
+machine; later processes load the cached library in well under a second. `make setup`
+builds it (`python -m plugins.cpu_kernels`).
 
 Each kernel has a plain-torch reference it is tested against, and the ops fall back to
 it where the kernel does not apply (another dtype or head size) or cannot be built: with
@@ -60,11 +61,28 @@ def _cpu_signature() -> str:
     return "\n".join(sorted(set(lines)))
 
 
+def use_pinned_ninja() -> str:
+    """Put the venv's pinned `ninja` (requirements.txt) first on PATH where it is there, and
+    return the ninja builds will run. One ninja for every process: ninja 1.12 changed how
+    it hashes command lines, so a system ninja 1.11 and the venv's 1.13 sharing a build
+    directory each saw "command line changed" and rebuilt everything (~75 s on 2 cores),
+    turn and turn about, whenever a Triton stub (venv bin/ first on PATH) and a plain
+    process loaded the kernels."""
+    venv_bin = Path(sys.executable).parent
+    pinned = venv_bin / "ninja"
+    if pinned.exists() and shutil.which("ninja") != str(pinned):
+        os.environ["PATH"] = f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}"
+    return shutil.which("ninja") or ""
+
+
 def build_directory() -> Path:
+    """`~/.cache/specpipe/cpu_kernels/<hash>` of what the build depends on, the ninja that
+    builds it included (a build directory is never shared by two ninjas, see
+    `use_pinned_ninja`)."""
     digest = hashlib.sha256()
     for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
-    for part in (*CFLAGS, torch.__version__, sys.version, _cpu_signature()):
+    for part in (*CFLAGS, torch.__version__, sys.version, _cpu_signature(), use_pinned_ninja()):
         digest.update(part.encode())
     root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specpipe" / "cpu_kernels"
     return root / digest.hexdigest()[:16]
@@ -82,10 +100,7 @@ def load() -> bool:
         return False
     from torch.utils import cpp_extension
 
-    venv_bin = Path(sys.executable).parent  # ninja from PyPI sits beside the venv's python
-    if shutil.which("ninja") is None and (venv_bin / "ninja").exists():
-        os.environ["PATH"] = f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}"
-    directory = build_directory()
+    directory = build_directory()  # puts the venv's ninja first on PATH
     directory.mkdir(parents=True, exist_ok=True)
     try:
         cpp_extension.load(
