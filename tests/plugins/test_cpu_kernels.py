@@ -19,7 +19,7 @@ LIBRARY = "specpipe_cpu_kernels.so"
 
 def in_subprocess(path: str) -> list[str]:
     """`load()` in a fresh python with PATH=`path`: its build directory and ninja."""
-    code = "from plugins import cpu_kernels as k; assert k.load(); print(k.build_directory()); print(k.use_pinned_ninja())"
+    code = "from plugins import cpu_kernels as k; assert k.load(); print(k.build_directory(), k.use_pinned_ninja())"
     env = os.environ | {"PATH": path, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
