@@ -41,6 +41,7 @@ SOURCES = [
         "int8_linear_cpu.cpp",
         "draft_lm_forward_cpu.cpp",
         "lyanna_chain_cpu.cpp",
+        "token_info_top_k_cpu.cpp",
         "argmax_rows_cpu.cpp",
     )
 ]

@@ -45,7 +45,9 @@ from typing import Any
 
 import torch
 
+from model_defs.lyanna import HotTokenTable
 from plugins.lyanna_chain import Int8Chain
+from plugins.token_info_top_k import top_children
 from runtime.block_manager import BlockManager
 from runtime.loaded_engine import LoadedEngine
 from runtime.proposers.proposer import KVMoves, Proposer, target_hidden
@@ -108,7 +110,9 @@ class LyannaParams:
         return min(self.depth, size - 1)
 
 
-def token_info_tree(root: int, logits: torch.Tensor, bias: Bias | None, width: int, budget: int) -> DraftTree:
+def token_info_tree(
+    root: int, logits: torch.Tensor, bias: Bias | HotTokenTable | None, width: int, budget: int
+) -> DraftTree:
     """Algorithm 1 for one request: `logits` `[k, V]` are the chain rows for depths 1..k.
     Every expanded node's top-`width` children enter the tree; the `width` best of them
     by joint log-probability are expanded at the next depth; the tree is then pruned to
@@ -118,26 +122,24 @@ def token_info_tree(root: int, logits: torch.Tensor, bias: Bias | None, width: i
 
 
 def token_info_trees(
-    roots: list[int], logits: torch.Tensor, bias: Bias | None, width: int, budget: int | list[int]
+    roots: list[int], logits: torch.Tensor, bias: Bias | HotTokenTable | None, width: int, budget: int | list[int]
 ) -> list[DraftTree]:
     """`token_info_tree` of every request at once (`logits` `[B, k, V]`; `budget`: one for
-    all, or one per request): a depth is one
-    bias, one log-softmax and one top-k over the frontier nodes of every request, and one
-    read to the host; each row is what its request computes alone, bit for bit. Request by
-    request, the ~4 small tensor ops of each depth cost ~0.8 ms a tree, ~7 ms of a ~39 ms
-    step at batch 8 (the demo Lyanna engine)."""
+    all, or one per request): a depth is one bias, log-softmax and top-k over the frontier
+    nodes of every request (`_best_children`: one C++ call on the CPU) and one read to the
+    host; each row is what its request computes alone, bit for bit. Request by request, the
+    ~4 small tensor ops of each depth cost ~0.8 ms a tree, ~7 ms of a ~39 ms step at batch 8
+    (the demo Lyanna engine)."""
     tokens = [[root] for root in roots]
     parents: list[list[int]] = [[-1] for _ in roots]
     joint = [[0.0] for _ in roots]
     frontier = [[0] for _ in roots]
+    device = logits.device
     for depth in range(logits.shape[1]):
-        owners = [i for i, nodes in enumerate(frontier) for _ in nodes]
-        prev = torch.tensor([tokens[i][n] for i, nodes in enumerate(frontier) for n in nodes], device=logits.device)
-        rows = logits[torch.tensor(owners, device=logits.device), depth]  # [M, V]: each node's chain row
-        rows = bias(prev, rows) if bias is not None else rows
-        logp = torch.log_softmax(rows.float(), dim=-1)
-        top = logp.topk(min(width, logp.shape[-1]), dim=-1)  # each node's best children
-        picked, values = top.indices.tolist(), top.values.tolist()  # the depth's one read to the host
+        owners = torch.tensor([i for i, nodes in enumerate(frontier) for _ in nodes], device=device)
+        prev = torch.tensor([tokens[i][n] for i, nodes in enumerate(frontier) for n in nodes], device=device)
+        best, children = _best_children(logits[:, depth], owners, prev, bias, min(width, logits.shape[-1]))
+        picked, values = children.tolist(), best.tolist()  # the depth's one read to the host
         m = 0
         for i, nodes in enumerate(frontier):
             first = len(tokens[i])
@@ -153,8 +155,25 @@ def token_info_trees(
     return [prune(DraftTree(t, p), j, b) for t, p, j, b in zip(tokens, parents, joint, budgets, strict=True)]
 
 
+def _best_children(
+    rows: torch.Tensor, owners: torch.Tensor, prev: torch.Tensor, bias: Bias | HotTokenTable | None, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each frontier node's `k` best children and their log-probabilities: node m's logits
+    are its request's chain row `rows[owners[m]]` with the token-info bias of its token
+    `prev[m]`. A hot-token table (or no bias) goes to `specpipe::token_info_top_k` (one C++
+    call on the CPU); another bias (tests' dense tables) is applied, then log-softmax, top-k."""
+    if isinstance(bias, HotTokenTable) or bias is None:
+        if bias is None:
+            hot_rows, hot_ids, table = torch.full_like(prev, -1), prev[:0], rows.new_zeros(0, 0)
+        else:
+            hot_rows, hot_ids, table = bias.hot_index[prev], bias.hot_ids, bias.table
+        return top_children(rows, owners, hot_rows, hot_ids, table, k)
+    top = torch.log_softmax(bias(prev, rows[owners]).float(), dim=-1).topk(k, dim=-1)
+    return top.values, top.indices
+
+
 def resample_subtree(
-    bonus: int, logits: torch.Tensor, accepted: int, bias: Bias | None, params: LyannaParams
+    bonus: int, logits: torch.Tensor, accepted: int, bias: Bias | HotTokenTable | None, params: LyannaParams
 ) -> DraftTree | None:
     """Algorithm 2: after `accepted` drafted tokens and the bonus token (at depth accepted+1),
     a subtree rooted at the bonus from the chain rows still unused (depths accepted+2..k),
@@ -241,9 +260,8 @@ class LyannaProposer(Proposer):
         return trees
 
     @property
-    def _bias(self) -> Bias | None:
-        table = self.engine.token_table
-        return table.bias if table is not None else None
+    def _bias(self) -> HotTokenTable | None:
+        return self.engine.token_table
 
     def on_accept(self, request: Request, tree: DraftTree, accepted: Acceptance, moves: KVMoves | None) -> None:
         """Algorithm 2: candidates for the next step from the chain rows this step left unused."""

@@ -1,0 +1,163 @@
+// specpipe_cpu::token_info_top_k: the CPU kernel of `specpipe::token_info_top_k`;
+// plugins/token_info_top_k.py has the contract and the plain-torch reference this is tested
+// against (tests/plugins/test_token_info_top_k.py: the same children, log-probabilities
+// within fp32 rounding).
+//
+// One depth of Lyanna's token-info sampling (Algorithm 1) for every frontier node m of a
+// batch: its chain row rows[owners[m]] plus, where its token is hot, its row of the hot-token
+// table added at the hot columns (one fp32 add per cell, as `HotTokenTable.bias`), then the
+// k best children and their log-softmax values. Per node one pass keeps the k best values
+// (ascending index on ties, a vector of values compared at a time) and a second sums
+// exp(x - max), a vector at a time (a Cephes-style exp). In torch the same depth is a gather, a clone, an
+// index_add_, a log_softmax over [M, V] and a top-k (~1.3 ms for 32 nodes of 8192 logits
+// on 2 cores, most of Lyanna's tree building at batch 8).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+// The CPU's own vector width: 16 fp32 lanes under AVX-512, else 8. (lanes.h's 16 lanes
+// compile to scalar code for the exp below on an AVX2-only CPU: ~30 us a row of 8192, ~4.5
+// with 8 lanes.)
+#ifdef __AVX512F__
+constexpr int kW = 16;
+#else
+constexpr int kW = 8;
+#endif
+typedef float vf __attribute__((vector_size(4 * kW)));
+typedef int32_t vi __attribute__((vector_size(4 * kW)));
+
+inline vf load(const float* p) {
+  vf x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+
+inline vf splat(float x) { return vf{} + x; }
+
+// exp(x) for x <= 0, a vector at a time (Cephes expf: x = n ln2 + r, |r| <= ln2 / 2, e^r by
+// a degree-6 polynomial, 2^n into the exponent bits); x below -87 counts as -87 (e^-87 ~
+// 2e-38: nothing next to the row's maximum, which contributes 1).
+inline vf exp_nonpositive(vf x) {
+  x = x < splat(-87.0f) ? splat(-87.0f) : x;
+  const vf t = x * 1.44269504088896341f + 0.5f;
+  vi n = __builtin_convertvector(t, vi);  // truncates: one less where t < 0 is not whole
+  n += __builtin_convertvector(n, vf) > t;  // (true is -1)
+  const vf fn = __builtin_convertvector(n, vf);
+  const vf r = x - fn * 0.693359375f + fn * 2.12194440e-4f;
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const vi bits = (n + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+bool any(vi mask) {
+  uint64_t w[kW / 2];
+  std::memcpy(w, &mask, sizeof(w));
+  uint64_t seen = 0;
+  for (int j = 0; j < kW / 2; ++j) seen |= w[j];
+  return seen != 0;
+}
+
+// Keeps the k largest values seen, descending; a value equal to a kept one goes after it
+// (the smaller index first, as the values arrive in index order).
+struct Best {
+  int64_t k, count = 0;
+  float value[16];
+  int64_t index[16];
+
+  void offer(float v, int64_t i) {
+    if (count == k && !(v > value[k - 1])) return;
+    int64_t at = count < k ? count++ : k - 1;
+    while (at > 0 && v > value[at - 1]) {
+      value[at] = value[at - 1], index[at] = index[at - 1];
+      --at;
+    }
+    value[at] = v, index[at] = i;
+  }
+};
+
+void node(const float* x, int64_t V, int64_t k, float* values, int64_t* indices) {
+  Best best{k};
+  int64_t i = 0;
+  for (; i < V && best.count < k; ++i) best.offer(x[i], i);
+  for (; i + kW <= V; i += kW) {
+    const vf v = load(x + i);
+    if (!any(v > splat(best.value[k - 1]))) continue;
+    for (int l = 0; l < kW; ++l) best.offer(v[l], i + l);
+  }
+  for (; i < V; ++i) best.offer(x[i], i);
+  const float top = best.value[0];
+  const int64_t body = V / kW * kW;
+  vf acc{};
+  for (int64_t j = 0; j < body; j += kW) acc += exp_nonpositive(load(x + j) - top);
+  double sum = 0.0;
+  for (int l = 0; l < kW; ++l) sum += acc[l];
+  for (int64_t j = body; j < V; ++j) sum += std::exp(x[j] - top);
+  const float log_sum = static_cast<float>(std::log(sum));
+  for (int64_t j = 0; j < k; ++j) values[j] = (best.value[j] - top) - log_sum, indices[j] = best.index[j];
+}
+
+std::tuple<at::Tensor, at::Tensor> token_info_top_k(const at::Tensor& rows, const at::Tensor& owners,
+                                                    const at::Tensor& hot_rows, const at::Tensor& hot_ids,
+                                                    const at::Tensor& table, int64_t k) {
+  TORCH_CHECK(rows.device().is_cpu() && rows.scalar_type() == at::kFloat && rows.dim() == 2 && rows.stride(1) == 1,
+              "specpipe_cpu::token_info_top_k takes fp32 CPU [R, V] rows with contiguous rows");
+  TORCH_CHECK(table.scalar_type() == at::kFloat && table.dim() == 2 && table.is_contiguous() &&
+                  table.size(1) == hot_ids.size(0),
+              "the hot-token table must be a contiguous fp32 [H, H] tensor over hot_ids");
+  const int64_t V = rows.size(1), M = owners.size(0), H = hot_ids.size(0);
+  TORCH_CHECK(k >= 1 && k <= 16 && k <= V, "k must be in 1..min(16, V), got ", k);
+  TORCH_CHECK(hot_rows.size(0) == M, "one hot row (or -1) per node");
+  const auto own = owners.contiguous(), hot = hot_rows.contiguous(), ids = hot_ids.contiguous();
+  const int64_t *o = own.data_ptr<int64_t>(), *h = hot.data_ptr<int64_t>(), *cols = ids.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m) {
+    TORCH_CHECK(o[m] >= 0 && o[m] < rows.size(0) && h[m] >= -1 && h[m] < table.size(0), "node ", m,
+                ": owner or hot row out of range");
+  }
+  for (int64_t j = 0; j < H; ++j) TORCH_CHECK(cols[j] >= 0 && cols[j] < V, "hot id out of range");
+  auto values = at::empty({M, k}, rows.options());
+  auto indices = at::empty({M, k}, rows.options().dtype(at::kLong));
+  const float *base = rows.data_ptr<float>(), *tab = table.data_ptr<float>();
+  float* vo = values.data_ptr<float>();
+  int64_t* io = indices.data_ptr<int64_t>();
+  const int64_t stride = rows.stride(0);
+  at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> x(V);
+    for (int64_t m = begin; m < end; ++m) {
+      std::memcpy(x.data(), base + o[m] * stride, V * sizeof(float));
+      if (h[m] >= 0) {
+        const float* add = tab + h[m] * H;
+        for (int64_t j = 0; j < H; ++j) x[cols[j]] += add[j];
+      }
+      node(x.data(), V, k, vo + m * k, io + m * k);
+    }
+  });
+  return {values, indices};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specpipe_cpu, m) {
+  m.def(
+      "token_info_top_k(Tensor rows, Tensor owners, Tensor hot_rows, Tensor hot_ids, Tensor table, int k) -> "
+      "(Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(specpipe_cpu, CPU, m) { m.impl("token_info_top_k", &token_info_top_k); }
