@@ -135,12 +135,6 @@ predicted), 0.96x with the charge. Then the mean length of the method's runs of 
 takes over (`HORIZON_EMA`): where drafting barely pays (sd at T=1, batch 8) each fresh
 batch drafted a step or two, paid its prompts' catch-up (~4% of a 64-token round) and went
 back to auto-regression; runs that short make the next catch-up dear enough to stay."""
-PROVEN_TREES = 3
-"""Trees of its kind a size's estimate needs before a decision to draft it may stand
-(`_settle`): below that it is optimistic (`KIND_PRIOR`), and its next trees should end
-it. Lyanna at batch 8 chose 5-node then 13-node trees for all eight requests on such
-estimates, and the second decision stood four steps (~67 ms each, where auto-regression
-took ~14): a first run at ~0.75x auto-regression."""
 HORIZON_EMA = 0.2
 """Weight of a finished run of drafting in its method's mean run length."""
 DINKELBACH_ROUNDS = 3
@@ -763,12 +757,6 @@ class SpeculationPolicy:
             rate = cand.rate
         return best
 
-    def _proven(self, kind: Hashable, size: int) -> bool:
-        """Whether `size`'s estimate for `kind` rests on `PROVEN_TREES` trees or more (size
-        1, the root alone, needs none)."""
-        e = self.kinds.get((kind, size))
-        return size == 1 or (e is not None and e.trees >= PROVEN_TREES)
-
     def _explore(
         self, members: list[list[Offer]], batch: list[_Group], others: int, best: _Choice
     ) -> tuple[Offer, int] | None:
@@ -848,8 +836,6 @@ class SpeculationPolicy:
         confirmed, self._drafted = self._drafted, drafts
         if drafts and not confirmed:
             return  # a first choice to draft (optimism about sizes barely measured): its trees may end it
-        if any(not self._proven(group[0].kind, size) for group, size in zip(members, best.sizes, strict=True)):
-            return  # a size barely measured (optimism again), however it came to be drafted before
         next_probe = self._probe(members, batch, others, best, stale_only=False)
         if next_probe is None and not drafts:
             return
