@@ -8,7 +8,7 @@ hot-token table at the hot columns (`HotTokenTable.bias`, §6.1); the op returns
 clone and index_add_, a log_softmax over `[M, V]`, a top-k: ~1.3 ms a depth for 32 nodes of
 8192 logits on 2 cores). On the CPU a C++ kernel (`plugins/csrc/token_info_top_k_cpu.cpp`)
 builds each node's row once, keeps its k best in one pass and sums its exps in a second,
-16 lanes at a time: the same children (the smaller index first on ties, where torch's top-k
+a vector of the CPU's width at a time: the same children (the smaller index first on ties, where torch's top-k
 leaves the order open), log-probabilities within fp32 rounding of torch's.
 """
 
