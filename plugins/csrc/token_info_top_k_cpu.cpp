@@ -8,9 +8,9 @@
 // table added at the hot columns (one fp32 add per cell, as `HotTokenTable.bias`), then the
 // k best children and their log-softmax values. Per node one pass keeps the k best values
 // (ascending index on ties, a vector of values compared at a time) and a second sums
-// exp(x - max), a vector at a time (a Cephes-style exp). In torch the same depth is a gather, a clone, an
-// index_add_, a log_softmax over [M, V] and a top-k (~1.3 ms for 32 nodes of 8192 logits
-// on 2 cores, most of Lyanna's tree building at batch 8).
+// exp(x - max), a vector at a time (a Cephes-style exp). In torch the same depth is a
+// gather, a clone, an index_add_, a log_softmax over [M, V] and a top-k (~1.3 ms for 32
+// nodes of 8192 logits on 2 cores, most of Lyanna's tree building at batch 8).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
