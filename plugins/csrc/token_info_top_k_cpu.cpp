@@ -23,11 +23,13 @@
 #include <tuple>
 #include <vector>
 
+#include "lanes.h"
+
 namespace {
 
-// The CPU's own vector width: 16 fp32 lanes under AVX-512, else 8. (lanes.h's 16 lanes
-// compile to scalar code for the exp below on an AVX2-only CPU: ~30 us a row of 8192, ~4.5
-// with 8 lanes.)
+// The CPU's own vector width: 16 fp32 lanes under AVX-512, else 8. (lanes.h's exp on its
+// 16 lanes compiled to scalar code in a variant of this kernel on an AVX2-only CPU: ~30 us
+// a row of 8192, ~4.5 with 8 lanes.)
 #ifdef __AVX512F__
 constexpr int kW = 16;
 #else
@@ -43,29 +45,6 @@ inline vf load(const float* p) {
 }
 
 inline vf splat(float x) { return vf{} + x; }
-
-// exp(x) for x <= 0, a vector at a time (Cephes expf: x = n ln2 + r, |r| <= ln2 / 2, e^r by
-// a degree-6 polynomial, 2^n into the exponent bits); x below -87 counts as -87 (e^-87 ~
-// 2e-38: nothing next to the row's maximum, which contributes 1).
-inline vf exp_nonpositive(vf x) {
-  x = x < splat(-87.0f) ? splat(-87.0f) : x;
-  const vf t = x * 1.44269504088896341f + 0.5f;
-  vi n = __builtin_convertvector(t, vi);  // truncates: one less where t < 0 is not whole
-  n += __builtin_convertvector(n, vf) > t;  // (true is -1)
-  const vf fn = __builtin_convertvector(n, vf);
-  const vf r = x - fn * 0.693359375f + fn * 2.12194440e-4f;
-  vf p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const vi bits = (n + 127) << 23;
-  vf scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 
 bool any(vi mask) {
   uint64_t w[kW / 2];
@@ -106,7 +85,7 @@ void node(const float* x, int64_t V, int64_t k, float* values, int64_t* indices)
   const float top = best.value[0];
   const int64_t body = V / kW * kW;
   vf acc{};
-  for (int64_t j = 0; j < body; j += kW) acc += exp_nonpositive(load(x + j) - top);
+  for (int64_t j = 0; j < body; j += kW) acc += specpipe_lanes::exp_nonpositive<vf, vi>(load(x + j) - top);
   double sum = 0.0;
   for (int l = 0; l < kW; ++l) sum += acc[l];
   for (int64_t j = body; j < V; ++j) sum += std::exp(x[j] - top);

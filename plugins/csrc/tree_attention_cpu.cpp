@@ -31,28 +31,6 @@ using namespace specpipe_lanes;
 
 inline int64_t padded(int64_t keys) { return (keys + kLanes - 1) / kLanes * kLanes; }  // whole 16-key chunks
 
-// exp(x) for x <= 0 (scores minus their row max): Cephes' expf, a degree-6 polynomial on
-// x = n ln2 + r, |r| <= ln2 / 2, times 2^n built in the exponent bits; ~2 ulp.
-inline v16 exp_nonpositive(v16 x) {
-  x = x < -87.0f ? splat(-87.0f) : x;
-  const v16 fx = x * 1.44269504088896341f + 0.5f;
-  v16 n = __builtin_convertvector(__builtin_convertvector(fx, i16), v16);  // truncate ...
-  n += __builtin_convertvector(n > fx, v16);                               // ... to floor (true = -1)
-  x = x - n * 0.693359375f + n * 2.12194440e-4f;
-  const v16 z = x * x;
-  v16 y = splat(1.9875691500e-4f);
-  y = y * x + 1.3981999507e-3f;
-  y = y * x + 8.3334519073e-3f;
-  y = y * x + 4.1665795894e-2f;
-  y = y * x + 1.6666665459e-1f;
-  y = y * x + 5.0000001201e-1f;
-  y = y * z + x + 1.0f;
-  const i16 bits = (__builtin_convertvector(n, i16) + 127) << 23;
-  v16 two_n;
-  __builtin_memcpy(&two_n, &bits, sizeof(two_n));
-  return y * two_n;
-}
-
 inline float lane_sum(v16 x) {  // pairwise: lanes 8 apart, then 4, 2, 1
   x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
   x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
