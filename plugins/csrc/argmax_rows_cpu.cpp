@@ -4,9 +4,10 @@
 //
 // The greedy token of every row of every tensor of a list (each request's verified tree
 // or decode token), in one call: per row the first index of its largest value, or of its
-// first NaN where it has one (torch.argmax's rule), in one pass over a row, 16 lanes at a
-// time. torch.argmax over one request's rows at a time cost ~10 us a call plus ~7 us a row
-// of 8192 logits here (32 requests: ~1 ms a step); this reads each row at memory speed.
+// first NaN where it has one (torch.argmax's rule), in one pass over a row, a vector of the
+// CPU's width at a time. torch.argmax over one request's rows at a time cost ~10 us a call
+// plus ~7 us a row of 8192 logits here (32 requests: ~1 ms a step); this reads each row at
+// memory speed.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -30,25 +31,27 @@ int64_t first_nan(const float* x, int64_t V) {
 // One pass: each lane keeps the largest value it has seen and the first index holding it
 // (strictly greater replaces), and whether it saw a NaN; then the lanes' best, the
 // smallest index among the lanes that hold it, and the tail past the last whole chunk.
+// At the CPU's own width (`kWide`): 16 lanes on an AVX2 CPU ran as scalar code, ~10x slower.
 int64_t argmax_row(const float* x, int64_t V) {
-  const int64_t body = V / kLanes * kLanes;
+  const int64_t body = V / kWide * kWide;
   float best = x[0];
   int64_t at = 0;
   bool nan = false;
   if (body > 0) {
-    v16 m = load(x);
-    i16 index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    i16 seen_nan = m != m;
-    i16 here = index;
-    for (int64_t i = kLanes; i < body; i += kLanes) {
-      const v16 v = load(x + i);
-      here += static_cast<int32_t>(kLanes);
-      const i16 wins = v > m;  // a NaN lane never wins here ...
+    vw m = load_w(x);
+    iw index;
+    for (int l = 0; l < kWide; ++l) index[l] = l;
+    iw seen_nan = m != m;
+    iw here = index;
+    for (int64_t i = kWide; i < body; i += kWide) {
+      const vw v = load_w(x + i);
+      here += static_cast<int32_t>(kWide);
+      const iw wins = v > m;  // a NaN lane never wins here ...
       m = wins ? v : m;
       index = wins ? here : index;
       seen_nan |= v != v;  // ... it is flagged instead
     }
-    for (int l = 0; l < kLanes; ++l) {
+    for (int l = 0; l < kWide; ++l) {
       nan = nan || seen_nan[l] != 0;
       if (m[l] > best || (m[l] == best && index[l] < at)) best = m[l], at = index[l];
     }

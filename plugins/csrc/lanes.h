@@ -21,6 +21,23 @@ inline void store(float* p, v16 x) { __builtin_memcpy(p, &x, sizeof(x)); }
 
 inline v16 splat(float x) { return v16{} + x; }
 
+// The CPU's own vector width: 16 fp32 lanes under AVX-512, else 8 (AVX2). Code with int32
+// lanes or float <-> int conversions runs at this width: at 16 lanes without AVX-512, GCC
+// compiles those to scalar code (an AVX2 EPYC: a Cephes exp ~7x slower, an argmax ~10x).
+#ifdef __AVX512F__
+constexpr int64_t kWide = 16;
+#else
+constexpr int64_t kWide = 8;
+#endif
+typedef float vw __attribute__((vector_size(4 * kWide)));
+typedef int32_t iw __attribute__((vector_size(4 * kWide)));
+
+inline vw load_w(const float* p) {
+  vw x;
+  __builtin_memcpy(&x, p, sizeof(x));
+  return x;
+}
+
 // exp(x) for x <= 0 (scores or logits minus their row max), a vector VF of fp32 lanes at a
 // time (VI: as many int32 lanes): Cephes' expf, a degree-6 polynomial on x = n ln2 + r,
 // |r| <= ln2 / 2, times 2^n built in the exponent bits; ~2 ulp. x below -87 counts as -87
@@ -47,7 +64,7 @@ inline VF exp_nonpositive(VF x) {
 }
 
 // `exp_nonpositive` of 16 lanes, as two halves of 8 where the CPU has no 512-bit registers
-// (AVX2: 16 lanes at once compiled to scalar code, ~30 us for 8192 values against ~4).
+// (AVX2: 16 lanes at once compiled to scalar code, ~30 us for 8192 values against ~4; `kWide`).
 inline v16 exp_nonpositive(v16 x) {
 #ifdef __AVX512F__
   return exp_nonpositive<v16, i16>(x);

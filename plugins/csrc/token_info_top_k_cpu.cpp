@@ -27,30 +27,17 @@
 
 namespace {
 
-// The CPU's own vector width: 16 fp32 lanes under AVX-512, else 8. (lanes.h's exp on its
-// 16 lanes compiled to scalar code in a variant of this kernel on an AVX2-only CPU: ~30 us
-// a row of 8192, ~4.5 with 8 lanes.)
-#ifdef __AVX512F__
-constexpr int kW = 16;
-#else
-constexpr int kW = 8;
-#endif
-typedef float vf __attribute__((vector_size(4 * kW)));
-typedef int32_t vi __attribute__((vector_size(4 * kW)));
+using specpipe_lanes::iw;
+using specpipe_lanes::kWide;
+using specpipe_lanes::vw;
 
-inline vf load(const float* p) {
-  vf x;
-  std::memcpy(&x, p, sizeof(x));
-  return x;
-}
+inline vw splat(float x) { return vw{} + x; }
 
-inline vf splat(float x) { return vf{} + x; }
-
-bool any(vi mask) {
-  uint64_t w[kW / 2];
+bool any(iw mask) {
+  uint64_t w[kWide / 2];
   std::memcpy(w, &mask, sizeof(w));
   uint64_t seen = 0;
-  for (int j = 0; j < kW / 2; ++j) seen |= w[j];
+  for (int j = 0; j < kWide / 2; ++j) seen |= w[j];
   return seen != 0;
 }
 
@@ -76,18 +63,19 @@ void node(const float* x, int64_t V, int64_t k, float* values, int64_t* indices)
   Best best{k};
   int64_t i = 0;
   for (; i < V && best.count < k; ++i) best.offer(x[i], i);
-  for (; i + kW <= V; i += kW) {
-    const vf v = load(x + i);
+  for (; i + kWide <= V; i += kWide) {
+    const vw v = specpipe_lanes::load_w(x + i);
     if (!any(v > splat(best.value[k - 1]))) continue;
-    for (int l = 0; l < kW; ++l) best.offer(v[l], i + l);
+    for (int l = 0; l < kWide; ++l) best.offer(v[l], i + l);
   }
   for (; i < V; ++i) best.offer(x[i], i);
   const float top = best.value[0];
-  const int64_t body = V / kW * kW;
-  vf acc{};
-  for (int64_t j = 0; j < body; j += kW) acc += specpipe_lanes::exp_nonpositive<vf, vi>(load(x + j) - top);
+  const int64_t body = V / kWide * kWide;
+  vw acc{};
+  for (int64_t j = 0; j < body; j += kWide)
+    acc += specpipe_lanes::exp_nonpositive<vw, iw>(specpipe_lanes::load_w(x + j) - top);
   double sum = 0.0;
-  for (int l = 0; l < kW; ++l) sum += acc[l];
+  for (int l = 0; l < kWide; ++l) sum += acc[l];
   for (int64_t j = body; j < V; ++j) sum += std::exp(x[j] - top);
   const float log_sum = static_cast<float>(std::log(sum));
   for (int64_t j = 0; j < k; ++j) values[j] = (best.value[j] - top) - log_sum, indices[j] = best.index[j];
