@@ -8,8 +8,9 @@ hot-token table at the hot columns (`HotTokenTable.bias`, §6.1); the op returns
 clone and index_add_, a log_softmax over `[M, V]`, a top-k: ~1.3 ms a depth for 32 nodes of
 8192 logits on 2 cores). On the CPU a C++ kernel (`plugins/csrc/token_info_top_k_cpu.cpp`)
 builds each node's row once, keeps its k best in one pass and sums its exps in a second,
-a vector of the CPU's width at a time: the same children (the smaller index first on ties, where torch's top-k
-leaves the order open), log-probabilities within fp32 rounding of torch's.
+a vector of the CPU's width at a time: the same children (the smaller index first on
+ties, where torch's top-k leaves the order open), log-probabilities within fp32 rounding
+of torch's.
 """
 
 from __future__ import annotations
@@ -58,20 +59,18 @@ def kernel_applies(rows: Tensor, table: Tensor, k: int) -> bool:
 def top_children(
     rows: Tensor, owners: Tensor, hot_rows: Tensor, hot_ids: Tensor, table: Tensor, k: int
 ) -> tuple[Tensor, Tensor]:
-    """`token_info_top_k` by the shortest route (the C++ op itself where it applies: no
-    custom-op dispatch)."""
+    """`token_info_top_k` by the shortest route (no custom-op dispatch): the C++ op itself
+    where it applies, else the reference."""
     if kernel_applies(rows, table, k):
         return torch.ops.specpipe_cpu.token_info_top_k(rows, owners, hot_rows, hot_ids, table.contiguous(), k)
-    return token_info_top_k(rows, owners, hot_rows, hot_ids, table, k)
+    return token_info_top_k_reference(rows, owners, hot_rows, hot_ids, table, k)
 
 
 @torch.library.custom_op("specpipe::token_info_top_k", mutates_args=())
 def token_info_top_k(
     rows: Tensor, owners: Tensor, hot_rows: Tensor, hot_ids: Tensor, table: Tensor, k: int
 ) -> tuple[Tensor, Tensor]:
-    if kernel_applies(rows, table, k):
-        return torch.ops.specpipe_cpu.token_info_top_k(rows, owners, hot_rows, hot_ids, table.contiguous(), k)
-    return token_info_top_k_reference(rows, owners, hot_rows, hot_ids, table, k)
+    return top_children(rows, owners, hot_rows, hot_ids, table, k)
 
 
 @token_info_top_k.register_fake

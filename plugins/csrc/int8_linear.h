@@ -13,9 +13,10 @@
 // w carrying q's sign (`vpsignb`), so a pair sum is at most 2 x 127 x 127 < 2^15 and never
 // saturates: exact too, given w in [-127, 127] (`Int8Weight.of` checks; fbgemm's symmetric
 // scales give that), and `vpmaddwd` by ones widens the pairs to 32 bits. Unlike fbgemm's
-// dynamic linear, activations keep 8 bits (fbgemm's x86 path uses 7 to stay clear of int16 saturation, which vpdpbusd does not have) and nothing is
-// allocated or packed per call: fbgemm spends ~13 us a call before its first product, which on
-// the demo draft LM's 256-wide layers is most of the call.
+// dynamic linear, activations keep 8 bits (fbgemm's x86 path uses 7 to stay clear of int16
+// saturation, which vpdpbusd does not have) and nothing is allocated or packed per call:
+// fbgemm spends ~13 us a call before its first product, which on the demo draft LM's
+// 256-wide layers is most of the call.
 #pragma once
 
 #include <ATen/Parallel.h>

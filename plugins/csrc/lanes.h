@@ -69,10 +69,9 @@ inline v16 exp_nonpositive(v16 x) {
 #ifdef __AVX512F__
   return exp_nonpositive<v16, i16>(x);
 #else
-  typedef float v8 __attribute__((vector_size(32)));
-  typedef int32_t i8 __attribute__((vector_size(32)));
-  const v8 lo = exp_nonpositive<v8, i8>(__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7));
-  const v8 hi = exp_nonpositive<v8, i8>(__builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15));
+  static_assert(kWide == 8);
+  const vw lo = exp_nonpositive<vw, iw>(__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7));
+  const vw hi = exp_nonpositive<vw, iw>(__builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15));
   return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 #endif
 }

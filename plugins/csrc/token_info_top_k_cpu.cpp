@@ -19,7 +19,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <tuple>
 #include <vector>
 
@@ -30,6 +29,8 @@ namespace {
 using specpipe_lanes::iw;
 using specpipe_lanes::kWide;
 using specpipe_lanes::vw;
+
+constexpr int64_t kMaxK = 16;  // plugins/token_info_top_k.py MAX_K
 
 inline vw splat(float x) { return vw{} + x; }
 
@@ -45,8 +46,8 @@ bool any(iw mask) {
 // (the smaller index first, as the values arrive in index order).
 struct Best {
   int64_t k, count = 0;
-  float value[16];
-  int64_t index[16];
+  float value[kMaxK];
+  int64_t index[kMaxK];
 
   void offer(float v, int64_t i) {
     if (count == k && !(v > value[k - 1])) return;
@@ -90,7 +91,7 @@ std::tuple<at::Tensor, at::Tensor> token_info_top_k(const at::Tensor& rows, cons
                   table.size(1) == hot_ids.size(0),
               "the hot-token table must be a contiguous fp32 [H, H] tensor over hot_ids");
   const int64_t V = rows.size(1), M = owners.size(0), H = hot_ids.size(0);
-  TORCH_CHECK(k >= 1 && k <= 16 && k <= V, "k must be in 1..min(16, V), got ", k);
+  TORCH_CHECK(k >= 1 && k <= kMaxK && k <= V, "k must be in 1..min(", kMaxK, ", V), got ", k);
   TORCH_CHECK(hot_rows.size(0) == M, "one hot row (or -1) per node");
   const auto own = owners.contiguous(), hot = hot_rows.contiguous(), ids = hot_ids.contiguous();
   const int64_t *o = own.data_ptr<int64_t>(), *h = hot.data_ptr<int64_t>(), *cols = ids.data_ptr<int64_t>();
