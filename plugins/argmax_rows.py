@@ -6,7 +6,7 @@ Greedy acceptance (`runtime.verify.accept_batch`) needs the target's argmax at e
 node of every greedy request's tree. `argmax_rows_reference` is the plain-torch form (one
 `argmax` per tensor: ~10 us a call plus ~7 us a row of 8192 logits on the demo machine,
 ~1 ms a step for 32 requests of 3-node trees); on the CPU a C++ kernel
-(`plugins/csrc/argmax_rows_cpu.cpp`) reads every row at once, 16 lanes at a time, with the
+(`plugins/csrc/argmax_rows_cpu.cpp`) reads every row at once, a vector of the CPU's width at a time, with the
 same indices (ties and NaN included).
 """
 

@@ -1,25 +1,11 @@
-// 16 fp32 lanes (GCC/Clang vector extension): one AVX-512 register, or four SSE ones; what
-// the CPU kernels that compare or accumulate 16 values at a time share, and the exp they
-// take of scores (any lane count).
+// fp32 and int32 vectors of the CPU's own width (GCC/Clang vector extension): what the CPU
+// kernels that compare or accumulate a vector of values at a time share, and the exp they
+// take of scores and logits (any lane count).
 #pragma once
 
 #include <cstdint>
 
 namespace specpipe_lanes {
-
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t i16 __attribute__((vector_size(64)));
-constexpr int64_t kLanes = 16;
-
-inline v16 load(const float* p) {
-  v16 x;
-  __builtin_memcpy(&x, p, sizeof(x));
-  return x;
-}
-
-inline void store(float* p, v16 x) { __builtin_memcpy(p, &x, sizeof(x)); }
-
-inline v16 splat(float x) { return v16{} + x; }
 
 // The CPU's own vector width: 16 fp32 lanes under AVX-512, else 8 (AVX2). Code with int32
 // lanes or float <-> int conversions runs at this width: at 16 lanes without AVX-512, GCC
@@ -37,6 +23,10 @@ inline vw load_w(const float* p) {
   __builtin_memcpy(&x, p, sizeof(x));
   return x;
 }
+
+inline void store_w(float* p, vw x) { __builtin_memcpy(p, &x, sizeof(x)); }
+
+inline vw splat_w(float x) { return vw{} + x; }
 
 // exp(x) for x <= 0 (scores or logits minus their row max), a vector VF of fp32 lanes at a
 // time (VI: as many int32 lanes): Cephes' expf, a degree-6 polynomial on x = n ln2 + r,
@@ -61,19 +51,6 @@ inline VF exp_nonpositive(VF x) {
   VF two_n;
   __builtin_memcpy(&two_n, &bits, sizeof(two_n));
   return y * two_n;
-}
-
-// `exp_nonpositive` of 16 lanes, as two halves of 8 where the CPU has no 512-bit registers
-// (AVX2: 16 lanes at once compiled to scalar code, ~30 us for 8192 values against ~4; `kWide`).
-inline v16 exp_nonpositive(v16 x) {
-#ifdef __AVX512F__
-  return exp_nonpositive<v16, i16>(x);
-#else
-  static_assert(kWide == 8);
-  const vw lo = exp_nonpositive<vw, iw>(__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7));
-  const vw hi = exp_nonpositive<vw, iw>(__builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15));
-  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-#endif
 }
 
 }  // namespace specpipe_lanes

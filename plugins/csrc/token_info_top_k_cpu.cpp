@@ -32,8 +32,6 @@ using specpipe_lanes::vw;
 
 constexpr int64_t kMaxK = 16;  // plugins/token_info_top_k.py MAX_K
 
-inline vw splat(float x) { return vw{} + x; }
-
 bool any(iw mask) {
   uint64_t w[kWide / 2];
   std::memcpy(w, &mask, sizeof(w));
@@ -66,7 +64,7 @@ void node(const float* x, int64_t V, int64_t k, float* values, int64_t* indices)
   for (; i < V && best.count < k; ++i) best.offer(x[i], i);
   for (; i + kWide <= V; i += kWide) {
     const vw v = specpipe_lanes::load_w(x + i);
-    if (!any(v > splat(best.value[k - 1]))) continue;
+    if (!any(v > specpipe_lanes::splat_w(best.value[k - 1]))) continue;
     for (int l = 0; l < kWide; ++l) best.offer(v[l], i + l);
   }
   for (; i < V; ++i) best.offer(x[i], i);

@@ -4,9 +4,10 @@
 //
 // Work items are (request g, KV head kh), spread over ATen's threads. An item's R =
 // T x (H / H_kv) query rows go four at a time, reading keys and values straight from their
-// cache slots (no padded copy of the paged cache): scores 16 keys at a time (16 partial-dot
-// vectors summed across lanes together, `lane_sums`), outputs with each value loaded once
-// for the four rows. For each row, over the keys j it may see (Vaswani et al. 2017, eq. 1):
+// cache slots (no padded copy of the paged cache), at the CPU's own vector width (`kWide`:
+// 8 lanes on AVX2, where 16-lane vectors spilled and compiled to scalar compares): scores a
+// chunk of kWide keys at a time (kWide partial-dot vectors summed across lanes together,
+// `lane_sums`), outputs with each value loaded once for the four rows. For each row, over the keys j it may see (Vaswani et al. 2017, eq. 1):
 //   s_j = (q . k_j) / sqrt(D)
 //   p_j = exp(s_j - max_i s_i), exactly 0 for masked keys
 //   out = (sum_j p_j v_j) / (sum_j p_j)
@@ -29,9 +30,16 @@ namespace {
 
 using namespace specpipe_lanes;
 
-inline int64_t padded(int64_t keys) { return (keys + kLanes - 1) / kLanes * kLanes; }  // whole 16-key chunks
+inline int64_t padded(int64_t keys) { return (keys + kWide - 1) / kWide * kWide; }  // whole key chunks
 
-inline float lane_sum(v16 x) {  // pairwise: lanes 8 apart, then 4, 2, 1
+inline float lane_max(vw x) {
+  float m = x[0];
+  for (int l = 1; l < kWide; ++l) m = std::max(m, x[l]);
+  return m;
+}
+
+#ifdef __AVX512F__
+inline float lane_sum(vw x) {  // pairwise: lanes 8 apart, then 4, 2, 1
   x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
   x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
   x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
@@ -39,17 +47,11 @@ inline float lane_sum(v16 x) {  // pairwise: lanes 8 apart, then 4, 2, 1
   return x[0];
 }
 
-inline float lane_max(v16 x) {
-  float m = x[0];
-  for (int l = 1; l < kLanes; ++l) m = std::max(m, x[l]);
-  return m;
-}
-
 // Lane i of the result = the sum of x[i]'s 16 lanes: a butterfly of shuffles, each level
 // halving the vectors and doubling the keys per vector (x[i]: key i's 16 partial dots).
 // A key's sum takes the same additions in the same order wherever its chunk is.
-inline v16 lane_sums(const v16 (&x)[kLanes]) {
-  v16 a[8], b[4], c[2];
+inline vw lane_sums(const vw (&x)[kWide]) {
+  vw a[8], b[4], c[2];
   for (int i = 0; i < 8; ++i)  // a[i]: lanes 0-7 key 2i, 8-15 key 2i+1
     a[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
            __builtin_shufflevector(x[2 * i], x[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
@@ -59,43 +61,79 @@ inline v16 lane_sums(const v16 (&x)[kLanes]) {
   for (int i = 0; i < 2; ++i)  // c[i]: pairs hold keys 8i + 0, 4, 2, 6, 1, 5, 3, 7
     c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
            __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-  const v16 d =  // lane L holds key bitreverse4(L)
+  const vw d =  // lane L holds key bitreverse4(L)
       __builtin_shufflevector(c[0], c[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
       __builtin_shufflevector(c[0], c[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
   return __builtin_shufflevector(d, d, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
 }
+#else
+inline float lane_sum(vw x) {  // pairwise: lanes 4 apart, then 2, 1
+  x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3);
+  x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5);
+  x += __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6);
+  return x[0];
+}
 
-// NR query rows (at most 4) of one KV head against its S keys, 16 keys at a time;
-// `rows[r]` = (query row of the flat batch, query head), `mask_rows[r]` = that row's S
-// visibility flags, `scores` room for NR rows of S rounded up to 16. Keys past S (the last
-// chunk's padding) read key 0 and are masked.
+// The same butterfly over 8 keys of 8 partial dots.
+inline vw lane_sums(const vw (&x)[kWide]) {
+  vw a[4], b[2];
+  for (int i = 0; i < 4; ++i)  // a[i]: lanes 0-3 key 2i, 4-7 key 2i+1
+    a[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(x[2 * i], x[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)  // b[i]: pairs hold keys 4i, 4i+2, 4i+1, 4i+3
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  const vw d =  // lane L holds key bitreverse3(L)
+      __builtin_shufflevector(b[0], b[1], 0, 8, 2, 10, 4, 12, 6, 14) +
+      __builtin_shufflevector(b[0], b[1], 1, 9, 3, 11, 5, 13, 7, 15);
+  return __builtin_shufflevector(d, d, 0, 4, 2, 6, 1, 5, 3, 7);
+}
+#endif
+
+// Output vectors a row keeps in registers at once: the largest power of two <= C and <= the
+// accumulators the register file holds for NR rows (AVX2: 16 registers, 8 for accumulators;
+// AVX-512: 32 and 16), so it divides C.
+constexpr int64_t column_block(int64_t C, int NR) {
+  int64_t cb = 1;
+  while (cb * 2 <= C && cb * 2 * NR <= (kWide == 16 ? 16 : 8)) cb *= 2;
+  return cb;
+}
+
+// NR query rows (at most 4) of one KV head against its S keys, a chunk of kWide keys at a
+// time; `rows[r]` = (query row of the flat batch, query head), `mask_rows[r]` = that row's
+// S visibility flags, `scores` room for NR rows of S rounded up to the chunk. Keys past S
+// (the last chunk's padding) read key 0 and are masked. Blocked for the register file:
+// a chunk's kWide partial-dot vectors for one row at a time, and the outputs in column
+// blocks (`column_block`).
 template <int64_t D, int NR>
 void attend_rows(const float* q, int64_t q_row_stride, const float* k, const float* v, int64_t c_slot_stride,
                  const int64_t* key_slots, int64_t S, const int64_t (&rows)[4][2], const bool* const (&mask_rows)[4],
                  float* const (&dst)[4], float* scores) {
-  constexpr int64_t C = D / kLanes;
-  typedef uint8_t u8x16 __attribute__((vector_size(16)));
+  constexpr int64_t C = D / kWide;
+  constexpr int64_t CB = column_block(C, NR);
+  typedef uint8_t u8w __attribute__((vector_size(kWide)));
   const int64_t sp = padded(S);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  v16 qv[NR][C];
-  for (int r = 0; r < NR; ++r)
-    for (int64_t c = 0; c < C; ++c) qv[r][c] = load(q + rows[r][0] * q_row_stride + rows[r][1] * D + c * kLanes);
-  v16 running_max[NR];
-  for (int r = 0; r < NR; ++r) running_max[r] = splat(neg_inf);
-  for (int64_t j0 = 0; j0 < sp; j0 += kLanes) {  // s_j = q . k_j / sqrt(D)
-    const float* kp[kLanes];
-    for (int64_t l = 0; l < kLanes; ++l) kp[l] = k + key_slots[j0 + l < S ? j0 + l : 0] * c_slot_stride;
+  const float* qr[NR];
+  for (int r = 0; r < NR; ++r) qr[r] = q + rows[r][0] * q_row_stride + rows[r][1] * D;
+  vw running_max[NR];
+  for (int r = 0; r < NR; ++r) running_max[r] = splat_w(neg_inf);
+  for (int64_t j0 = 0; j0 < sp; j0 += kWide) {  // s_j = q . k_j / sqrt(D)
+    const float* kp[kWide];
+    for (int64_t l = 0; l < kWide; ++l) kp[l] = k + key_slots[j0 + l < S ? j0 + l : 0] * c_slot_stride;
     for (int r = 0; r < NR; ++r) {
-      v16 acc[kLanes];
-      for (int64_t l = 0; l < kLanes; ++l) {
-        acc[l] = qv[r][0] * load(kp[l]);
-        for (int64_t c = 1; c < C; ++c) acc[l] += qv[r][c] * load(kp[l] + c * kLanes);
+      vw acc[kWide];
+      const vw q0 = load_w(qr[r]);
+      for (int64_t l = 0; l < kWide; ++l) acc[l] = q0 * load_w(kp[l]);
+      for (int64_t c = 1; c < C; ++c) {
+        const vw qc = load_w(qr[r] + c * kWide);
+        for (int64_t l = 0; l < kWide; ++l) acc[l] += qc * load_w(kp[l] + c * kWide);
       }
-      u8x16 seen = {};
-      __builtin_memcpy(&seen, mask_rows[r] + j0, static_cast<size_t>(std::min<int64_t>(kLanes, S - j0)));
-      const v16 sc = __builtin_convertvector(seen, v16) != 0.0f ? lane_sums(acc) * scale : splat(neg_inf);
-      store(scores + r * sp + j0, sc);
+      u8w seen = {};
+      __builtin_memcpy(&seen, mask_rows[r] + j0, static_cast<size_t>(std::min<int64_t>(kWide, S - j0)));
+      const vw sc = __builtin_convertvector(seen, iw) != 0 ? lane_sums(acc) * scale : splat_w(neg_inf);
+      store_w(scores + r * sp + j0, sc);
       running_max[r] = running_max[r] > sc ? running_max[r] : sc;
     }
   }
@@ -103,27 +141,29 @@ void attend_rows(const float* q, int64_t q_row_stride, const float* k, const flo
   for (int r = 0; r < NR; ++r) {  // p_j = exp(s_j - m), exactly 0 where masked
     const float m = lane_max(running_max[r]);
     float* s = scores + r * sp;
-    v16 total = {};
-    for (int64_t j0 = 0; j0 < sp; j0 += kLanes) {
-      const v16 x = load(s + j0);
-      const v16 p = x == neg_inf ? v16{} : exp_nonpositive(x - m);
+    vw total = {};
+    for (int64_t j0 = 0; j0 < sp; j0 += kWide) {
+      const vw x = load_w(s + j0);
+      const vw p = x == neg_inf ? vw{} : exp_nonpositive<vw, iw>(x - m);
       total += p;
-      store(s + j0, p);
+      store_w(s + j0, p);
     }
     inv[r] = 1.0f / lane_sum(total);
   }
-  v16 o[NR][C] = {};
-  for (int64_t j = 0; j < S; ++j) {  // sum_j p_j v_j, keys in order
-    const float* vj = v + key_slots[j] * c_slot_stride;
-    v16 vv[C];
-    for (int64_t c = 0; c < C; ++c) vv[c] = load(vj + c * kLanes);
-    for (int r = 0; r < NR; ++r) {
-      const v16 p = splat(scores[r * sp + j]);
-      for (int64_t c = 0; c < C; ++c) o[r][c] += p * vv[c];
+  for (int64_t c0 = 0; c0 < C; c0 += CB) {  // sum_j p_j v_j, keys in order, CB columns at a time
+    vw o[NR][CB] = {};
+    for (int64_t j = 0; j < S; ++j) {
+      const float* vj = v + key_slots[j] * c_slot_stride + c0 * kWide;
+      vw vv[CB];
+      for (int64_t c = 0; c < CB; ++c) vv[c] = load_w(vj + c * kWide);
+      for (int r = 0; r < NR; ++r) {
+        const vw p = splat_w(scores[r * sp + j]);
+        for (int64_t c = 0; c < CB; ++c) o[r][c] += p * vv[c];
+      }
     }
+    for (int r = 0; r < NR; ++r)
+      for (int64_t c = 0; c < CB; ++c) store_w(dst[r] + (c0 + c) * kWide, o[r][c] * inv[r]);
   }
-  for (int r = 0; r < NR; ++r)
-    for (int64_t c = 0; c < C; ++c) store(dst[r] + c * kLanes, o[r][c] * inv[r]);
 }
 
 // One (request, KV head): its R = T x group query rows, four at a time.
@@ -132,7 +172,7 @@ void attend_item(const float* q, int64_t q_row_stride, const float* k, const flo
                  const int64_t* query_index, const int64_t* key_slots, const bool* mask, int64_t mask_row_stride,
                  float* out, int64_t out_row_stride, int64_t T, int64_t S, int64_t group, int64_t kh,
                  std::vector<float>& scores) {
-  static_assert(D % kLanes == 0);
+  static_assert(D % kWide == 0);
   scores.resize(4 * padded(S));
   const int64_t R = T * group;
   for (int64_t r0 = 0; r0 < R; r0 += 4) {

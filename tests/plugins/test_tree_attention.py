@@ -104,7 +104,7 @@ def _random_groups(
 )
 def test_cpu_kernel_equals_the_reference(groups: int, t: int, s: int, heads: int, kv_heads: int, d: int) -> None:
     """The C++ kernel against the gather + SDPA reference, over tree masks, GQA, padding
-    queries and key counts on either side of its 16-key vectors. A masking slip (one key a
+    queries and key counts on either side of its key chunks (8 or 16 keys). A masking slip (one key a
     row must not see) moves the result by ~1e-1, far past the tolerance."""
     gen = torch.Generator().manual_seed(groups * 1000 + t * 10 + s)
     args = _random_groups(gen, groups, t, s, heads, kv_heads, d)
