@@ -331,7 +331,7 @@ def stack_linears(linears: list[Linear], int8: bool) -> LinearStack | None:
 
 def int8_kernel(linear: Linear | LinearStack | None) -> Int8Weight | None:
     """The int8 kernel's weights (`Int8Copy.kernel`) of a bias-free int8 `Linear` or
-    `LinearStack`, else None: what the C++ drafter forwards take (`plugins/draft_lm_forward.py`,
+    `LinearStack`, else None: what the C++ drafter forwards take (`plugins/llama_forward.py`,
     `plugins/lyanna_chain.py`)."""
     if isinstance(linear, LinearStack):
         return linear.packed.kernel if linear.int8 and linear.bias is None else None

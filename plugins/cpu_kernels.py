@@ -39,7 +39,7 @@ SOURCES = [
         "inverse_cdf_cpu.cpp",
         "redrafter_beam_search_cpu.cpp",
         "int8_linear_cpu.cpp",
-        "draft_lm_forward_cpu.cpp",
+        "llama_forward_cpu.cpp",
         "lyanna_chain_cpu.cpp",
         "token_info_top_k_cpu.cpp",
         "argmax_rows_cpu.cpp",

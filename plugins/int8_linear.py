@@ -1,6 +1,6 @@
 """`specpipe::int8_linear`: a drafter's linear on int8 weights, for the few-row products of
 drafting, with a C++ kernel (`plugins/csrc/int8_linear.h`: AVX-512 VNNI where the CPU has
-it, else AVX2) that the draft LM's one-call forward uses (`plugins/draft_lm_forward.py`).
+it, else AVX2) that the draft LM's one-call forward uses (`plugins/llama_forward.py`).
 
     x [M, I] fp32; w [O, I] int8, symmetric, one scale per output row (`Int8Weight`)
     per row m: s_m = max(max |x_m|, FLT_MIN) / 127, q_m = round_half_even(x_m / s_m)

@@ -16,6 +16,7 @@ import torch
 
 from model_defs.llama import LlamaForCausalLM, LlamaOutput
 from model_defs.paged_kv_cache import Attention, AttentionGroup, PagedBatch, PagedKVCache, RowMetadata
+from plugins.llama_forward import FusedTarget
 from runtime.cuda_graphs import CudaGraphs
 
 
@@ -65,6 +66,8 @@ class ModelRunner:
         graphs: CudaGraphs | None = None,
     ) -> None:
         self.model, self.cache, self.broadcast, self.graphs = model, cache, broadcast, graphs
+        self.fused = FusedTarget.of(model)
+        """The whole forward in one C++ call (fp32 on the CPU: `plugins/llama_forward.py`), or None."""
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -89,7 +92,7 @@ class ModelRunner:
         """Logits `[1, K, V]` at `logits_indices` and hidden states `[1, N, D]`."""
         if step.copies is not None:
             self.cache.copy(*step.copies)
-        return forward(self.model, self.cache, step, self.graphs)
+        return forward(self.model, self.cache, step, self.graphs, self.fused)
 
     def shutdown(self) -> None:
         if self.broadcast is not None:
@@ -98,14 +101,23 @@ class ModelRunner:
 
 @torch.inference_mode()
 def forward(
-    model: LlamaForCausalLM, cache: PagedKVCache, step: StepInput, graphs: CudaGraphs | None = None
+    model: LlamaForCausalLM,
+    cache: PagedKVCache,
+    step: StepInput,
+    graphs: CudaGraphs | None = None,
+    fused: FusedTarget | None = None,
 ) -> LlamaOutput:
     """`model`'s forward of `step` (host tensors) over `cache`: the replay of a captured
-    graph where `graphs` covers the step, else eagerly on the cache's device. Logits
-    `[1, K, V]` at `logits_indices`, hidden states `[1, N, D]`. The target's steps and the
-    draft LM's levels (`runtime/proposers/level_drafters.py`) both run through here."""
+    graph where `graphs` covers the step, the one-call C++ forward where `fused` takes it,
+    else eagerly on the cache's device. Logits `[1, K, V]` at `logits_indices`, hidden states
+    `[1, N, D]`. The target's steps and the draft LM's levels
+    (`runtime/proposers/level_drafters.py`) both run through here."""
     if graphs is not None and graphs.fits(step.tokens.shape[0], step.attention):
         return graphs.run(step.tokens, step.positions, step.slots, step.attention, step.logits_indices)
+    if fused is not None:
+        out = fused(step.tokens, step.positions, step.slots, step.attention, step.logits_indices, cache)
+        if out is not None:
+            return out
     step = step.to(cache.kv.device)
     paged = PagedBatch(cache, step.slots, step.attention, fp64=model.batch_invariant)
     return model(step.tokens[None], step.positions[None], paged, logits_indices=step.logits_indices[None])

@@ -38,7 +38,7 @@ def toy_engine(
     same on every device), then moved to `device`. `int8`: the draft LM runs on int8
     copies of its weights, as built engines' drafters do on the CPU (`drafter_layers`), with
     heads of 32 so that its forward is the one C++ call built engines make
-    (`plugins/draft_lm_forward.py`)."""
+    (`plugins/llama_forward.py`)."""
     target = tiny_target(seed=7, vocab_size=V, device=device)
     build = BuildConfig(max_batch_size=TRIALS, max_input_len=8, max_seq_len=16)
     torch.manual_seed(11)

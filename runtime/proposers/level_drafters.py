@@ -12,7 +12,7 @@
   ancestors. The proposer applies the target's accepted-path compaction to this cache too,
   and keeps in `Request.draft_state` how many of the request's tokens the cache holds.
   A forward is one C++ call where the draft LM runs on int8 copies on the CPU
-  (`plugins/draft_lm_forward.py`), the replay of a captured CUDA graph on a GPU
+  (`plugins/llama_forward.py`), the replay of a captured CUDA graph on a GPU
   (`runtime/cuda_graphs.py`, as the target's steps), else the model's own forward.
 """
 
@@ -24,7 +24,7 @@ from torch import nn
 from model_defs.llama import LlamaForCausalLM
 from model_defs.paged_kv_cache import PagedKVCache
 from model_defs.redrafter import ReDrafter
-from plugins.draft_lm_forward import Int8DraftLM
+from plugins.llama_forward import Int8DraftLM
 from runtime.attention_batch import Segment
 from runtime.block_manager import BlockManager
 from runtime.cuda_graphs import CudaGraphs
@@ -87,7 +87,7 @@ class DraftLMLevels:
             self.device,
             self.blocks.block_size,
         )
-        if self.fused is not None:  # the whole forward in one C++ call (`plugins/draft_lm_forward.py`)
+        if self.fused is not None:  # the whole forward in one C++ call (`plugins/llama_forward.py`)
             logits = self.fused(
                 step.tokens, step.positions, step.slots, step.attention, step.logits_indices, self.cache
             )

@@ -40,7 +40,7 @@ from typing import Any, Protocol
 import torch
 
 from model_defs.paged_kv_cache import PagedKVCache
-from plugins.draft_lm_forward import Int8DraftLM
+from plugins.llama_forward import Int8DraftLM
 from runtime.block_manager import BlockManager
 from runtime.cuda_graphs import CudaGraphs, GraphLimits
 from runtime.gumbel import draw_rows, gumbel_top_k_rows, top_k_valid_rows, truncated_gumbel
@@ -580,7 +580,7 @@ class LevelTreeProposer(Proposer):
         if self.draft_cache is not None:
             self.draft_cache.warm_up()
         self.fused = Int8DraftLM.of(draft) if draft is not None else None
-        """The draft LM's forward as one C++ call, where it applies (`plugins/draft_lm_forward.py`)."""
+        """The draft LM's forward as one C++ call, where it applies (`plugins/llama_forward.py`)."""
         self.graphs: CudaGraphs | None = None
         """The draft LM's forwards captured as CUDA graphs (`capture_graphs`), on a GPU."""
 

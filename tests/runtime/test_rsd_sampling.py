@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from plugins.cpu_linear import int8_available
-from plugins.draft_lm_forward import Int8DraftLM
 from plugins.int8_linear import vectorized
+from plugins.llama_forward import Int8DraftLM
 from runtime import verify
 from runtime.proposers import rsd
 from runtime.sampling import SamplingParams
@@ -58,7 +58,7 @@ def test_rsd_s_chains_drafted_as_draws_follow_target_distribution(monkeypatch: p
 def test_rsd_with_an_int8_draft_lm_follows_target_distribution() -> None:
     """Built engines run their drafter's linears in int8 (`BuildConfig.drafter_layers`):
     the draft law verification divides by is then the int8 drafter's own, and the output
-    is still the target's law. Its forward is the one C++ call (`plugins/draft_lm_forward.py`),
+    is still the target's law. Its forward is the one C++ call (`plugins/llama_forward.py`),
     whose logits are the law drafts are drawn from and divided by."""
     engine = toy_sampling.toy_engine("draft-lm", SETTINGS, int8=True)
     assert engine.draft_model is not None

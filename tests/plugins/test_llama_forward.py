@@ -1,10 +1,12 @@
-"""`specpipe_cpu::draft_lm_forward` (`plugins/draft_lm_forward.py`) against its reference, the
-model's own paged forward (`LlamaForCausalLM.forward` with a `PagedBatch`), whose int8
-products are the op's (`specpipe::int8_linear`'s kernel, `plugins.cpu_linear.int8_linear`), on
-an int8 draft LM: the same logits and the same K/V written, to rounding, for decode tokens, a
-draft-tree level over cached tree nodes, and batches whose requests fall into several
-attention groups; a variant that feeds the norms in the wrong order fails; and it stands
-aside (None: the model's forward runs) wherever it does not apply."""
+"""`specpipe_cpu::target_forward` and `specpipe_cpu::draft_lm_forward` (`plugins/llama_forward.py`)
+against their reference, the model's own paged forward (`LlamaForCausalLM.forward` with a
+`PagedBatch`). The target op, on an fp32 model with oneDNN-blocked weights: the same logits,
+hidden states and K/V to fp32 rounding and the same greedy tokens. The draft op, on an int8
+draft LM whose reference products are the op's (`specpipe::int8_linear`'s kernel,
+`plugins.cpu_linear.int8_linear`): the same logits and K/V to rounding. Both for decode
+tokens, a draft-tree level over cached tree nodes, and batches whose requests fall into
+several attention groups; a variant that feeds the norms in the wrong order fails; and each
+stands aside (None: the model's forward runs) wherever it does not apply."""
 
 from __future__ import annotations
 
@@ -13,11 +15,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from model_defs.llama import LlamaConfig, LlamaForCausalLM, quantize_linears_int8
+from model_defs.llama import LlamaConfig, LlamaForCausalLM, LlamaOutput, pack_cpu_weights, quantize_linears_int8
 from model_defs.paged_kv_cache import PagedBatch, PagedKVCache
-from plugins import cpu_kernels, draft_lm_forward
-from plugins.draft_lm_forward import Int8DraftLM
+from plugins import cpu_kernels, llama_forward
 from plugins.int8_linear import vectorized
+from plugins.llama_forward import FusedTarget, Int8DraftLM
 from plugins.tree_attention import KERNEL_MAX_T
 from runtime.attention_batch import Segment, build_rows
 from runtime.model_runner import StepInput
@@ -102,8 +104,17 @@ def run(fused: Int8DraftLM | LlamaForCausalLM, step: StepInput, cache: PagedKVCa
     """Logits of `step` by the op (an `Int8DraftLM`) or the model's paged forward, on `cache`."""
     if isinstance(fused, Int8DraftLM):
         return fused(step.tokens, step.positions, step.slots, step.attention, step.logits_indices, cache)
+    out = run_target(fused, step, cache)
+    return None if out is None else out.logits[0]
+
+
+@torch.inference_mode()
+def run_target(fused: FusedTarget | LlamaForCausalLM, step: StepInput, cache: PagedKVCache) -> LlamaOutput | None:
+    """`step` by the target op or the model's paged forward, on `cache`."""
+    if isinstance(fused, FusedTarget):
+        return fused(step.tokens, step.positions, step.slots, step.attention, step.logits_indices, cache)
     paged = PagedBatch(cache, step.slots, step.attention)
-    return fused(step.tokens[None], step.positions[None], paged, logits_indices=step.logits_indices[None]).logits[0]
+    return fused(step.tokens[None], step.positions[None], paged, logits_indices=step.logits_indices[None])
 
 
 def copy_of(cache: PagedKVCache) -> PagedKVCache:
@@ -144,7 +155,10 @@ def test_a_variant_with_the_norms_swapped_fails() -> None:
     model = draft_lm()
     fused = Int8DraftLM.of(model)
     assert fused is not None
-    broken = replace(fused, norms=[fused.norms[i ^ 1] for i in range(len(fused.norms))])  # post-attention first
+    norms = fused.llama.norms
+    broken = replace(
+        fused, llama=replace(fused.llama, norms=[norms[i ^ 1] for i in range(len(norms))])
+    )  # post-attention first
     cache = prefilled(model, [9, 4])
     step = step_for([9, 4], [(1, None), (3, None)])
     want = run(model, step, copy_of(cache))
@@ -155,7 +169,7 @@ def test_a_variant_with_the_norms_swapped_fails() -> None:
 
 def test_it_stands_aside_where_it_does_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:
     with monkeypatch.context() as m:  # a CPU with neither VNNI nor AVX2: fbgemm's products, through the model
-        m.setattr(draft_lm_forward, "vectorized", lambda: False)
+        m.setattr(llama_forward, "vectorized", lambda: False)
         assert Int8DraftLM.of(draft_lm()) is None
     assert Int8DraftLM.of(draft_lm(int8=False)) is None  # fp32 linears
     assert Int8DraftLM.of(draft_lm(bias=True)) is None  # biases
@@ -185,3 +199,69 @@ def test_a_linear_of_the_wrong_width_is_refused_not_read_past() -> None:
     cache = prefilled(model, [5])
     with pytest.raises(RuntimeError, match="takes 192 inputs, got 128"):
         run(replace(fused, linears=linears), step_for([5], [(1, None)]), cache)
+
+
+def target(bias: bool = False, head_dim: int = 32) -> LlamaForCausalLM:
+    """An fp32 model with oneDNN-blocked weights, as engine load makes them."""
+    model = draft_lm(int8=False, bias=bias, head_dim=head_dim)
+    pack_cpu_weights(model)
+    return model
+
+
+TARGET_TOLERANCE = 1e-4
+"""Largest |logit| or |hidden| difference allowed: fp32 rounding of another summation order in
+the norms moves them by ~1e-6; wrong arithmetic by ~1."""
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_target_op_is_the_models_paged_forward(case: str) -> None:
+    contexts, new = CASES[case]
+    model = target()
+    fused = FusedTarget.of(model)
+    assert fused is not None
+    cache = prefilled(model, contexts)
+    step, reference = step_for(contexts, new), copy_of(cache)
+    got, want = run_target(fused, step, cache), run_target(model, step, reference)
+    assert got is not None and want is not None
+    n = sum(k for k, _ in new)
+    assert got.logits.shape == want.logits.shape == (1, n, VOCAB)
+    assert got.hidden.shape == want.hidden.shape == (1, n, model.config.hidden_size)
+    assert (got.logits - want.logits).abs().max() < TARGET_TOLERANCE
+    assert (got.hidden - want.hidden).abs().max() < TARGET_TOLERANCE
+    assert torch.equal(got.logits.argmax(-1), want.logits.argmax(-1))
+    written = cache.kv[:, :, step.slots]
+    assert written.abs().max() > 0.1 and torch.allclose(written, reference.kv[:, :, step.slots], atol=1e-5)
+    assert torch.allclose(cache.kv, reference.kv, atol=1e-5)  # and nothing else moved
+
+
+def test_a_target_variant_with_the_norms_swapped_fails() -> None:
+    model = target()
+    fused = FusedTarget.of(model)
+    assert fused is not None
+    norms = fused.llama.norms
+    broken = replace(fused, llama=replace(fused.llama, norms=[norms[i ^ 1] for i in range(len(norms))]))
+    cache = prefilled(model, [9, 4])
+    step = step_for([9, 4], [(1, None), (3, None)])
+    want = run_target(model, step, copy_of(cache))
+    good, bad = run_target(fused, step, copy_of(cache)), run_target(broken, step, copy_of(cache))
+    assert want is not None and good is not None and bad is not None
+    assert (good.logits - want.logits).abs().max() < TARGET_TOLERANCE < (bad.logits - want.logits).abs().max()
+
+
+def test_the_target_op_stands_aside_where_it_does_not_apply() -> None:
+    assert FusedTarget.of(draft_lm(int8=False)) is None  # no blocked copies (engine load makes them)
+    assert FusedTarget.of(draft_lm()) is None  # int8 copies: a drafter's
+    assert FusedTarget.of(target(bias=True)) is None  # biases
+    assert FusedTarget.of(target(head_dim=16)) is None  # a head size the attention kernel is not built for
+    model = target()
+    fused = FusedTarget.of(model)
+    assert fused is not None
+    cache = prefilled(model, [1])
+    assert run_target(fused, step_for([1], [(KERNEL_MAX_T, None)]), cache) is not None
+    assert run_target(fused, step_for([0], [(SPAN, None)]), cache) is None  # a chunk past KERNEL_MAX_T
+    decode = step_for([1], [(1, None)])
+    row_form = build_rows([Segment(0, 1, slots(0, 2))], 1)  # the GPU's metadata form
+    with torch.inference_mode():
+        assert fused(decode.tokens, decode.positions, decode.slots, row_form, decode.logits_indices, cache) is None
+    model.set_batch_invariant(True)
+    assert run_target(fused, decode, cache) is None

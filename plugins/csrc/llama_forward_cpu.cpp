@@ -1,0 +1,193 @@
+// A Llama forward over the paged KV cache in one call, two ops sharing one body:
+//   specpipe_cpu::draft_lm_forward  a draft LM on int8 linears (plugins/llama_forward.py;
+//                                   tests/plugins/test_llama_forward.py: the model's own
+//                                   forward's logits and cache to fp32 rounding);
+//   specpipe_cpu::target_forward    the target on oneDNN's blocked fp32 weights
+//                                   (plugins/llama_forward.py; tests/plugins/test_llama_forward.py).
+// The reference of both is the model's own forward (`LlamaForCausalLM.forward` with a
+// `PagedBatch`).
+//
+// Per layer (Touvron et al. 2023, "LLaMA", §2: pre-norm, SwiGLU, RoPE):
+//   a = RMSNorm(x);  q, k, v = a W_qkv         RoPE on q, k; K/V to their slots (rope_kv_write)
+//   x = x + Attn(q, K, V) W_o                  over the paged cache (tree_attention)
+//   x = x + (SiLU(a' W_gate) * a' W_up) W_down, a' = RMSNorm(x)
+// hidden = RMSNorm(x);  logits = hidden[logits rows] W_head.
+// The products are the model's own kernels (int8: `specpipe::int8_linear`, int8_linear.h;
+// fp32: `mkldnn::_linear_pointwise` on the blocked copies `pack_cpu_weights` made), attention
+// and RoPE the project's own kernels, so what this saves is the Python and the decomposed ATen
+// ops between the products (a forward of the demo target makes ~80 of them; its RMSNorm alone
+// is six ATen ops, ~30 us a call): the norms, SiLU-times-up, residual adds and RoPE tables are
+// plain loops here (llama_loops.h), equal to the ATen ops' up to fp32 rounding (another
+// summation order), like any other choice of kernel.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "int8_linear.h"
+#include "llama_loops.h"
+
+namespace {
+
+using specpipe::add_into;
+using specpipe::rms_norm;
+using specpipe::silu_times_up;
+
+// RoPE tables [N, D] of `positions` [N] (`model_defs.rope.RotaryEmbedding.forward`): angle
+// p * inv_freq_i for i < D/2, repeated over the second half, times the variant's scale.
+std::pair<at::Tensor, at::Tensor> rope_tables(const at::Tensor& positions, const at::Tensor& inv_freq, double scale) {
+  const int64_t N = positions.size(0), half = inv_freq.size(0), D = 2 * half;
+  at::Tensor cos = at::empty({N, D}, inv_freq.options());
+  at::Tensor sin = at::empty({N, D}, inv_freq.options());
+  const int64_t* p = positions.data_ptr<int64_t>();
+  const float* f = inv_freq.data_ptr<float>();
+  float* cp = cos.data_ptr<float>();
+  float* sp = sin.data_ptr<float>();
+  const float s = static_cast<float>(scale);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t i = 0; i < half; ++i) {
+      const float angle = static_cast<float>(p[n]) * f[i];
+      cp[n * D + i] = cp[n * D + half + i] = std::cos(angle) * s;
+      sp[n * D + i] = sp[n * D + half + i] = std::sin(angle) * s;
+    }
+  return {cos, sin};
+}
+
+const auto& rope_kv_write_op() {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("specpipe_cpu::rope_kv_write", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
+                            const at::Tensor&, int64_t)>();
+  return op;
+}
+
+const auto& tree_attention_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("specpipe_cpu::tree_attention", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                               const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+  return op;
+}
+
+// The residual stream x [N, E] after the last layer (before the final norm); `linear(k, a)`
+// is the k-th product: per layer qkv, o, gate_up, down (then the head, which callers apply).
+template <typename Linear>
+at::Tensor layers(const Linear& linear, const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& slots,
+                  at::TensorList query_index, at::TensorList key_slots, at::TensorList mask, at::TensorList valid,
+                  at::TensorList rows, const at::Tensor& embed, const at::Tensor& inv_freq, double rope_scale,
+                  at::TensorList norms, at::TensorList k_cache, at::TensorList v_cache, int64_t num_heads, double eps) {
+  const int64_t L = static_cast<int64_t>(k_cache.size()), N = tokens.size(0), G = static_cast<int64_t>(rows.size());
+  TORCH_CHECK(L >= 1, "a Llama has at least one layer");
+  TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong && positions.sizes() == tokens.sizes() &&
+                  positions.scalar_type() == at::kLong && positions.is_contiguous() && slots.sizes() == tokens.sizes(),
+              "tokens, positions and slots must be [N] int64");
+  TORCH_CHECK(embed.dim() == 2 && embed.scalar_type() == at::kFloat && embed.is_contiguous(),
+              "embed must be a dense [V, E] float32 table");
+  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * L && static_cast<int64_t>(v_cache.size()) == L,
+              "per layer: two norms, a K and a V cache");
+  TORCH_CHECK(static_cast<int64_t>(query_index.size()) == G && static_cast<int64_t>(key_slots.size()) == G &&
+                  static_cast<int64_t>(mask.size()) == G && static_cast<int64_t>(valid.size()) == G && G >= 1,
+              "one query_index, key_slots, mask, valid and rows per attention group");
+  TORCH_CHECK(inv_freq.dim() == 1 && inv_freq.scalar_type() == at::kFloat && inv_freq.is_contiguous(),
+              "inv_freq must be [D/2] float32");
+  const int64_t H = num_heads, D = k_cache[0].size(2);
+  TORCH_CHECK(2 * inv_freq.size(0) == D, "inv_freq has ", inv_freq.size(0), " entries for head_dim ", D);
+  auto [cos, sin] = rope_tables(positions, inv_freq, rope_scale);
+  at::Tensor x = at::index_select(embed, 0, tokens);  // [N, E]
+  const bool whole = G == 1 && query_index[0].numel() == N && rows[0].size(0) == N;  // one group, rows in order
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor a = linear(4 * l, rms_norm(x, norms[2 * l], eps));  // [N, (H + 2 H_kv) D]
+    at::Tensor k = k_cache[l], v = v_cache[l];
+    const at::Tensor q = rope_kv_write_op().call(a, cos, sin, k, v, slots, H);  // [N, H, D]
+    at::Tensor attended;
+    if (whole) {
+      attended = tree_attention_op().call(q, k, v, query_index[0], key_slots[0], mask[0]);
+    } else {
+      attended = at::empty({N, H, D}, q.options());
+      for (int64_t g = 0; g < G; ++g) {
+        const at::Tensor part =
+            tree_attention_op().call(q, k, v, query_index[g], key_slots[g], mask[g]);
+        attended.index_copy_(0, rows[g], part.reshape({-1, H, D}).index({valid[g].reshape({-1})}));
+      }
+    }
+    add_into(x, linear(4 * l + 1, attended.reshape({N, H * D})));
+    add_into(x, linear(4 * l + 3, silu_times_up(linear(4 * l + 2, rms_norm(x, norms[2 * l + 1], eps)))));
+  }
+  return x;
+}
+
+at::Tensor draft_lm_forward(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& slots,
+                            at::TensorList query_index, at::TensorList key_slots,
+                            at::TensorList mask, at::TensorList valid,
+                            at::TensorList rows, const at::Tensor& logits_indices,
+                            const at::Tensor& embed, const at::Tensor& inv_freq, double rope_scale,
+                            at::TensorList norms, at::TensorList weights, at::TensorList blocked,
+                            at::TensorList scales, at::TensorList sums, at::TensorList k_cache, at::TensorList v_cache,
+                            const at::Tensor& final_norm, int64_t num_heads, double eps) {
+  const specpipe::Int8Linears linear{weights, blocked, scales, sums};  // per layer qkv, o, gate_up, down; then the head
+  TORCH_CHECK(weights.size() == 4 * k_cache.size() + 1 && scales.size() == weights.size() &&
+                  blocked.size() == weights.size() && sums.size() == weights.size(),
+              "per layer four int8 linears (qkv, o, gate_up, down); then the head");
+  for (size_t k = 0; k < weights.size(); ++k) specpipe::check_int8_weight(weights[k], blocked[k], scales[k], sums[k]);
+  const at::Tensor x = layers(linear, tokens, positions, slots, query_index, key_slots, mask, valid, rows, embed,
+                              inv_freq, rope_scale, norms, k_cache, v_cache, num_heads, eps);
+  const int64_t head = static_cast<int64_t>(weights.size()) - 1;
+  return linear(head, rms_norm(at::index_select(x, 0, logits_indices), final_norm, eps));
+}
+
+// The products on oneDNN's blocked fp32 copies (`plugins.cpu_linear.pack_cpu_weight`), as
+// `plugins.cpu_linear.cpu_packed_linear` calls them.
+struct PackedLinears {
+  at::TensorList packed;
+  at::Tensor operator()(int64_t k, const at::Tensor& x) const {
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                                 c10::string_view, c10::List<std::optional<c10::Scalar>>,
+                                                 std::optional<c10::string_view>)>();
+    return op.call(x, packed[k], std::nullopt, "none", c10::List<std::optional<c10::Scalar>>(), "");
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> target_forward(
+    const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& slots, at::TensorList query_index,
+    at::TensorList key_slots, at::TensorList mask, at::TensorList valid, at::TensorList rows,
+    const at::Tensor& logits_indices, const at::Tensor& embed, const at::Tensor& inv_freq, double rope_scale,
+    at::TensorList norms, at::TensorList packed, at::TensorList k_cache, at::TensorList v_cache,
+    const at::Tensor& final_norm, int64_t num_heads, double eps) {
+  TORCH_CHECK(packed.size() == 4 * k_cache.size() + 1, "per layer four blocked linears (qkv, o, gate_up, down); then the head");
+  const PackedLinears linear{packed};
+  const at::Tensor x = layers(linear, tokens, positions, slots, query_index, key_slots, mask, valid, rows, embed,
+                              inv_freq, rope_scale, norms, k_cache, v_cache, num_heads, eps);
+  const at::Tensor hidden = rms_norm(x, final_norm, eps);  // [N, E]
+  return {linear(static_cast<int64_t>(packed.size()) - 1, at::index_select(hidden, 0, logits_indices)), hidden};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specpipe_cpu, m) {
+  m.def(
+      "draft_lm_forward(Tensor tokens, Tensor positions, Tensor slots, Tensor[] query_index, Tensor[] key_slots, "
+      "Tensor[] mask, Tensor[] valid, Tensor[] rows, Tensor logits_indices, Tensor embed, Tensor inv_freq, "
+      "float rope_scale, Tensor[] norms, Tensor[] weights, Tensor[] blocked, Tensor[] scales, Tensor[] sums, "
+      "Tensor(a!)[] k_cache, "
+      "Tensor(b!)[] v_cache, Tensor final_norm, int num_heads, float eps) -> Tensor");
+  m.def(
+      "target_forward(Tensor tokens, Tensor positions, Tensor slots, Tensor[] query_index, Tensor[] key_slots, "
+      "Tensor[] mask, Tensor[] valid, Tensor[] rows, Tensor logits_indices, Tensor embed, Tensor inv_freq, "
+      "float rope_scale, Tensor[] norms, Tensor[] packed, Tensor(a!)[] k_cache, Tensor(b!)[] v_cache, "
+      "Tensor final_norm, int num_heads, float eps) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(specpipe_cpu, CPU, m) {
+  m.impl("draft_lm_forward", &draft_lm_forward);
+  m.impl("target_forward", &target_forward);
+}
+
+// The blocked weights are oneDNN (MkldnnCPU) tensors, whose key the dispatcher picks first.
+TORCH_LIBRARY_IMPL(specpipe_cpu, MkldnnCPU, m) { m.impl("target_forward", &target_forward); }

@@ -1,0 +1,217 @@
+"""A Llama's whole forward over the paged KV cache in one C++ call
+(`plugins/csrc/llama_forward_cpu.cpp`): `FusedTarget` for the target on the CPU (fp32, on the
+oneDNN-blocked weights `pack_cpu_weights` made), `Int8DraftLM` for a draft LM.
+
+`specpipe_cpu::target_forward` (`FusedTarget`) returns what `LlamaForCausalLM.forward` with a
+`PagedBatch` returns, logits at `logits_indices` and the final-norm hidden states, with the
+same products (`mkldnn::_linear_pointwise` on the same blocked copies), RoPE/K-V writes and
+attention kernels; RMSNorm, SiLU-times-up, the residual adds and the RoPE tables are plain
+loops between them, equal to the ATen ops' up to fp32 rounding (another summation order;
+tests/plugins/test_llama_forward.py), as any other kernel choice. What it saves is the Python
+and ~80 small ATen ops of a forward of the demo target: TIMINGS.
+
+`specpipe_cpu::draft_lm_forward` (`Int8DraftLM`) is the same body for a Llama drafter whose linears have
+int8 copies (`model_defs.llama.quantize_linears_int8`: the CPU default for draft LMs). Its
+reference is the model's own forward (`LlamaForCausalLM.forward` with a `PagedBatch`), whose
+int8 products are the op's (`specpipe::int8_linear`'s kernel on the same int8 weights,
+`plugins.cpu_linear.int8_linear`): the same RoPE/K-V writes
+(`specpipe_cpu::rope_kv_write`) and attention (`specpipe_cpu::tree_attention`), with RMSNorm,
+SiLU-times-up, the residual adds and the RoPE tables as plain loops in between; logits and
+cache agree to fp32 rounding (tests/plugins/test_llama_forward.py).
+
+What it saves is the Python, fbgemm's per-call set-up and the small decomposed ops between
+the products (~45 a forward of the demo draft LM, its RMSNorm alone six ATen ops): a
+forward of the demo draft LM at batch 1 0.91 -> ~0.3 ms in the engine on the 2-core CPU,
+and an SD / RSD step drafts 3-5 levels.
+Drafting is only proposals: the emitted tokens never depend on the drafter's rounding
+(verification is the target's), so the loops need not be the reference's bits.
+
+`.of(model)` is None where an op does not apply (not fp32 on the CPU, tensor parallelism, a
+head size the attention kernel is not built for, kernels off; for the target a linear
+without a blocked copy or with a bias, for a drafter one without an int8 copy, biases or a
+CPU with neither AVX-512 VNNI nor AVX2: `plugins.int8_linear.vectorized`); `__call__` is
+None for a step it does not take (the row form of attention metadata, a prefill chunk
+longer than the attention kernel's `KERNEL_MAX_T`, batch-invariant mode, autograd), and the
+caller runs the model's forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from model_defs.llama import DecoderLayer, Linear, LinearStack, LlamaForCausalLM, LlamaOutput, int8_kernel
+from model_defs.paged_kv_cache import Attention, AttentionGroup, PagedKVCache
+from model_defs.rope import RotaryEmbedding
+from plugins import cpu_kernels
+from plugins.int8_linear import Int8Weight, vectorized
+from plugins.tree_attention import KERNEL_MAX_T
+
+
+def _fake(tokens: Tensor, positions: Tensor, slots: Tensor, *rest: Any) -> Tensor:
+    logits_indices, embed = rest[5], rest[6]
+    return embed.new_empty((logits_indices.shape[0], embed.shape[0]))
+
+
+def _fake_target(tokens: Tensor, positions: Tensor, slots: Tensor, *rest: Any) -> tuple[Tensor, Tensor]:
+    logits_indices, embed = rest[5], rest[6]
+    return embed.new_empty((logits_indices.shape[0], embed.shape[0])), embed.new_empty(
+        (tokens.shape[0], embed.shape[1])
+    )
+
+
+@dataclass(frozen=True)
+class _Llama:
+    """What both ops take of a model that does not change from step to step."""
+
+    model: LlamaForCausalLM
+    layers: list[DecoderLayer]
+    inv_freq: Tensor  # [head_dim // 2]
+    rope_scale: float
+    norms: list[Tensor]  # per layer: input, post-attention RMSNorm weights [E]
+
+    @classmethod
+    def of(cls, model: LlamaForCausalLM) -> _Llama | None:
+        """None where neither op applies: not fp32 on the CPU, tensor parallelism, a head size
+        the attention kernel is not built for, another RoPE."""
+        w, rope = model.lm_head.weight, model.model.rotary_emb
+        if w.device.type != "cpu" or w.dtype != torch.float32 or model.tp_size != 1:
+            return None
+        if model.config.head_dim not in (32, 64, 128) or not isinstance(rope, RotaryEmbedding):
+            return None
+        layers = [layer for layer in model.model.layers if isinstance(layer, DecoderLayer)]
+        norms = [n.weight.detach() for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        return cls(model, layers, rope.inv_freq.float().contiguous(), rope.scale, norms)
+
+    def products(self) -> list[Linear | LinearStack | None]:
+        """Per layer: q/k/v (stacked), o, gate/up (stacked), down; then the LM head."""
+        per_layer = [
+            p
+            for layer in self.layers
+            for p in (layer.self_attn.qkv_stack, layer.self_attn.o_proj, layer.mlp.gate_up_stack, layer.mlp.down_proj)
+        ]
+        return [*per_layer, self.model.lm_head]
+
+    def takes(self, attention: Attention) -> bool:
+        """Whether a step's attention is the op's form (module docstring)."""
+        if not isinstance(attention, list) or self.model.batch_invariant or torch.is_grad_enabled():
+            return False
+        return all(g.query_index.shape[1] <= KERNEL_MAX_T for g in attention)
+
+    def leading(
+        self, tokens: Tensor, positions: Tensor, slots: Tensor, attention: list[AttentionGroup], logits_indices: Tensor
+    ) -> tuple[Any, ...]:
+        """The ops' arguments up to the norms."""
+        return (
+            tokens, positions, slots, *_columns(attention), logits_indices,
+            self.model.model.embed_tokens.weight, self.inv_freq, self.rope_scale, self.norms,
+        )  # fmt: skip
+
+
+def _blocked(product: Linear | LinearStack | None) -> Tensor | None:
+    """The oneDNN-blocked fp32 copy of a bias-free `Linear` or `LinearStack`, else None."""
+    if isinstance(product, LinearStack):
+        return product.packed if not product.int8 and product.bias is None else None
+    if isinstance(product, Linear) and product.bias is None and product.int8 is None:
+        return product.packed
+    return None
+
+
+@dataclass(frozen=True)
+class FusedTarget:
+    """`specpipe_cpu::target_forward`'s view of a target: its layers and blocked weights."""
+
+    llama: _Llama
+    packed: list[Tensor]
+    """Per layer: q/k/v (stacked), o, gate/up (stacked), down; then the LM head."""
+
+    @classmethod
+    def of(cls, model: LlamaForCausalLM) -> FusedTarget | None:
+        """The op's view of `model`, or None where the op does not apply (module docstring)."""
+        llama = _Llama.of(model)
+        if llama is None:
+            return None
+        packed = [_blocked(p) for p in llama.products()]
+        if any(p is None for p in packed) or not cpu_kernels.load_with_fake("target_forward", _fake_target):
+            return None
+        return cls(llama, [p for p in packed if p is not None])
+
+    def __call__(
+        self,
+        tokens: Tensor,  # [N] int64
+        positions: Tensor,  # [N] int64
+        slots: Tensor,  # [N] int64 cache slot each token's K/V is written to
+        attention: Attention,
+        logits_indices: Tensor,  # [K] int64
+        cache: PagedKVCache,
+    ) -> LlamaOutput | None:
+        """What `LlamaForCausalLM.forward` with `PagedBatch(cache, slots, attention)` and
+        `logits_indices` returns (logits `[1, K, V]`, hidden states `[1, N, E]`), the K/V of
+        the tokens written to `cache`; None for a step the op does not take."""
+        llama = self.llama
+        if not llama.takes(attention):
+            return None
+        assert isinstance(attention, list)
+        cfg = llama.model.config
+        logits, hidden = torch.ops.specpipe_cpu.target_forward(
+            *llama.leading(tokens, positions, slots, attention, logits_indices), self.packed, cache.k, cache.v,
+            llama.model.model.norm.weight, cfg.num_attention_heads, cfg.rms_norm_eps,
+        )  # fmt: skip
+        return LlamaOutput(logits[None], hidden[None])
+
+
+@dataclass(frozen=True)
+class Int8DraftLM:
+    """`specpipe_cpu::draft_lm_forward`'s view of a draft LM: its layers and int8 weights."""
+
+    llama: _Llama
+    linears: list[Int8Weight]
+    """Per layer: q/k/v (stacked), o, gate/up (stacked), down; then the LM head."""
+
+    @classmethod
+    def of(cls, model: LlamaForCausalLM) -> Int8DraftLM | None:
+        """The op's view of `model`, or None where the op does not apply (module docstring)."""
+        llama = _Llama.of(model)
+        if llama is None:
+            return None
+        packed = [int8_kernel(p) for p in llama.products()]
+        if any(p is None for p in packed) or not cpu_kernels.load_with_fake("draft_lm_forward", _fake):
+            return None
+        if not vectorized():  # its products would be a scalar loop: fbgemm's, through the model, are faster
+            return None
+        return cls(llama, [p for p in packed if p is not None])
+
+    @property
+    def model(self) -> LlamaForCausalLM:
+        return self.llama.model
+
+    def __call__(
+        self,
+        tokens: Tensor,  # [N] int64
+        positions: Tensor,  # [N] int64
+        slots: Tensor,  # [N] int64 cache slot each token's K/V is written to
+        attention: Attention,
+        logits_indices: Tensor,  # [K] int64
+        cache: PagedKVCache,
+    ) -> Tensor | None:  # [K, V]
+        """Logits at `logits_indices`, the K/V of the tokens written to `cache`: what
+        `LlamaForCausalLM.forward` with `PagedBatch(cache, slots, attention)` returns (its
+        logits rows), or None for a step the op does not take (module docstring)."""
+        llama = self.llama
+        if not llama.takes(attention):
+            return None
+        assert isinstance(attention, list)
+        cfg = llama.model.config
+        return torch.ops.specpipe_cpu.draft_lm_forward(
+            *llama.leading(tokens, positions, slots, attention, logits_indices),
+            *(list(column) for column in zip(*self.linears, strict=True)), cache.k, cache.v,
+            llama.model.model.norm.weight, cfg.num_attention_heads, cfg.rms_norm_eps,
+        )  # fmt: skip
+
+
+def _columns(groups: list[AttentionGroup]) -> tuple[list[Tensor], ...]:
+    """query_index, key_slots, mask, valid and rows of every group: the op's five lists."""
+    return tuple(list(column) for column in zip(*groups, strict=True))
