@@ -33,7 +33,7 @@ head size the attention kernel is not built for, kernels off; for the target a l
 without a blocked copy or with a bias, for a drafter one without an int8 copy, biases or a
 CPU with neither AVX-512 VNNI nor AVX2: `plugins.int8_linear.vectorized`); `__call__` is
 None for a step it does not take (the row form of attention metadata, a prefill chunk
-longer than the attention kernel's `KERNEL_MAX_T`, batch-invariant mode, autograd), and the
+longer than `MAX_T`, batch-invariant mode, autograd), and the
 caller runs the model's forward.
 """
 
@@ -50,7 +50,15 @@ from model_defs.paged_kv_cache import Attention, AttentionGroup, PagedKVCache
 from model_defs.rope import RotaryEmbedding
 from plugins import cpu_kernels
 from plugins.int8_linear import Int8Weight, vectorized
-from plugins.tree_attention import KERNEL_MAX_T
+
+
+MAX_T = 512
+"""New tokens per request up to which the ops take a step: prefill chunks too, whose
+attention runs the C++ kernel past `plugins.tree_attention.KERNEL_MAX_T` here. A prompt
+chunk through the demo target (2-core AVX2 EPYC, one process, the op vs the model's
+forward): 64 tokens 14.9 vs 19.1 ms, 100: 20.2 vs 28.3, 150: 32.6 vs 39.7, 256: 54 vs 58,
+512: 121 vs 141; 768: 234 vs 201 (there SDPA's flash kernel wins: the C++ kernel is not
+blocked for long sequences). The engine's prompts are at most 512 tokens (`max_input_len`)."""
 
 
 def _fake(tokens: Tensor, positions: Tensor, slots: Tensor, *rest: Any) -> Tensor:
@@ -101,7 +109,7 @@ class _Llama:
         """Whether a step's attention is the op's form (module docstring)."""
         if not isinstance(attention, list) or self.model.batch_invariant or torch.is_grad_enabled():
             return False
-        return all(g.query_index.shape[1] <= KERNEL_MAX_T for g in attention)
+        return all(g.query_index.shape[1] <= MAX_T for g in attention)
 
     def leading(
         self, tokens: Tensor, positions: Tensor, slots: Tensor, attention: list[AttentionGroup], logits_indices: Tensor

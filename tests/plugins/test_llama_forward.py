@@ -130,6 +130,7 @@ CASES = {
     "decode, one group": ([9, 14, 5], [(1, None)] * 3),
     "a prefill chunk and decode tokens: two groups": ([9, 14, 5], [(1, None), (6, None), (1, None)]),
     "a tree level over cached nodes, beside a decode token": ([15, 7], [(2, TREE), (1, None)]),
+    "a prompt chunk longer than the attention kernel's short groups": ([2, 3], [(SPAN - 2, None), (1, None)]),
 }
 
 
@@ -180,8 +181,11 @@ def test_it_stands_aside_where_it_does_not_apply(monkeypatch: pytest.MonkeyPatch
     cache = prefilled(model, [1])
     longest = step_for([1], [(KERNEL_MAX_T, None)])
     assert run(fused, longest, cache) is not None
-    chunk = step_for([0], [(SPAN, None)])  # a chunk past KERNEL_MAX_T: the model's forward
-    assert SPAN > KERNEL_MAX_T and run(fused, chunk, cache) is None
+    chunk = step_for([0], [(SPAN, None)])  # past the kernel's short groups: still the op's
+    assert SPAN > KERNEL_MAX_T and run(fused, chunk, cache) is not None
+    with monkeypatch.context() as m:  # a chunk past MAX_T: the model's forward
+        m.setattr(llama_forward, "MAX_T", SPAN - 1)
+        assert run(fused, chunk, cache) is None
     decode = step_for([1], [(1, None)])
     row_form = build_rows([Segment(0, 1, slots(0, 2))], 1)  # the GPU's metadata form
     with torch.inference_mode():
@@ -248,7 +252,7 @@ def test_a_target_variant_with_the_norms_swapped_fails() -> None:
     assert (good.logits - want.logits).abs().max() < TARGET_TOLERANCE < (bad.logits - want.logits).abs().max()
 
 
-def test_the_target_op_stands_aside_where_it_does_not_apply() -> None:
+def test_the_target_op_stands_aside_where_it_does_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:
     assert FusedTarget.of(draft_lm(int8=False)) is None  # no blocked copies (engine load makes them)
     assert FusedTarget.of(draft_lm()) is None  # int8 copies: a drafter's
     assert FusedTarget.of(target(bias=True)) is None  # biases
@@ -257,8 +261,10 @@ def test_the_target_op_stands_aside_where_it_does_not_apply() -> None:
     fused = FusedTarget.of(model)
     assert fused is not None
     cache = prefilled(model, [1])
-    assert run_target(fused, step_for([1], [(KERNEL_MAX_T, None)]), cache) is not None
-    assert run_target(fused, step_for([0], [(SPAN, None)]), cache) is None  # a chunk past KERNEL_MAX_T
+    assert run_target(fused, step_for([0], [(SPAN, None)]), cache) is not None  # past KERNEL_MAX_T
+    with monkeypatch.context() as m:  # a chunk past MAX_T: the model's forward
+        m.setattr(llama_forward, "MAX_T", SPAN - 1)
+        assert run_target(fused, step_for([0], [(SPAN, None)]), cache) is None
     decode = step_for([1], [(1, None)])
     row_form = build_rows([Segment(0, 1, slots(0, 2))], 1)  # the GPU's metadata form
     with torch.inference_mode():
