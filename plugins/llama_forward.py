@@ -51,7 +51,6 @@ from model_defs.rope import RotaryEmbedding
 from plugins import cpu_kernels
 from plugins.int8_linear import Int8Weight, vectorized
 
-
 MAX_T = 512
 """New tokens per request up to which the ops take a step: prefill chunks too, whose
 attention runs the C++ kernel past `plugins.tree_attention.KERNEL_MAX_T` here. A prompt
