@@ -57,6 +57,7 @@ from torch import nn
 
 from model_defs.paged_kv_cache import PagedBatch, PagedKVCache
 from model_defs.rope import RopeConfig, RotaryEmbedding, apply_rope
+from plugins import fp32_linear
 from plugins.batch_invariant import bi_linear_nd, bi_rms_norm
 from plugins.cpu_linear import Int8Copy, cpu_packed_linear, int8_linear, pack_cpu_weight, packed_pays, quantize_int8
 from plugins.int8_linear import Int8Weight
@@ -251,6 +252,8 @@ class Linear(nn.Linear):
     """Set per instance by `LlamaForCausalLM.set_batch_invariant`."""
     packed: torch.Tensor | None = None
     """oneDNN-layout copy of `weight` (`pack_cpu_weights`), or None."""
+    small: torch.Tensor | None = None
+    """`plugins.fp32_linear.block16` copy of `weight` for few-row products (`pack_cpu_weights`), or None."""
     int8: Int8Copy | None = None
     """int8 copy of `weight` (`quantize_int8`; drafters only), or None."""
 
@@ -264,13 +267,18 @@ class Linear(nn.Linear):
             return bi_linear_nd(x, self.weight, bias)
         if self.int8 is not None and takes_cpu_copy(x):
             return int8_linear(x, self.int8, bias)
+        if self.small is not None and fp32_linear.takes(x):
+            y = fp32_linear.product(x, self.small, self.out_features)
+            return y if bias is None else y + bias
         if self.packed is not None and packed_pays(x) and not x.requires_grad:
             return cpu_packed_linear(x, self.packed, bias)
         return F.linear(x, self.weight, bias)
 
     def pack_cpu_weight(self) -> None:
-        """Keep a oneDNN-blocked copy of the weight for inference (`pack_cpu_weights`)."""
+        """Keep a oneDNN-blocked copy of the weight for inference, and one for few-row
+        products (`pack_cpu_weights`)."""
         self.packed = pack_cpu_weight(self.weight.detach())
+        self.small = None if self.packed is None else fp32_linear.block16(self.weight)
 
     def quantize_int8(self) -> bool:
         """Keep an int8 copy of the weight for inference (a drafter's: `plugins/cpu_linear.py`);
@@ -278,7 +286,7 @@ class Linear(nn.Linear):
         int8 copy serves every input the blocked copy would, so that one is dropped."""
         self.int8 = quantize_int8(self.weight)
         if self.int8 is not None:
-            self.packed = None
+            self.packed = self.small = None
         return self.int8 is not None
 
 
@@ -306,13 +314,20 @@ class LinearStack(NamedTuple):
     """The stacked biases (None: none of them has one)."""
     sizes: list[int]
     """Output features of each stacked Linear, in order."""
+    small: torch.Tensor | None = None
+    """fp32 stacks: the `plugins.fp32_linear.block16` copy for few-row products."""
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.product(x).split(self.sizes, -1)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """The stacked outputs `[..., sum(sizes)]`, not split."""
-        return int8_linear(x, self.packed, self.bias) if self.int8 else cpu_packed_linear(x, self.packed, self.bias)
+        if self.int8:
+            return int8_linear(x, self.packed, self.bias)
+        if self.small is not None and fp32_linear.takes(x):
+            y = fp32_linear.product(x, self.small, sum(self.sizes))
+            return y if self.bias is None else y + self.bias
+        return cpu_packed_linear(x, self.packed, self.bias)
 
 
 def stack_linears(linears: list[Linear], int8: bool) -> LinearStack | None:
@@ -326,7 +341,8 @@ def stack_linears(linears: list[Linear], int8: bool) -> LinearStack | None:
     bias = None
     if any(m.bias is not None for m in linears):
         bias = torch.cat([m.weight.new_zeros(m.out_features) if m.bias is None else m.bias.detach() for m in linears])
-    return LinearStack(packed, int8, bias, [m.out_features for m in linears])
+    small = None if int8 else fp32_linear.block16(weight)
+    return LinearStack(packed, int8, bias, [m.out_features for m in linears], small)
 
 
 def int8_kernel(linear: Linear | LinearStack | None) -> Int8Weight | None:

@@ -43,9 +43,12 @@ SOURCES = [
         "lyanna_chain_cpu.cpp",
         "token_info_top_k_cpu.cpp",
         "argmax_rows_cpu.cpp",
+        "fp32_linear_cpu.cpp",
     )
 ]
-HEADERS = [Path(__file__).parent / "csrc" / name for name in ("int8_linear.h", "lanes.h", "llama_loops.h")]
+HEADERS = [
+    Path(__file__).parent / "csrc" / name for name in ("fp32_linear.h", "int8_linear.h", "lanes.h", "llama_loops.h")
+]
 """Headers the sources include: part of the build's hash like the sources."""
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
 """-fopenmp: `at::parallel_for` runs on the OpenMP runtime torch has loaded (libgomp)."""

@@ -1,11 +1,12 @@
 """A Llama's whole forward over the paged KV cache in one C++ call
 (`plugins/csrc/llama_forward_cpu.cpp`): `FusedTarget` for the target on the CPU (fp32, on the
-oneDNN-blocked weights `pack_cpu_weights` made), `Int8DraftLM` for a draft LM.
+blocked weights `pack_cpu_weights` made), `Int8DraftLM` for a draft LM.
 
 `specpipe_cpu::target_forward` (`FusedTarget`) returns what `LlamaForCausalLM.forward` with a
 `PagedBatch` returns, logits at `logits_indices` and the final-norm hidden states, with the
-same products (`mkldnn::_linear_pointwise` on the same blocked copies), RoPE/K-V writes and
-attention kernels; RMSNorm, SiLU-times-up, the residual adds and the RoPE tables are plain
+same products (`plugins/fp32_linear.py`'s kernel up to `SMALL_M` rows, else
+`mkldnn::_linear_pointwise`, on the same blocked copies), RoPE/K-V writes and attention
+kernels; RMSNorm, SiLU-times-up, the residual adds and the RoPE tables are plain
 loops between them, equal to the ATen ops' up to fp32 rounding (another summation order;
 tests/plugins/test_llama_forward.py), as any other kernel choice. What it saves is the Python
 and ~80 small ATen ops of a forward of the demo target: auto-regressive decoding at batch 1
@@ -48,7 +49,7 @@ from torch import Tensor
 from model_defs.llama import DecoderLayer, Linear, LinearStack, LlamaForCausalLM, LlamaOutput, int8_kernel
 from model_defs.paged_kv_cache import Attention, AttentionGroup, PagedKVCache
 from model_defs.rope import RotaryEmbedding
-from plugins import cpu_kernels
+from plugins import cpu_kernels, fp32_linear
 from plugins.int8_linear import Int8Weight, vectorized
 
 MAX_T = 512
@@ -120,12 +121,17 @@ class _Llama:
         )  # fmt: skip
 
 
-def _blocked(product: Linear | LinearStack | None) -> Tensor | None:
-    """The oneDNN-blocked fp32 copy of a bias-free `Linear` or `LinearStack`, else None."""
+def _blocked(product: Linear | LinearStack | None) -> tuple[Tensor, Tensor, int] | None:
+    """The two blocked fp32 copies (oneDNN's, `block16`'s) and the output width of a
+    bias-free `Linear` or `LinearStack`, else None."""
     if isinstance(product, LinearStack):
-        return product.packed if not product.int8 and product.bias is None else None
+        if product.int8 or product.bias is not None or product.small is None:
+            return None
+        return product.packed, product.small, sum(product.sizes)
     if isinstance(product, Linear) and product.bias is None and product.int8 is None:
-        return product.packed
+        if product.packed is None or product.small is None:
+            return None
+        return product.packed, product.small, product.out_features
     return None
 
 
@@ -135,7 +141,10 @@ class FusedTarget:
 
     llama: _Llama
     packed: list[Tensor]
-    """Per layer: q/k/v (stacked), o, gate/up (stacked), down; then the LM head."""
+    """oneDNN's copies: per layer q/k/v (stacked), o, gate/up (stacked), down; then the LM head."""
+    small: list[Tensor]
+    """The same products' `plugins.fp32_linear.block16` copies (up to `fp32_linear.SMALL_M` rows)."""
+    out_features: list[int]
 
     @classmethod
     def of(cls, model: LlamaForCausalLM) -> FusedTarget | None:
@@ -143,10 +152,11 @@ class FusedTarget:
         llama = _Llama.of(model)
         if llama is None:
             return None
-        packed = [_blocked(p) for p in llama.products()]
-        if any(p is None for p in packed) or not cpu_kernels.load_with_fake("target_forward", _fake_target):
+        copies = [_blocked(p) for p in llama.products()]
+        if any(c is None for c in copies) or not cpu_kernels.load_with_fake("target_forward", _fake_target):
             return None
-        return cls(llama, [p for p in packed if p is not None])
+        packed, small, outs = zip(*[c for c in copies if c is not None], strict=True)
+        return cls(llama, list(packed), list(small), list(outs))
 
     def __call__(
         self,
@@ -166,8 +176,9 @@ class FusedTarget:
         assert isinstance(attention, list)
         cfg = llama.model.config
         logits, hidden = torch.ops.specpipe_cpu.target_forward(
-            *llama.leading(tokens, positions, slots, attention, logits_indices), self.packed, cache.k, cache.v,
-            llama.model.model.norm.weight, cfg.num_attention_heads, cfg.rms_norm_eps,
+            *llama.leading(tokens, positions, slots, attention, logits_indices), self.packed, self.small,
+            self.out_features, fp32_linear.SMALL_M, cache.k, cache.v, llama.model.model.norm.weight,
+            cfg.num_attention_heads, cfg.rms_norm_eps,
         )  # fmt: skip
         return LlamaOutput(logits[None], hidden[None])
 

@@ -2,7 +2,7 @@
 //   specpipe_cpu::draft_lm_forward  a draft LM on int8 linears (plugins/llama_forward.py;
 //                                   tests/plugins/test_llama_forward.py: the model's own
 //                                   forward's logits and cache to fp32 rounding);
-//   specpipe_cpu::target_forward    the target on oneDNN's blocked fp32 weights
+//   specpipe_cpu::target_forward    the target on its blocked fp32 weights
 //                                   (plugins/llama_forward.py; tests/plugins/test_llama_forward.py).
 // The reference of both is the model's own forward (`LlamaForCausalLM.forward` with a
 // `PagedBatch`).
@@ -13,7 +13,8 @@
 //   x = x + (SiLU(a' W_gate) * a' W_up) W_down, a' = RMSNorm(x)
 // hidden = RMSNorm(x);  logits = hidden[logits rows] W_head.
 // The products are the model's own kernels (int8: `specpipe::int8_linear`, int8_linear.h;
-// fp32: `mkldnn::_linear_pointwise` on the blocked copies `pack_cpu_weights` made), attention
+// fp32: fp32_linear.h's for few rows, else `mkldnn::_linear_pointwise`, on the blocked copies
+// `pack_cpu_weights` made), attention
 // and RoPE the project's own kernels, so what this saves is the Python and the decomposed ATen
 // ops between the products (a forward of the demo target makes ~80 of them; its RMSNorm alone
 // is six ATen ops, ~30 us a call): the norms, SiLU-times-up, residual adds and RoPE tables are
@@ -28,6 +29,7 @@
 #include <tuple>
 #include <vector>
 
+#include "fp32_linear.h"
 #include "int8_linear.h"
 #include "llama_loops.h"
 
@@ -140,11 +142,15 @@ at::Tensor draft_lm_forward(const at::Tensor& tokens, const at::Tensor& position
   return linear(head, rms_norm(at::index_select(x, 0, logits_indices), final_norm, eps));
 }
 
-// The products on oneDNN's blocked fp32 copies (`plugins.cpu_linear.pack_cpu_weight`), as
-// `plugins.cpu_linear.cpu_packed_linear` calls them.
-struct PackedLinears {
-  at::TensorList packed;
+// The products of an fp32 target: `fp32_linear.h`'s kernel on the `block16` copies up to
+// `small_m` rows, oneDNN's blocked copies (`mkldnn::_linear_pointwise`) above, as
+// `model_defs.llama.Linear` chooses.
+struct Fp32Linears {
+  at::TensorList packed, small;
+  at::IntArrayRef out_features;
+  int64_t small_m;
   at::Tensor operator()(int64_t k, const at::Tensor& x) const {
+    if (x.size(0) <= small_m) return specpipe::fp32_linear(x, small[k], out_features[k]);
     static const auto op = c10::Dispatcher::singleton()
                                .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
                                .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
@@ -158,10 +164,13 @@ std::tuple<at::Tensor, at::Tensor> target_forward(
     const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& slots, at::TensorList query_index,
     at::TensorList key_slots, at::TensorList mask, at::TensorList valid, at::TensorList rows,
     const at::Tensor& logits_indices, const at::Tensor& embed, const at::Tensor& inv_freq, double rope_scale,
-    at::TensorList norms, at::TensorList packed, at::TensorList k_cache, at::TensorList v_cache,
-    const at::Tensor& final_norm, int64_t num_heads, double eps) {
-  TORCH_CHECK(packed.size() == 4 * k_cache.size() + 1, "per layer four blocked linears (qkv, o, gate_up, down); then the head");
-  const PackedLinears linear{packed};
+    at::TensorList norms, at::TensorList packed, at::TensorList small, at::IntArrayRef out_features, int64_t small_m,
+    at::TensorList k_cache, at::TensorList v_cache, const at::Tensor& final_norm, int64_t num_heads, double eps) {
+  TORCH_CHECK(packed.size() == 4 * k_cache.size() + 1 && small.size() == packed.size() &&
+                  out_features.size() == packed.size(),
+              "per layer four linears (qkv, o, gate_up, down), then the head, each with both blocked copies");
+  for (size_t k = 0; k < small.size(); ++k) specpipe::check_fp32_blocked(small[k], out_features[k]);
+  const Fp32Linears linear{packed, small, out_features, small_m};
   const at::Tensor x = layers(linear, tokens, positions, slots, query_index, key_slots, mask, valid, rows, embed,
                               inv_freq, rope_scale, norms, k_cache, v_cache, num_heads, eps);
   const at::Tensor hidden = rms_norm(x, final_norm, eps);  // [N, E]
@@ -180,8 +189,8 @@ TORCH_LIBRARY_FRAGMENT(specpipe_cpu, m) {
   m.def(
       "target_forward(Tensor tokens, Tensor positions, Tensor slots, Tensor[] query_index, Tensor[] key_slots, "
       "Tensor[] mask, Tensor[] valid, Tensor[] rows, Tensor logits_indices, Tensor embed, Tensor inv_freq, "
-      "float rope_scale, Tensor[] norms, Tensor[] packed, Tensor(a!)[] k_cache, Tensor(b!)[] v_cache, "
-      "Tensor final_norm, int num_heads, float eps) -> (Tensor, Tensor)");
+      "float rope_scale, Tensor[] norms, Tensor[] packed, Tensor[] small, int[] out_features, int small_m, "
+      "Tensor(a!)[] k_cache, Tensor(b!)[] v_cache, Tensor final_norm, int num_heads, float eps) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(specpipe_cpu, CPU, m) {

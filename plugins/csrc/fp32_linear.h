@@ -1,0 +1,109 @@
+// The fp32 product of `specpipe_cpu::fp32_linear` for the few-row products of decoding
+// (plugins/fp32_linear.py has the contract and the plain-torch reference), shared by the
+// target's one-call forward (llama_forward_cpu.cpp).
+//
+//   x [M, I] fp32 dense, weight [O, I] blocked as [ceil(O/16), I, 16] (`block16`: 16 output
+//   rows per 64-byte line, zero past O), y [M, O] = x weight^T
+//   y[m, o] = sum_i x[m, i] w[o, i], the sum in order i = 0 .. I-1, one fp32 accumulator
+//
+// A register tile of up to 6 rows x 16 outputs (12 AVX2 vectors; BLIS's Haswell shape) runs
+// down the whole input dimension of one 16-output block, so each weight line is read once
+// per 6 rows, from memory for the first tile and from cache for the next. At decoding's
+// few rows the product is a stream of the weights: oneDNN's blocked kernels (what
+// `pack_cpu_weights` makes for every M) took ~2x as long there (the demo target's 25
+// products, 1 row: 3.9 vs 1.9 ms; 5 rows 4.4 vs 2.2) and win from ~40 rows up.
+// Each output's sum runs in the same order whatever M is and wherever its row falls in a
+// tile, so a row's result does not depend on the other rows of the call.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "lanes.h"
+
+namespace specpipe {
+
+namespace fp32_linear_detail {
+
+using specpipe_lanes::kWide;
+using specpipe_lanes::load_w;
+using specpipe_lanes::store_w;
+using specpipe_lanes::vw;
+
+constexpr int64_t kBlock = 16;               // outputs per weight line
+constexpr int64_t kVectors = kBlock / kWide;  // 2 on AVX2, 1 under AVX-512
+constexpr int kRows = 6;                     // rows per register tile
+
+// MR rows of x (row stride ldx) times one 16-output block wb [I, 16] -> out (row stride ldy),
+// `cols` <= 16 of its outputs stored.
+template <int MR>
+void tile(const float* x, int64_t ldx, const float* wb, int64_t I, float* out, int64_t ldy, int64_t cols) {
+  vw acc[MR][kVectors] = {};
+  for (int64_t i = 0; i < I; ++i) {
+    vw w[kVectors];
+    for (int j = 0; j < kVectors; ++j) w[j] = load_w(wb + i * kBlock + j * kWide);
+    for (int m = 0; m < MR; ++m) {
+      const vw xm = vw{} + x[m * ldx + i];
+      for (int j = 0; j < kVectors; ++j) acc[m][j] += xm * w[j];
+    }
+  }
+  if (cols == kBlock) {
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < kVectors; ++j) store_w(out + m * ldy + j * kWide, acc[m][j]);
+    return;
+  }
+  for (int m = 0; m < MR; ++m) {
+    float line[kBlock];
+    for (int j = 0; j < kVectors; ++j) store_w(line + j * kWide, acc[m][j]);
+    std::copy(line, line + cols, out + m * ldy);
+  }
+}
+
+}  // namespace fp32_linear_detail
+
+// The layout the kernel reads as raw memory: blocked [ceil(O/16), I, 16] fp32 dense.
+inline void check_fp32_blocked(const at::Tensor& blocked, int64_t out_features) {
+  TORCH_CHECK(blocked.scalar_type() == at::kFloat && blocked.dim() == 3 && blocked.size(2) == 16 &&
+                  blocked.is_contiguous() && blocked.device().is_cpu(),
+              "a blocked fp32 weight must be a dense [ceil(O/16), I, 16] CPU tensor (plugins.fp32_linear.block16)");
+  TORCH_CHECK(out_features > 16 * (blocked.size(0) - 1) && out_features <= 16 * blocked.size(0),
+              out_features, " outputs do not fit ", blocked.size(0), " blocks of 16");
+}
+
+// y [M, O] = x [M, I] times the blocked weight's transpose; blocks spread over ATen's threads.
+inline at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& blocked, int64_t out_features) {
+  using namespace fp32_linear_detail;
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x must be a dense [M, I] float32 tensor");
+  check_fp32_blocked(blocked, out_features);
+  const int64_t M = x.size(0), I = x.size(1), O = out_features, B = blocked.size(0);
+  TORCH_CHECK(blocked.size(1) == I, "the weight takes ", blocked.size(1), " inputs, got ", I);
+  at::Tensor y = at::empty({M, O}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = blocked.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* wb = wp + b * I * kBlock;
+      const int64_t cols = std::min(kBlock, O - b * kBlock);
+      float* out = yp + b * kBlock;
+      int64_t r = 0;
+      for (; r + kRows <= M; r += kRows) tile<kRows>(xp + r * I, I, wb, I, out + r * O, O, cols);
+      switch (M - r) {
+        case 5: tile<5>(xp + r * I, I, wb, I, out + r * O, O, cols); break;
+        case 4: tile<4>(xp + r * I, I, wb, I, out + r * O, O, cols); break;
+        case 3: tile<3>(xp + r * I, I, wb, I, out + r * O, O, cols); break;
+        case 2: tile<2>(xp + r * I, I, wb, I, out + r * O, O, cols); break;
+        case 1: tile<1>(xp + r * I, I, wb, I, out + r * O, O, cols); break;
+        default: break;
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace specpipe
