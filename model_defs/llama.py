@@ -39,7 +39,8 @@ linear and norm.
 Int8 drafters (`quantize_linears_int8`, `BuildConfig.drafter_layers`): a Llama used as a
 draft LM, or a drafter built from these layers, may run its linears on fbgemm int8 copies
 of the weights, with q/k/v and gate/up each one stacked product (`LinearStack`, which fp32
-models on the CPU get too, on oneDNN's blocked copies: `pack_cpu_weights`). A drafter's
+models on the CPU get too, on blocked copies: `pack_cpu_weights`, oneDNN's and, for products
+of up to `plugins.fp32_linear.SMALL_M` rows, `fp32_linear.block16`'s). A drafter's
 numerics only change which tokens are proposed; a target never runs in int8.
 """
 

@@ -20,6 +20,11 @@ weights (384 x 384: 23 vs 14 us). A 1-token forward of the demo target: median 6
 8.3 ms (six alternating rounds); auto-regressive decoding at batch 1: 125-143 vs
 110-120 tok/s (four).
 
+Since 2026-11-26 products of up to `plugins.fp32_linear.SMALL_M` rows take that module's
+kernel instead, on a second blocked copy (`pack_cpu_weights` makes both): a stream of the
+weights once per 6 rows, ~2x as fast as this one at 1-8 rows in a forward of the demo
+target. This one serves the larger products (prefill chunks, big batches).
+
 `BATCH_HINT` is the row count oneDNN blocks for: with a hint of 1 it picks a GEMV layout
 that is 1.6-2x slower from 2 rows on; 32 is as fast as 8 at every size we measured
 (1-64 rows). A blocked weight is a copy: pack after the weights are final (at engine

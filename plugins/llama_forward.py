@@ -68,9 +68,8 @@ def _fake(tokens: Tensor, positions: Tensor, slots: Tensor, *rest: Any) -> Tenso
 
 def _fake_target(tokens: Tensor, positions: Tensor, slots: Tensor, *rest: Any) -> tuple[Tensor, Tensor]:
     logits_indices, embed = rest[5], rest[6]
-    return embed.new_empty((logits_indices.shape[0], embed.shape[0])), embed.new_empty(
-        (tokens.shape[0], embed.shape[1])
-    )
+    hidden = embed.new_empty((tokens.shape[0], embed.shape[1]))
+    return embed.new_empty((logits_indices.shape[0], embed.shape[0])), hidden
 
 
 @dataclass(frozen=True)
@@ -203,10 +202,6 @@ class Int8DraftLM:
         if not vectorized():  # its products would be a scalar loop: fbgemm's, through the model, are faster
             return None
         return cls(llama, [p for p in packed if p is not None])
-
-    @property
-    def model(self) -> LlamaForCausalLM:
-        return self.llama.model
 
     def __call__(
         self,

@@ -14,12 +14,11 @@
 // hidden = RMSNorm(x);  logits = hidden[logits rows] W_head.
 // The products are the model's own kernels (int8: `specpipe::int8_linear`, int8_linear.h;
 // fp32: fp32_linear.h's for few rows, else `mkldnn::_linear_pointwise`, on the blocked copies
-// `pack_cpu_weights` made), attention
-// and RoPE the project's own kernels, so what this saves is the Python and the decomposed ATen
-// ops between the products (a forward of the demo target makes ~80 of them; its RMSNorm alone
-// is six ATen ops, ~30 us a call): the norms, SiLU-times-up, residual adds and RoPE tables are
-// plain loops here (llama_loops.h), equal to the ATen ops' up to fp32 rounding (another
-// summation order), like any other choice of kernel.
+// `pack_cpu_weights` made), attention and RoPE the project's own kernels, so what this saves
+// is the Python and the decomposed ATen ops between the products (a forward of the demo
+// target makes ~80 of them; its RMSNorm alone is six ATen ops, ~30 us a call): the norms,
+// SiLU-times-up, residual adds and RoPE tables are plain loops here (llama_loops.h), equal to
+// the ATen ops' up to fp32 rounding (another summation order), like any other kernel choice.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
