@@ -40,8 +40,9 @@ caller runs the model's forward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Generic, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -104,21 +105,6 @@ class _Llama:
         ]
         return [*per_layer, self.model.lm_head]
 
-    def takes(self, attention: Attention) -> bool:
-        """Whether a step's attention is the op's form (module docstring)."""
-        if not isinstance(attention, list) or self.model.batch_invariant or torch.is_grad_enabled():
-            return False
-        return all(g.query_index.shape[1] <= MAX_T for g in attention)
-
-    def leading(
-        self, tokens: Tensor, positions: Tensor, slots: Tensor, attention: list[AttentionGroup], logits_indices: Tensor
-    ) -> tuple[Any, ...]:
-        """The ops' arguments up to the norms."""
-        return (
-            tokens, positions, slots, *_columns(attention), logits_indices,
-            self.model.model.embed_tokens.weight, self.inv_freq, self.rope_scale, self.norms,
-        )  # fmt: skip
-
 
 def _blocked(product: Linear | LinearStack | None) -> tuple[Tensor, Tensor, int] | None:
     """The two blocked fp32 copies (oneDNN's, `block16`'s) and the output width of a
@@ -134,97 +120,110 @@ def _blocked(product: Linear | LinearStack | None) -> tuple[Tensor, Tensor, int]
     return None
 
 
+Out = TypeVar("Out")
+
+
 @dataclass(frozen=True)
-class FusedTarget:
-    """`specpipe_cpu::target_forward`'s view of a target: its layers and blocked weights."""
+class _Op(Generic[Out]):
+    """One op's view of a model; calling it runs a step: `(tokens, positions, slots,
+    attention, logits_indices, cache)` -> the op's result, or None for a step it does not take."""
 
     llama: _Llama
+    op: ClassVar[str]
+
+    def products(self) -> list[Any]:
+        """The op's weight arguments."""
+        raise NotImplementedError
+
+    def finish(self, out: Any) -> Out:
+        return cast(Out, out)
+
+    def __call__(
+        self,
+        tokens: Tensor,  # [N] int64
+        positions: Tensor,  # [N] int64
+        slots: Tensor,  # [N] int64 cache slot each token's K/V is written to
+        attention: Attention,
+        logits_indices: Tensor,  # [K] int64
+        cache: PagedKVCache,
+    ) -> Out | None:
+        if not isinstance(attention, list) or self.llama.model.batch_invariant or torch.is_grad_enabled():
+            return None
+        if any(g.query_index.shape[1] > MAX_T for g in attention):
+            return None
+        llama, cfg, model = self.llama, self.llama.model.config, self.llama.model.model
+        out = getattr(torch.ops.specpipe_cpu, self.op)(
+            tokens, positions, slots, *_columns(attention), logits_indices, model.embed_tokens.weight,
+            llama.inv_freq, llama.rope_scale, llama.norms, *self.products(), cache.k, cache.v, model.norm.weight,
+            cfg.num_attention_heads, cfg.rms_norm_eps,
+        )  # fmt: skip
+        return None if out is None else self.finish(out)
+
+
+def _view(
+    model: LlamaForCausalLM, convert: Callable[[Any], Any], op: str, fake: Callable[..., Any]
+) -> tuple[_Llama, list[Any]] | None:
+    """`model`'s `_Llama` and `convert` of each of its products; None where the ops do not
+    apply, a product does not convert (None) or the kernels are not built."""
+    llama = _Llama.of(model)
+    if llama is None:
+        return None
+    converted = [convert(p) for p in llama.products()]
+    if any(c is None for c in converted) or not cpu_kernels.load_with_fake(op, fake):
+        return None
+    return llama, converted
+
+
+@dataclass(frozen=True)
+class FusedTarget(_Op[LlamaOutput]):
+    """`specpipe_cpu::target_forward`'s view of a target: a step gives what
+    `LlamaForCausalLM.forward` with `PagedBatch(cache, slots, attention)` and `logits_indices`
+    returns (logits `[1, K, V]`, hidden states `[1, N, E]`), the K/V of its tokens written."""
+
     packed: list[Tensor]
     """oneDNN's copies: per layer q/k/v (stacked), o, gate/up (stacked), down; then the LM head."""
     small: list[Tensor]
     """The same products' `plugins.fp32_linear.block16` copies (up to `fp32_linear.SMALL_M` rows)."""
     out_features: list[int]
+    op: ClassVar[str] = "target_forward"
 
     @classmethod
     def of(cls, model: LlamaForCausalLM) -> FusedTarget | None:
         """The op's view of `model`, or None where the op does not apply (module docstring)."""
-        llama = _Llama.of(model)
-        if llama is None:
+        view = _view(model, _blocked, cls.op, _fake_target)
+        if view is None:
             return None
-        copies = [_blocked(p) for p in llama.products()]
-        if any(c is None for c in copies) or not cpu_kernels.load_with_fake("target_forward", _fake_target):
-            return None
-        packed, small, outs = zip(*[c for c in copies if c is not None], strict=True)
-        return cls(llama, list(packed), list(small), list(outs))
+        packed, small, outs = zip(*view[1], strict=True)
+        return cls(view[0], list(packed), list(small), list(outs))
 
-    def __call__(
-        self,
-        tokens: Tensor,  # [N] int64
-        positions: Tensor,  # [N] int64
-        slots: Tensor,  # [N] int64 cache slot each token's K/V is written to
-        attention: Attention,
-        logits_indices: Tensor,  # [K] int64
-        cache: PagedKVCache,
-    ) -> LlamaOutput | None:
-        """What `LlamaForCausalLM.forward` with `PagedBatch(cache, slots, attention)` and
-        `logits_indices` returns (logits `[1, K, V]`, hidden states `[1, N, E]`), the K/V of
-        the tokens written to `cache`; None for a step the op does not take."""
-        llama = self.llama
-        if not llama.takes(attention):
-            return None
-        assert isinstance(attention, list)
-        cfg = llama.model.config
-        logits, hidden = torch.ops.specpipe_cpu.target_forward(
-            *llama.leading(tokens, positions, slots, attention, logits_indices), self.packed, self.small,
-            self.out_features, fp32_linear.SMALL_M, cache.k, cache.v, llama.model.model.norm.weight,
-            cfg.num_attention_heads, cfg.rms_norm_eps,
-        )  # fmt: skip
+    def products(self) -> list[Any]:
+        return [self.packed, self.small, self.out_features, fp32_linear.SMALL_M]
+
+    def finish(self, out: Any) -> LlamaOutput:
+        logits, hidden = out
         return LlamaOutput(logits[None], hidden[None])
 
 
 @dataclass(frozen=True)
-class Int8DraftLM:
-    """`specpipe_cpu::draft_lm_forward`'s view of a draft LM: its layers and int8 weights."""
+class Int8DraftLM(_Op[Tensor]):
+    """`specpipe_cpu::draft_lm_forward`'s view of a draft LM: a step gives the logits `[K, V]`
+    at `logits_indices` that `LlamaForCausalLM.forward` with `PagedBatch(cache, slots,
+    attention)` returns, the K/V of its tokens written."""
 
-    llama: _Llama
     linears: list[Int8Weight]
     """Per layer: q/k/v (stacked), o, gate/up (stacked), down; then the LM head."""
+    op: ClassVar[str] = "draft_lm_forward"
 
     @classmethod
     def of(cls, model: LlamaForCausalLM) -> Int8DraftLM | None:
         """The op's view of `model`, or None where the op does not apply (module docstring)."""
-        llama = _Llama.of(model)
-        if llama is None:
-            return None
-        packed = [int8_kernel(p) for p in llama.products()]
-        if any(p is None for p in packed) or not cpu_kernels.load_with_fake("draft_lm_forward", _fake):
-            return None
         if not vectorized():  # its products would be a scalar loop: fbgemm's, through the model, are faster
             return None
-        return cls(llama, [p for p in packed if p is not None])
+        view = _view(model, int8_kernel, cls.op, _fake)
+        return None if view is None else cls(view[0], view[1])
 
-    def __call__(
-        self,
-        tokens: Tensor,  # [N] int64
-        positions: Tensor,  # [N] int64
-        slots: Tensor,  # [N] int64 cache slot each token's K/V is written to
-        attention: Attention,
-        logits_indices: Tensor,  # [K] int64
-        cache: PagedKVCache,
-    ) -> Tensor | None:  # [K, V]
-        """Logits at `logits_indices`, the K/V of the tokens written to `cache`: what
-        `LlamaForCausalLM.forward` with `PagedBatch(cache, slots, attention)` returns (its
-        logits rows), or None for a step the op does not take (module docstring)."""
-        llama = self.llama
-        if not llama.takes(attention):
-            return None
-        assert isinstance(attention, list)
-        cfg = llama.model.config
-        return torch.ops.specpipe_cpu.draft_lm_forward(
-            *llama.leading(tokens, positions, slots, attention, logits_indices),
-            *(list(column) for column in zip(*self.linears, strict=True)), cache.k, cache.v,
-            llama.model.model.norm.weight, cfg.num_attention_heads, cfg.rms_norm_eps,
-        )  # fmt: skip
+    def products(self) -> list[Any]:
+        return [list(column) for column in zip(*self.linears, strict=True)]
 
 
 def _columns(groups: list[AttentionGroup]) -> tuple[list[Tensor], ...]:

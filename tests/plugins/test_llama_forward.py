@@ -10,12 +10,13 @@ stands aside (None: the model's forward runs) wherever it does not apply."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
 import torch
 
-from model_defs.llama import LlamaConfig, LlamaForCausalLM, LlamaOutput, pack_cpu_weights, quantize_linears_int8
+from model_defs.llama import LlamaConfig, LlamaForCausalLM, pack_cpu_weights, quantize_linears_int8
 from model_defs.paged_kv_cache import PagedBatch, PagedKVCache
 from plugins import cpu_kernels, llama_forward
 from plugins.int8_linear import vectorized
@@ -51,6 +52,13 @@ def draft_lm(int8: bool = True, bias: bool = False, head_dim: int = 32) -> Llama
             p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) / p.shape[-1] ** 0.5)
     if int8:
         quantize_linears_int8(model)
+    return model
+
+
+def target(bias: bool = False, head_dim: int = 32) -> LlamaForCausalLM:
+    """An fp32 model with oneDNN-blocked weights, as engine load makes them."""
+    model = draft_lm(int8=False, bias=bias, head_dim=head_dim)
+    pack_cpu_weights(model)
     return model
 
 
@@ -100,21 +108,27 @@ def step_for(contexts: list[int], new: list[tuple[int, torch.Tensor | None]]) ->
 
 
 @torch.inference_mode()
-def run(fused: Int8DraftLM | LlamaForCausalLM, step: StepInput, cache: PagedKVCache) -> torch.Tensor | None:
-    """Logits of `step` by the op (an `Int8DraftLM`) or the model's paged forward, on `cache`."""
-    if isinstance(fused, Int8DraftLM):
-        return fused(step.tokens, step.positions, step.slots, step.attention, step.logits_indices, cache)
-    out = run_target(fused, step, cache)
-    return None if out is None else out.logits[0]
+def outputs(
+    op: Int8DraftLM | FusedTarget | LlamaForCausalLM, step: StepInput, cache: PagedKVCache
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Logits `[K, V]` and hidden states `[N, E]` (None from the draft op, which returns
+    logits only) of `step` by an op or the model's paged forward, on `cache`; None where the
+    op stands aside."""
+    if isinstance(op, Int8DraftLM):
+        logits = op(step.tokens, step.positions, step.slots, step.attention, step.logits_indices, cache)
+        return None if logits is None else (logits, None)
+    if isinstance(op, FusedTarget):
+        out = op(step.tokens, step.positions, step.slots, step.attention, step.logits_indices, cache)
+    else:
+        paged = PagedBatch(cache, step.slots, step.attention)
+        out = op(step.tokens[None], step.positions[None], paged, logits_indices=step.logits_indices[None])
+    return None if out is None else (out.logits[0], out.hidden[0])
 
 
-@torch.inference_mode()
-def run_target(fused: FusedTarget | LlamaForCausalLM, step: StepInput, cache: PagedKVCache) -> LlamaOutput | None:
-    """`step` by the target op or the model's paged forward, on `cache`."""
-    if isinstance(fused, FusedTarget):
-        return fused(step.tokens, step.positions, step.slots, step.attention, step.logits_indices, cache)
-    paged = PagedBatch(cache, step.slots, step.attention)
-    return fused(step.tokens[None], step.positions[None], paged, logits_indices=step.logits_indices[None])
+def run(op: Int8DraftLM | FusedTarget | LlamaForCausalLM, step: StepInput, cache: PagedKVCache) -> torch.Tensor | None:
+    """The logits of `outputs`."""
+    out = outputs(op, step, cache)
+    return None if out is None else out[0]
 
 
 def copy_of(cache: PagedKVCache) -> PagedKVCache:
@@ -134,54 +148,77 @@ CASES = {
 }
 
 
+OPS: dict[
+    str, tuple[Callable[[], LlamaForCausalLM], Callable[[LlamaForCausalLM], Int8DraftLM | FusedTarget | None], float]
+] = {
+    "draft_lm_forward": (draft_lm, Int8DraftLM.of, TOLERANCE),
+    "target_forward": (target, FusedTarget.of, 1e-4),
+}
+"""op -> (its model, its view of the model, the largest |logit| or |hidden| difference allowed).
+The target's: fp32 rounding of another summation order in the norms and products moves
+them by ~1e-6; wrong arithmetic by ~1."""
+
+
+@pytest.mark.parametrize("op", list(OPS))
 @pytest.mark.parametrize("case", list(CASES))
-def test_the_op_is_the_models_paged_forward(case: str) -> None:
+def test_the_op_is_the_models_paged_forward(op: str, case: str) -> None:
+    make, view, tolerance = OPS[op]
     contexts, new = CASES[case]
-    model = draft_lm()
-    fused = Int8DraftLM.of(model)
+    model = make()
+    fused = view(model)
     assert fused is not None
     cache = prefilled(model, contexts)
     step, reference = step_for(contexts, new), copy_of(cache)
-    got, want = run(fused, step, cache), run(model, step, reference)
+    got, want = outputs(fused, step, cache), outputs(model, step, reference)
     assert got is not None and want is not None
-    assert got.shape == want.shape == (sum(n for n, _ in new), VOCAB)
-    assert (got - want).abs().max() < TOLERANCE
-    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert got[0].shape == want[0].shape == (sum(n for n, _ in new), VOCAB)
+    assert (got[0] - want[0]).abs().max() < tolerance
+    assert torch.equal(got[0].argmax(-1), want[0].argmax(-1))
+    if got[1] is not None:  # the target's hidden states
+        assert want[1] is not None and got[1].shape == want[1].shape == (step.tokens.shape[0], model.config.hidden_size)
+        assert (got[1] - want[1]).abs().max() < tolerance
     written = cache.kv[:, :, step.slots]
     assert written.abs().max() > 0.1 and torch.allclose(written, reference.kv[:, :, step.slots], atol=1e-4)
     assert torch.allclose(cache.kv, reference.kv, atol=1e-4)  # and nothing else moved
 
 
-def test_a_variant_with_the_norms_swapped_fails() -> None:
-    model = draft_lm()
-    fused = Int8DraftLM.of(model)
+@pytest.mark.parametrize("op", list(OPS))
+def test_a_variant_with_the_norms_swapped_fails(op: str) -> None:
+    make, view, tolerance = OPS[op]
+    model = make()
+    fused = view(model)
     assert fused is not None
     norms = fused.llama.norms
-    broken = replace(
-        fused, llama=replace(fused.llama, norms=[norms[i ^ 1] for i in range(len(norms))])
-    )  # post-attention first
+    broken = replace(fused, llama=replace(fused.llama, norms=[norms[i ^ 1] for i in range(len(norms))]))
     cache = prefilled(model, [9, 4])
     step = step_for([9, 4], [(1, None), (3, None)])
     want = run(model, step, copy_of(cache))
     good, bad = run(fused, step, copy_of(cache)), run(broken, step, copy_of(cache))
     assert want is not None and good is not None and bad is not None
-    assert (good - want).abs().max() < TOLERANCE < (bad - want).abs().max()
+    assert (good - want).abs().max() < tolerance < (bad - want).abs().max()
 
 
-def test_it_stands_aside_where_it_does_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_op_stands_aside_for_models_it_does_not_take(monkeypatch: pytest.MonkeyPatch) -> None:
     with monkeypatch.context() as m:  # a CPU with neither VNNI nor AVX2: fbgemm's products, through the model
         m.setattr(llama_forward, "vectorized", lambda: False)
         assert Int8DraftLM.of(draft_lm()) is None
     assert Int8DraftLM.of(draft_lm(int8=False)) is None  # fp32 linears
     assert Int8DraftLM.of(draft_lm(bias=True)) is None  # biases
     assert Int8DraftLM.of(draft_lm(head_dim=16)) is None  # a head size the attention kernel is not built for
-    model = draft_lm()
-    fused = Int8DraftLM.of(model)
+    assert FusedTarget.of(draft_lm(int8=False)) is None  # no blocked copies (engine load makes them)
+    assert FusedTarget.of(draft_lm()) is None  # int8 copies: a drafter's
+    assert FusedTarget.of(target(bias=True)) is None  # biases
+    assert FusedTarget.of(target(head_dim=16)) is None
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_it_stands_aside_for_steps_it_does_not_take(op: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    make, view, _ = OPS[op]
+    model = make()
+    fused = view(model)
     assert fused is not None
     cache = prefilled(model, [1])
-    longest = step_for([1], [(KERNEL_MAX_T, None)])
-    assert run(fused, longest, cache) is not None
-    chunk = step_for([0], [(SPAN, None)])  # past the kernel's short groups: still the op's
+    chunk = step_for([0], [(SPAN, None)])  # past the attention kernel's short groups: still the op's
     assert SPAN > KERNEL_MAX_T and run(fused, chunk, cache) is not None
     with monkeypatch.context() as m:  # a chunk past MAX_T: the model's forward
         m.setattr(llama_forward, "MAX_T", SPAN - 1)
@@ -203,71 +240,3 @@ def test_a_linear_of_the_wrong_width_is_refused_not_read_past() -> None:
     cache = prefilled(model, [5])
     with pytest.raises(RuntimeError, match="takes 192 inputs, got 128"):
         run(replace(fused, linears=linears), step_for([5], [(1, None)]), cache)
-
-
-def target(bias: bool = False, head_dim: int = 32) -> LlamaForCausalLM:
-    """An fp32 model with oneDNN-blocked weights, as engine load makes them."""
-    model = draft_lm(int8=False, bias=bias, head_dim=head_dim)
-    pack_cpu_weights(model)
-    return model
-
-
-TARGET_TOLERANCE = 1e-4
-"""Largest |logit| or |hidden| difference allowed: fp32 rounding of another summation order in
-the norms moves them by ~1e-6; wrong arithmetic by ~1."""
-
-
-@pytest.mark.parametrize("case", list(CASES))
-def test_the_target_op_is_the_models_paged_forward(case: str) -> None:
-    contexts, new = CASES[case]
-    model = target()
-    fused = FusedTarget.of(model)
-    assert fused is not None
-    cache = prefilled(model, contexts)
-    step, reference = step_for(contexts, new), copy_of(cache)
-    got, want = run_target(fused, step, cache), run_target(model, step, reference)
-    assert got is not None and want is not None
-    n = sum(k for k, _ in new)
-    assert got.logits.shape == want.logits.shape == (1, n, VOCAB)
-    assert got.hidden.shape == want.hidden.shape == (1, n, model.config.hidden_size)
-    assert (got.logits - want.logits).abs().max() < TARGET_TOLERANCE
-    assert (got.hidden - want.hidden).abs().max() < TARGET_TOLERANCE
-    assert torch.equal(got.logits.argmax(-1), want.logits.argmax(-1))
-    written = cache.kv[:, :, step.slots]
-    assert written.abs().max() > 0.1 and torch.allclose(written, reference.kv[:, :, step.slots], atol=1e-5)
-    assert torch.allclose(cache.kv, reference.kv, atol=1e-5)  # and nothing else moved
-
-
-def test_a_target_variant_with_the_norms_swapped_fails() -> None:
-    model = target()
-    fused = FusedTarget.of(model)
-    assert fused is not None
-    norms = fused.llama.norms
-    broken = replace(fused, llama=replace(fused.llama, norms=[norms[i ^ 1] for i in range(len(norms))]))
-    cache = prefilled(model, [9, 4])
-    step = step_for([9, 4], [(1, None), (3, None)])
-    want = run_target(model, step, copy_of(cache))
-    good, bad = run_target(fused, step, copy_of(cache)), run_target(broken, step, copy_of(cache))
-    assert want is not None and good is not None and bad is not None
-    assert (good.logits - want.logits).abs().max() < TARGET_TOLERANCE < (bad.logits - want.logits).abs().max()
-
-
-def test_the_target_op_stands_aside_where_it_does_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert FusedTarget.of(draft_lm(int8=False)) is None  # no blocked copies (engine load makes them)
-    assert FusedTarget.of(draft_lm()) is None  # int8 copies: a drafter's
-    assert FusedTarget.of(target(bias=True)) is None  # biases
-    assert FusedTarget.of(target(head_dim=16)) is None  # a head size the attention kernel is not built for
-    model = target()
-    fused = FusedTarget.of(model)
-    assert fused is not None
-    cache = prefilled(model, [1])
-    assert run_target(fused, step_for([0], [(SPAN, None)]), cache) is not None  # past KERNEL_MAX_T
-    with monkeypatch.context() as m:  # a chunk past MAX_T: the model's forward
-        m.setattr(llama_forward, "MAX_T", SPAN - 1)
-        assert run_target(fused, step_for([0], [(SPAN, None)]), cache) is None
-    decode = step_for([1], [(1, None)])
-    row_form = build_rows([Segment(0, 1, slots(0, 2))], 1)  # the GPU's metadata form
-    with torch.inference_mode():
-        assert fused(decode.tokens, decode.positions, decode.slots, row_form, decode.logits_indices, cache) is None
-    model.set_batch_invariant(True)
-    assert run_target(fused, decode, cache) is None
