@@ -7,7 +7,8 @@
 // cache slots (no padded copy of the paged cache), at the CPU's own vector width (`kWide`:
 // 8 lanes on AVX2, where 16-lane vectors spilled and compiled to scalar compares): scores a
 // chunk of kWide keys at a time (kWide partial-dot vectors summed across lanes together,
-// `lane_sums`), outputs with each value loaded once for the four rows. For each row, over the keys j it may see (Vaswani et al. 2017, eq. 1):
+// `lane_sums`), outputs with each value loaded once for the four rows. For each row, over
+// the keys j it may see (Vaswani et al. 2017, eq. 1):
 //   s_j = (q . k_j) / sqrt(D)
 //   p_j = exp(s_j - max_i s_i), exactly 0 for masked keys
 //   out = (sum_j p_j v_j) / (sum_j p_j)
