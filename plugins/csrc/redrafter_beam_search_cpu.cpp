@@ -10,11 +10,17 @@
 //   logits = H z;  top-K of each beam's logits, log_softmax over them (the warp's support)
 //   one beam: its best extension; W beams: the best W of the W x K extensions by cumulative
 //   log-prob, each inheriting its parent's state; the beams rebuilt backwards at the end.
-// The same ATen ops in the same order as the Python form, so the same bits; what it saves is
-// the Python between them (~20-30 ops a level: 1.7 -> 0.9 ms for five levels of one beam).
+// The same arithmetic in the same order as the Python form, so the same bits: the products
+// are `specpipe::int8_linear`'s, SiLU and log_softmax ATen's own ops on rows laid out as the
+// Python form lays them out, and the adds, the embedding rows, the concatenation, the top-K
+// and the beam step are plain loops over buffers allocated once per call. A level is then
+// its products plus three ATen calls; as ~25 ATen ops (topk ~28 us, embedding ~11 us, cat,
+// views, adds) it cost ~100 us more a level on the 2-core CPU.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cstring>
 #include <limits>
 #include <tuple>
 #include <vector>
@@ -23,13 +29,37 @@
 
 namespace {
 
-// `plugins.cpu_linear.int8_linear`: the kernel on x's rows, the bias added after.
-at::Tensor int8_linear(const specpipe::Int8Linears& linear, int64_t k, const at::Tensor& x,
-                       const c10::optional<at::Tensor>& bias) {
-  std::vector<int64_t> sizes = x.sizes().vec();
-  sizes.back() = linear.weight[k].size(0);
-  at::Tensor y = linear(k, x.reshape({-1, x.size(-1)}).contiguous()).view(sizes);
-  return bias.has_value() ? y + *bias : y;
+// The k largest of x[0, n), best first, ties in index order: vals[k], idx[k]. One pass that
+// keeps the best k so far sorted (an entry goes after those it equals), so past the first k
+// an element costs one compare unless it beats the k-th (~k log(n / k) inserts in all).
+// `at::topk` (what the Python form calls) agrees up to the order of tied values.
+void top_k(const float* x, int64_t n, int64_t k, float* vals, int64_t* idx) {
+  int64_t filled = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = x[i];
+    if (filled == k && !(v > vals[k - 1])) continue;
+    int64_t p = filled < k ? filled++ : k - 1;  // the slot it takes before moving up
+    for (; p > 0 && vals[p - 1] < v; --p) {
+      vals[p] = vals[p - 1];
+      idx[p] = idx[p - 1];
+    }
+    vals[p] = v;
+    idx[p] = i;
+  }
+}
+
+// y = linear k of x's rows (x [M, I] dense), then y += bias (broadcast over rows) if given:
+// `plugins.cpu_linear.int8_linear`, the bias added after the product.
+at::Tensor linear(const specpipe::Int8Linears& linears, int64_t k, const at::Tensor& x, const at::Tensor* bias) {
+  at::Tensor y = linears(k, x);
+  if (bias != nullptr) {
+    const int64_t O = y.size(1);
+    float* yp = y.data_ptr<float>();
+    const float* bp = bias->data_ptr<float>();
+    for (int64_t m = 0; m < y.size(0); ++m)
+      for (int64_t o = 0; o < O; ++o) yp[m * O + o] += bp[o];
+  }
+  return y;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> redrafter_beam_search(
@@ -42,56 +72,107 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> redrafter_beam_search(
                   static_cast<int64_t>(sum.size()) == n,
               "int8 linears rnn_w, rnn_u, proj, one per residual block, head (4 lists alike); a bias per residual block");
   for (int64_t i = 0; i < n; ++i) specpipe::check_int8_weight(weight[i], blocked[i], scale[i], sum[i]);
-  const specpipe::Int8Linears linear{weight, blocked, scale, sum};
+  const specpipe::Int8Linears linears{weight, blocked, scale, sum};
   const int64_t rnn_w = 0, rnn_u = 1, proj = 2, head = n - 1;
-  TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat, "h must be [B, D] float32");
-  TORCH_CHECK(bonus.dim() == 1 && bonus.size(0) == h.size(0), "bonus must be [B]");
-  TORCH_CHECK(width >= 1 && length >= 1 && k >= width, "need 1 <= width <= k and length >= 1");
-  const int64_t b = h.size(0), w = width;
-  const at::Tensor context = h.unsqueeze(1).expand({b, w, h.size(1)});  // [B, W, D]
-  at::Tensor state = at::zeros({b, w, h.size(1)}, h.options());
-  at::Tensor tokens = bonus.unsqueeze(1).expand({b, w});  // [B, W]
-  at::Tensor scores = at::full({b, w}, -std::numeric_limits<float>::infinity(), h.options());
-  scores.select(1, 0).fill_(0.0);  // only beam 0 is live before the first level
-  std::vector<at::Tensor> step_tokens, step_parents, step_lps;
+  TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(), "h must be a dense [B, D] float32");
+  TORCH_CHECK(bonus.dim() == 1 && bonus.size(0) == h.size(0) && bonus.scalar_type() == at::kLong, "bonus must be [B] int64");
+  TORCH_CHECK(embed.dim() == 2 && embed.scalar_type() == at::kFloat && embed.is_contiguous(),
+              "embed must be a dense [V, D] float32");
+  const int64_t b = h.size(0), w = width, rows = b * w, H = h.size(1), D = weight[rnn_u].size(0);
+  const int64_t V = weight[head].size(0), E = weight[proj].size(0);
+  TORCH_CHECK(width >= 1 && length >= 1 && k >= width && k <= V, "need 1 <= width <= k <= V and length >= 1");
+  TORCH_CHECK(embed.size(1) == D && weight[rnn_w].size(1) == D && weight[proj].size(1) == H + D,
+              "embedding [V, D], rnn_w [D, D], proj [E, H + D]");
+  for (const at::Tensor& bias : {rnn_b, proj_b})
+    TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.is_contiguous(), "biases must be dense float32");
+  TORCH_CHECK(rnn_b.numel() == D && proj_b.numel() == E, "rnn_u's bias [D], proj's bias [E]");
+  for (const at::Tensor& bias : res_b)
+    TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == E, "residual biases [E]");
+
+  const at::TensorOptions f32 = h.options();
+  at::Tensor state = at::zeros({rows, D}, f32), pre = at::empty({rows, D}, f32), next = at::empty({rows, D}, f32);
+  at::Tensor emb = at::empty({rows, D}, f32), joined = at::empty({rows, H + D}, f32);
+  at::Tensor top = at::empty({rows, k}, f32);
+  std::vector<int64_t> index(rows * k), tokens(rows), step_tokens(length * rows), step_parents(length * rows);
+  std::vector<float> scores(rows, -std::numeric_limits<float>::infinity()), step_lps(length * rows);
+  std::vector<float> cand(w * k), best(w);
+  std::vector<int64_t> flat(w);
+  const int64_t* bonus_p = bonus.data_ptr<int64_t>();
+  const float* h_p = h.data_ptr<float>();
+  const float* embed_p = embed.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    tokens[r] = bonus_p[r / w];
+    TORCH_CHECK(tokens[r] >= 0 && tokens[r] < embed.size(0), "bonus token ", tokens[r], " is out of the vocabulary");
+    if (r % w == 0) scores[r] = 0.0f;  // only beam 0 is live before the first level
+    std::memcpy(joined.data_ptr<float>() + r * (H + D), h_p + (r / w) * H, H * sizeof(float));  // the [h; s] rows' h
+  }
   for (int64_t t = 0; t < length; ++t) {
-    const at::Tensor e = at::embedding(embed, tokens);
-    state = at::silu(int8_linear(linear, rnn_w, e, c10::nullopt) + int8_linear(linear, rnn_u, state, rnn_b));
-    at::Tensor z = int8_linear(linear, proj, at::cat({context, state}, -1), proj_b);
+    float* e_p = emb.data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(e_p + r * D, embed_p + tokens[r] * D, D * sizeof(float));
+    const at::Tensor a = linear(linears, rnn_w, emb, nullptr), u = linear(linears, rnn_u, state, &rnn_b);
+    const float *a_p = a.data_ptr<float>(), *u_p = u.data_ptr<float>();
+    float* pre_p = pre.data_ptr<float>();
+    for (int64_t i = 0; i < rows * D; ++i) pre_p[i] = a_p[i] + u_p[i];  // W E(x) + (U s + b_U)
+    at::silu_out(state, pre);
+    float* j_p = joined.data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(j_p + r * (H + D) + H, state.data_ptr<float>() + r * D, D * sizeof(float));
+    at::Tensor z = linear(linears, proj, joined, &proj_b);
     for (int64_t i = 0; i < nres; ++i) {
-      z = z + at::silu(int8_linear(linear, 3 + i, z, res_b[i]));
+      at::Tensor g = linear(linears, 3 + i, z, &res_b[i]);
+      at::silu_(g);
+      float* z_p = z.data_ptr<float>();
+      const float* g_p = g.data_ptr<float>();
+      for (int64_t j = 0; j < rows * E; ++j) z_p[j] = z_p[j] + g_p[j];
     }
-    auto [top, index] = at::topk(int8_linear(linear, head, z, c10::nullopt), k, -1);  // [B, W, K]
+    const at::Tensor logits = linears(head, z);  // [rows, V]
+    for (int64_t r = 0; r < rows; ++r)
+      top_k(logits.data_ptr<float>() + r * V, V, k, top.data_ptr<float>() + r * k, index.data() + r * k);
+    const at::Tensor lp = at::log_softmax(top, -1);  // [rows, K] the warped log-probs of the support
+    const float* lp_p = lp.data_ptr<float>();
+    int64_t* kept_t = step_tokens.data() + t * rows;
+    float* kept_lp = step_lps.data() + t * rows;
+    int64_t* parents = step_parents.data() + t * rows;
     if (w == 1) {  // the best extension of the one beam is its support's top token
-      const at::Tensor lp = at::log_softmax(top, -1).select(-1, 0);  // [B, 1]
-      scores = scores + lp;
-      tokens = index.select(-1, 0);
-      step_tokens.push_back(tokens);
-      step_lps.push_back(lp);
+      for (int64_t r = 0; r < rows; ++r) {
+        scores[r] = scores[r] + lp_p[r * k];
+        tokens[r] = kept_t[r] = index[r * k];
+        kept_lp[r] = lp_p[r * k];
+        parents[r] = 0;
+      }
       continue;
     }
-    const at::Tensor lp = at::log_softmax(top, -1);
-    const at::Tensor cand = (scores.unsqueeze(-1) + lp).reshape({b, w * k});
-    auto [best, flat] = at::topk(cand, w, -1);  // [B, W], best first
-    scores = best;
-    const at::Tensor parent = at::floor_divide(flat, k);
-    tokens = at::gather(index.reshape({b, w * k}), 1, flat);
-    step_lps.push_back(at::gather(lp.reshape({b, w * k}), 1, flat));
-    state = at::gather(state, 1, parent.unsqueeze(-1).expand_as(state));
-    step_tokens.push_back(tokens);
-    step_parents.push_back(parent);
+    const float* s_p = state.data_ptr<float>();
+    float* n_p = next.data_ptr<float>();
+    for (int64_t i = 0; i < b; ++i) {  // the best W of request i's W x K extensions
+      for (int64_t j = 0; j < w; ++j)
+        for (int64_t c = 0; c < k; ++c) cand[j * k + c] = scores[i * w + j] + lp_p[(i * w + j) * k + c];
+      top_k(cand.data(), w * k, w, best.data(), flat.data());
+      for (int64_t j = 0; j < w; ++j) {
+        const int64_t r = i * w + j, from = i * w + flat[j] / k;
+        scores[r] = best[j];
+        tokens[r] = kept_t[r] = index[from * k + flat[j] % k];
+        kept_lp[r] = lp_p[from * k + flat[j] % k];
+        parents[r] = flat[j] / k;
+        std::memcpy(n_p + r * D, s_p + from * D, D * sizeof(float));  // it inherits its parent's state
+      }
+    }
+    std::swap(state, next);
   }
-  if (w == 1) {
-    return {at::stack(step_tokens, -1), at::stack(step_lps, -1), scores};
+  at::Tensor drafted = at::empty({b, w, length}, bonus.options()), kept = at::empty({b, w, length}, f32);
+  at::Tensor final_scores = at::empty({b, w}, f32);
+  int64_t* d_p = drafted.data_ptr<int64_t>();
+  float* k_p = kept.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {  // backwards from each final beam through its ancestors
+    final_scores.data_ptr<float>()[r] = scores[r];
+    int64_t beam = r % w;
+    for (int64_t t = length - 1; t >= 0; --t) {
+      const int64_t at = (r / w) * w + beam;
+      d_p[r * length + t] = step_tokens[t * rows + at];
+      k_p[r * length + t] = step_lps[t * rows + at];
+      beam = step_parents[t * rows + at];
+    }
   }
-  at::Tensor ancestor = at::arange(w, bonus.options()).expand({b, w});  // into step t's kept beams
-  std::vector<at::Tensor> drafted(length), kept(length);
-  for (int64_t t = length - 1; t >= 0; --t) {
-    drafted[t] = at::gather(step_tokens[t], 1, ancestor);
-    kept[t] = at::gather(step_lps[t], 1, ancestor);
-    ancestor = at::gather(step_parents[t], 1, ancestor);
-  }
-  return {at::stack(drafted, -1), at::stack(kept, -1), scores};
+  return {drafted, kept, final_scores};
 }
 
 }  // namespace

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from runtime.cuda_graphs import CapturedCalls
-from runtime.proposers.redrafter import ReDrafterParams, ReDrafterProposer, draft_trees
+from runtime.proposers.redrafter import ReDrafterParams, ReDrafterProposer, draft_trees, search_trees
 from tests.device import ON_CPU
 from tests.runtime.test_beam_search import inputs, setup
 from tests.runtime.test_tree_ladder import _within
@@ -56,6 +56,23 @@ def test_every_chain_is_the_longest_chain_cut_at_its_node_budgets() -> None:
             assert got.node_budget == list(range(1, depth + 2))
     old = [[1] + [1 + length] * (len(full.tokens) - 1) for full in whole]
     assert all(_within(full, wrong, 3)[0] != full.tokens[:3] for full, wrong in zip(whole, old, strict=True))
+
+
+@torch.no_grad()
+def test_one_beam_trees_are_the_packed_searches_trees() -> None:
+    """One beam's trees are built from the beams alone (`chains`, the CPU's path): node
+    for node (tokens, parents, depths, budgets, mask) the trees `search_trees` packs."""
+    drafter, embed = setup(vocab=40)
+    h, _ = inputs(len(ROOTS), ROOTS)
+    for length in (1, 4):
+        fields, masks = search_trees(drafter, embed, h, torch.tensor(ROOTS), 1, length)
+        tokens, parents, depths, budgets, counts = fields.tolist()
+        for b, tree in enumerate(draft_trees(drafter, embed, h, ROOTS, 1, length, False)):
+            n = counts[b][0]
+            assert n == length + 1 and tree.mask is not None and torch.equal(tree.mask, masks[b, :n, :n])
+            assert (tree.tokens, tree.parents, tree.depths, tree.node_budget) == (
+                tokens[b][:n], parents[b][:n], depths[b][:n], budgets[b][:n],
+            )  # fmt: skip
 
 
 @torch.no_grad()
