@@ -67,6 +67,10 @@ def _fake(tokens: Tensor, positions: Tensor, slots: Tensor, *rest: Any) -> Tenso
     return embed.new_empty((logits_indices.shape[0], embed.shape[0]))
 
 
+def _fake_chain(tokens: Tensor, starts: Tensor, slots: list[Tensor], levels: list[int], *rest: Any) -> Tensor:
+    return tokens.new_empty((tokens.shape[0], max(levels, default=0)))
+
+
 def _fake_target(tokens: Tensor, positions: Tensor, slots: Tensor, *rest: Any) -> tuple[Tensor, Tensor]:
     logits_indices, embed = rest[5], rest[6]
     hidden = embed.new_empty((tokens.shape[0], embed.shape[1]))
@@ -224,6 +228,25 @@ class Int8DraftLM(_Op[Tensor]):
 
     def products(self) -> list[Any]:
         return [list(column) for column in zip(*self.linears, strict=True)]
+
+    def chain(
+        self, tokens: list[int], starts: list[int], slots: list[Tensor], levels: list[int], cache: PagedKVCache
+    ) -> list[list[int]] | None:
+        """`specpipe_cpu::draft_lm_chain`: greedy chains, every level in one call. Request i's
+        `tokens[i]` is fed at position `starts[i]` (`slots[i]`: the slots of its positions),
+        then the argmax after each fed token, `levels[i]` tokens in all; returns those argmaxes
+        (`levels[i]` per request), or None where the op does not take the step (as `__call__`)."""
+        if self.llama.model.batch_invariant or torch.is_grad_enabled():
+            return None
+        if not cpu_kernels.load_with_fake("draft_lm_chain", _fake_chain):
+            return None
+        llama, cfg, model = self.llama, self.llama.model.config, self.llama.model.model
+        out = torch.ops.specpipe_cpu.draft_lm_chain(
+            torch.tensor(tokens), torch.tensor(starts), slots, levels, model.embed_tokens.weight, llama.inv_freq,
+            llama.rope_scale, llama.norms, *self.products(), cache.k, cache.v, model.norm.weight,
+            cfg.num_attention_heads, cfg.rms_norm_eps,
+        )  # fmt: skip
+        return [row[:n] for row, n in zip(out.tolist(), levels, strict=True)]
 
 
 def _columns(groups: list[AttentionGroup]) -> tuple[list[Tensor], ...]:

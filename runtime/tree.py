@@ -50,6 +50,15 @@ class DraftTree:
     def root(cls, token: int) -> DraftTree:
         return cls([token], [-1], depths=[0], mask=torch.ones(1, 1, dtype=torch.bool))
 
+    @classmethod
+    def chain(cls, tokens: list[int], budgets: bool = False) -> DraftTree:
+        """The deterministic tree of one child per level: node j is `tokens[j]`, child of
+        node j - 1; `budgets`: each node labelled with the chain cut at its depth (j + 1 nodes)."""
+        n = len(tokens)
+        depths = list(range(n))
+        mask = torch.ones(n, n, dtype=torch.bool).tril_()
+        return cls(tokens, list(range(-1, n - 1)), None, depths, mask, [d + 1 for d in depths] if budgets else [])
+
 
 def ancestor_mask(parents: list[int]) -> torch.Tensor:
     """[N, N] bool ancestor-or-self mask of a packed tree (parents before their children),

@@ -23,6 +23,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <tuple>
@@ -141,6 +142,83 @@ at::Tensor draft_lm_forward(const at::Tensor& tokens, const at::Tensor& position
   return linear(head, rms_norm(at::index_select(x, 0, logits_indices), final_norm, eps));
 }
 
+// A draft LM's greedy chains (SD at temperature 0), every level in one call: request b's
+// token tokens[b] is fed at position starts[b] (its K/V to slots[b][starts[b]]), seeing its
+// whole cache up to there (a chain node's ancestors are every node before it), and its
+// argmax (the first index of the row's largest logit) is fed next, one position on:
+// levels[b] tokens fed in all. Returns [B, max(levels)]: the argmax after each fed token,
+// -1 past a request's levels. A level is `draft_lm_forward`'s step of one token per
+// request still drafting, with the one attention group `runtime.attention_batch.group`
+// builds for those segments; what it saves is the Python between levels (the metadata,
+// the argmax, the level's tree bookkeeping: ~0.4-0.5 ms a level at batch 1).
+at::Tensor draft_lm_chain(const at::Tensor& tokens, const at::Tensor& starts, at::TensorList slots,
+                          at::IntArrayRef levels, const at::Tensor& embed, const at::Tensor& inv_freq,
+                          double rope_scale, at::TensorList norms, at::TensorList weights, at::TensorList blocked,
+                          at::TensorList scales, at::TensorList sums, at::TensorList k_cache, at::TensorList v_cache,
+                          const at::Tensor& final_norm, int64_t num_heads, double eps) {
+  const specpipe::Int8Linears linear{weights, blocked, scales, sums};
+  TORCH_CHECK(weights.size() == 4 * k_cache.size() + 1 && scales.size() == weights.size() &&
+                  blocked.size() == weights.size() && sums.size() == weights.size(),
+              "per layer four int8 linears (qkv, o, gate_up, down); then the head");
+  for (size_t k = 0; k < weights.size(); ++k) specpipe::check_int8_weight(weights[k], blocked[k], scales[k], sums[k]);
+  const int64_t B = tokens.size(0);
+  TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong && tokens.is_contiguous() &&
+                  starts.sizes() == tokens.sizes() && starts.scalar_type() == at::kLong && starts.is_contiguous() &&
+                  static_cast<int64_t>(slots.size()) == B && static_cast<int64_t>(levels.size()) == B,
+              "tokens and starts dense [B] int64, one slots tensor and one level count per request");
+  const int64_t* start = starts.data_ptr<int64_t>();
+  int64_t most = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(slots[b].dim() == 1 && slots[b].scalar_type() == at::kLong && slots[b].is_contiguous(),
+                "slots must be dense [positions] int64 tensors");
+    TORCH_CHECK(levels[b] >= 0 && start[b] >= 0 && start[b] + levels[b] <= slots[b].size(0),
+                "request ", b, " feeds positions past the slots its blocks cover");
+    most = std::max(most, levels[b]);
+  }
+  const int64_t head = static_cast<int64_t>(weights.size()) - 1, V = weights[head].size(0);
+  const at::TensorOptions i64 = tokens.options();
+  at::Tensor out = at::full({B, most}, -1, i64);
+  std::vector<int64_t> current(tokens.data_ptr<int64_t>(), tokens.data_ptr<int64_t>() + B);
+  for (int64_t j = 0; j < most; ++j) {
+    std::vector<int64_t> active;
+    int64_t width = 0;
+    for (int64_t b = 0; b < B; ++b)
+      if (levels[b] > j) {
+        active.push_back(b);
+        width = std::max(width, start[b] + j + 1);
+      }
+    const int64_t n = static_cast<int64_t>(active.size());
+    at::Tensor fed = at::empty({n}, i64), positions = at::empty({n}, i64), written = at::empty({n}, i64);
+    at::Tensor query_index = at::arange(n, i64).reshape({n, 1}), key_slots = at::zeros({n, width}, i64);
+    at::Tensor mask = at::zeros({n, 1, width}, i64.dtype(at::kBool)), valid = at::ones({n, 1}, i64.dtype(at::kBool));
+    int64_t* keys = key_slots.data_ptr<int64_t>();
+    bool* seen = mask.data_ptr<bool>();
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t b = active[i], p = start[b] + j;
+      const int64_t* table = slots[b].data_ptr<int64_t>();
+      fed.data_ptr<int64_t>()[i] = current[b];
+      positions.data_ptr<int64_t>()[i] = p;
+      written.data_ptr<int64_t>()[i] = table[p];
+      std::copy(table, table + p + 1, keys + i * width);
+      std::fill(seen + i * width, seen + i * width + p + 1, true);
+    }
+    const at::Tensor rows = query_index.reshape({n});
+    const at::Tensor x = layers(linear, fed, positions, written, {query_index}, {key_slots}, {mask}, {valid}, {rows},
+                                embed, inv_freq, rope_scale, norms, k_cache, v_cache, num_heads, eps);
+    const at::Tensor logits = linear(head, rms_norm(x, final_norm, eps));  // [n, V]
+    const float* lp = logits.data_ptr<float>();
+    for (int64_t i = 0; i < n; ++i) {
+      const float* row = lp + i * V;
+      int64_t best = 0;
+      for (int64_t v = 1; v < V; ++v)
+        if (row[v] > row[best]) best = v;
+      current[active[i]] = best;
+      out.data_ptr<int64_t>()[active[i] * most + j] = best;
+    }
+  }
+  return out;
+}
+
 // The products of an fp32 target: `fp32_linear.h`'s kernel on the `block16` copies up to
 // `small_m` rows, oneDNN's blocked copies (`mkldnn::_linear_pointwise`) above, as
 // `model_defs.llama.Linear` chooses.
@@ -186,6 +264,10 @@ TORCH_LIBRARY_FRAGMENT(specpipe_cpu, m) {
       "Tensor(a!)[] k_cache, "
       "Tensor(b!)[] v_cache, Tensor final_norm, int num_heads, float eps) -> Tensor");
   m.def(
+      "draft_lm_chain(Tensor tokens, Tensor starts, Tensor[] slots, int[] levels, Tensor embed, Tensor inv_freq, "
+      "float rope_scale, Tensor[] norms, Tensor[] weights, Tensor[] blocked, Tensor[] scales, Tensor[] sums, "
+      "Tensor(a!)[] k_cache, Tensor(b!)[] v_cache, Tensor final_norm, int num_heads, float eps) -> Tensor");
+  m.def(
       "target_forward(Tensor tokens, Tensor positions, Tensor slots, Tensor[] query_index, Tensor[] key_slots, "
       "Tensor[] mask, Tensor[] valid, Tensor[] rows, Tensor logits_indices, Tensor embed, Tensor inv_freq, "
       "float rope_scale, Tensor[] norms, Tensor[] packed, Tensor[] small, int[] out_features, int small_m, "
@@ -194,6 +276,7 @@ TORCH_LIBRARY_FRAGMENT(specpipe_cpu, m) {
 
 TORCH_LIBRARY_IMPL(specpipe_cpu, CPU, m) {
   m.impl("draft_lm_forward", &draft_lm_forward);
+  m.impl("draft_lm_chain", &draft_lm_chain);
   m.impl("target_forward", &target_forward);
 }
 

@@ -114,6 +114,18 @@ class DraftLMLevels:
             r.draft_state = context + 1
         return self._run(tokens, positions, segments, rows)
 
+    def chain(self, tokens: list[int], levels: list[int]) -> list[list[int]] | None:
+        """Greedy chains on from `tokens` (each request's first draft, node 1 of its tree,
+        after `first`): request i's node j is fed at position context + j, seeing its whole
+        cache up to there, for j = 1 .. `levels[i]`; returns the argmax after each (request
+        i's next `levels[i]` drafts). Every level in one C++ call (`Int8DraftLM.chain`); None
+        where that does not apply (the caller goes on level by level)."""
+        if self.fused is None:
+            return None
+        starts = [r.num_computed + 1 for r in self.requests]
+        with torch.inference_mode():
+            return self.fused.chain(tokens, starts, self.slots, levels, self.cache)
+
     def extend(self, rows: list[int], parents: list[int], nodes: list[int], tokens: list[int]) -> torch.Tensor:
         """One level per request, every request's in one forward: a request's nodes are
         consecutive in packed (breadth-first) order."""

@@ -123,11 +123,13 @@ def draft_trees(
     to its bucket (`runtime/cuda_graphs.py`), one per (bucket, width, length, packing): an
     eager search launches ~12 kernels a level from Python and cost ~2.4 ms of an H100
     host's ~5 ms ReDrafter step (W=4, L=5, batch 1). The padding rows' trees are dropped.
-    Without graphs, one beam's trees are chains, built from the beams alone (`chains`)."""
+    Without graphs, one beam's trees are chains, built from the beams alone (`DraftTree.chain`:
+    on the CPU the ~15 small ops of packing cost ~150-300 us of a ~1 ms search)."""
     rows = len(bonus)
     roots = torch.tensor(bonus, device=hidden.device)
     if graphs is None and width == 1 and not with_dists:
-        return chains(beam_search(drafter, embed, hidden, roots, 1, length, False).beams[:, 0].tolist())
+        beams = beam_search(drafter, embed, hidden, roots, 1, length, False).beams[:, 0].tolist()
+        return [DraftTree.chain(beam, budgets=True) for beam in beams]
     padded = None if graphs is None or with_dists else bucket_of(rows)
     if graphs is None or padded is None:
         found = search_trees(drafter, embed, hidden, roots, width, length, packing, with_dists)
@@ -152,19 +154,6 @@ def draft_trees(
             budgets[b][:num],
         )
         for b, num in enumerate(c[0] for c in counts)
-    ]
-
-
-def chains(beams: list[list[int]]) -> list[DraftTree]:
-    """The trees of one beam each (`[root, draft 1, ..., draft L]` per request): chains, whose
-    packing, parents, depths and node budgets (the chain cut at depth d has d + 1 nodes) are
-    known without `search_trees`' device tensors. What load-aware speculation drafts most at
-    batch 1; on the CPU those ~15 small ops cost ~150-300 us of a ~1 ms search."""
-    nodes = len(beams[0]) if beams else 0
-    parents, depths = list(range(-1, nodes - 1)), list(range(nodes))
-    return [
-        DraftTree(tokens, parents[:], None, depths[:], torch.ones(nodes, nodes, dtype=torch.bool).tril_(), depths[1:] + [nodes])
-        for tokens in beams
     ]
 
 

@@ -240,3 +240,48 @@ def test_a_linear_of_the_wrong_width_is_refused_not_read_past() -> None:
     cache = prefilled(model, [5])
     with pytest.raises(RuntimeError, match="takes 192 inputs, got 128"):
         run(replace(fused, linears=linears), step_for([5], [(1, None)]), cache)
+
+
+@torch.inference_mode()
+def chain_by_levels(
+    fused: Int8DraftLM, cache: PagedKVCache, firsts: list[int], starts: list[int], levels: list[int]
+) -> list[list[int]]:
+    """`Int8DraftLM.chain`'s reference: its levels one `draft_lm_forward` step at a time (each
+    request still drafting feeds one token at its next position, causal over its slots), the
+    next token each row's argmax."""
+    out: list[list[int]] = [[] for _ in firsts]
+    current = list(firsts)
+    for j in range(max(levels)):
+        active = [r for r, n in enumerate(levels) if n > j]
+        segments = [Segment(i, starts[r] + j, slots(r, starts[r] + j + 1)) for i, r in enumerate(active)]
+        step = step_input(
+            torch.tensor([current[r] for r in active]), torch.tensor([starts[r] + j for r in active]), segments,
+            torch.arange(len(active)), "cpu",
+        )  # fmt: skip
+        logits = fused(step.tokens, step.positions, step.slots, step.attention, step.logits_indices, cache)
+        assert logits is not None
+        for r, token in zip(active, logits.argmax(-1).tolist(), strict=True):
+            current[r] = token
+            out[r].append(token)
+    return out
+
+
+def test_the_draft_chain_is_its_levels_one_step_at_a_time() -> None:
+    """`specpipe_cpu::draft_lm_chain` (SD's greedy chains, every level in one call) drafts
+    the tokens and writes the K/V its levels do one `draft_lm_forward` step at a time, for
+    requests of different depths (one drafting nothing); chains fed one position late (RoPE
+    and the keys one slot off) draft other tokens."""
+    model = draft_lm()
+    fused = Int8DraftLM.of(model)
+    assert fused is not None
+    contexts, levels, firsts = [9, 30, 17], [4, 0, 6], [3, 7, 11]
+    cache = prefilled(model, contexts)
+    reference = copy_of(cache)
+    table = [slots(r, SPAN) for r in range(len(contexts))]
+    with torch.inference_mode():
+        got = fused.chain(firsts, contexts, table, levels, cache)
+        late = fused.chain(firsts, [c + 1 for c in contexts], table, levels, copy_of(cache))
+    want = chain_by_levels(fused, reference, firsts, contexts, levels)
+    assert got == want and [len(t) for t in got] == levels
+    assert late is not None and late != got
+    assert torch.equal(cache.kv, reference.kv)

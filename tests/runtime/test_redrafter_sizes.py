@@ -60,7 +60,7 @@ def test_every_chain_is_the_longest_chain_cut_at_its_node_budgets() -> None:
 
 @torch.no_grad()
 def test_one_beam_trees_are_the_packed_searches_trees() -> None:
-    """One beam's trees are built from the beams alone (`chains`, the CPU's path): node
+    """One beam's trees are built from the beams alone (`DraftTree.chain`, the CPU's path): node
     for node (tokens, parents, depths, budgets, mask) the trees `search_trees` packs."""
     drafter, embed = setup(vocab=40)
     h, _ = inputs(len(ROOTS), ROOTS)
