@@ -55,6 +55,9 @@ class RNNLevels:
         self.states[r, n] = s
         return self.drafter.logits(self.hidden[r], s)
 
+    def chain(self, tokens: list[int], levels: list[int]) -> list[list[int]] | None:
+        return None  # the RNN's levels are a few small products each: drafted level by level
+
 
 class DraftLMLevels:
     def __init__(

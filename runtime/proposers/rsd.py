@@ -225,6 +225,12 @@ class LevelDrafter(Protocol):
         every request, parents already fed; returns [M, V] draft logits for their children."""
         ...
 
+    def chain(self, tokens: list[int], levels: list[int]) -> list[list[int]] | None:
+        """Greedy chains on from `tokens` (each request's first draft, after `first`): request
+        i's next `levels[i]` drafts, each the argmax after the one before, in one call; None
+        where the drafter has no such call (the caller goes level by level)."""
+        ...
+
 
 @dataclass
 class _Growing:
@@ -355,11 +361,10 @@ def _greedy_chains(drafter: LevelDrafter, logits: torch.Tensor, lengths: list[in
     first its root's argmax (`logits`, `drafter.first()`'s), the rest the drafter's own
     chain on from it where it drafts one (`DraftLMLevels.chain`: every level in one C++
     call, ~0.4-0.5 ms of host work a level less at batch 1); None: draft level by level."""
-    chain = getattr(drafter, "chain", None)
-    if chain is None or not argmax_applies([logits]):
+    if not argmax_applies([logits]):
         return None
     firsts = greedy_tokens([logits])
-    rest = chain(firsts, [n - 1 for n in lengths])
+    rest = drafter.chain(firsts, [n - 1 for n in lengths])
     return None if rest is None else [[first, *more] for first, more in zip(firsts, rest, strict=True)]
 
 
