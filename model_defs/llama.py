@@ -269,8 +269,7 @@ class Linear(nn.Linear):
         if self.int8 is not None and takes_cpu_copy(x):
             return int8_linear(x, self.int8, bias)
         if self.small is not None and fp32_linear.takes(x):
-            y = fp32_linear.product(x, self.small, self.out_features)
-            return y if bias is None else y + bias
+            return fp32_linear.product(x, self.small, self.out_features, bias)
         if self.packed is not None and packed_pays(x) and not x.requires_grad:
             return cpu_packed_linear(x, self.packed, bias)
         return F.linear(x, self.weight, bias)
@@ -326,8 +325,7 @@ class LinearStack(NamedTuple):
         if self.int8:
             return int8_linear(x, self.packed, self.bias)
         if self.small is not None and fp32_linear.takes(x):
-            y = fp32_linear.product(x, self.small, sum(self.sizes))
-            return y if self.bias is None else y + self.bias
+            return fp32_linear.product(x, self.small, sum(self.sizes), self.bias)
         return cpu_packed_linear(x, self.packed, self.bias)
 
 

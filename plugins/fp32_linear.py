@@ -71,12 +71,13 @@ def takes(x: Tensor) -> bool:
     )
 
 
-def product(x: Tensor, blocked: Tensor, out_features: int) -> Tensor:
-    """`fp32_linear` of rows `x` `[..., I]` by the shortest route: the C++ op itself, as
-    `plugins.tree_attention.attend` calls its kernel (there the custom op's Python measured
-    ~15-25 us a call; a forward makes 25 products)."""
+def product(x: Tensor, blocked: Tensor, out_features: int, bias: Tensor | None = None) -> Tensor:
+    """`fp32_linear` of rows `x` `[..., I]` (plus `bias`, added after) by the shortest route:
+    the C++ op itself, as `plugins.tree_attention.attend` calls its kernel (there the custom
+    op's Python measured ~15-25 us a call; a forward makes 25 products)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
-    return torch.ops.specpipe_cpu.fp32_linear(rows, blocked, out_features).view(*x.shape[:-1], out_features)
+    y = torch.ops.specpipe_cpu.fp32_linear(rows, blocked, out_features).view(*x.shape[:-1], out_features)
+    return y if bias is None else y + bias
 
 
 @torch.library.custom_op("specpipe::fp32_linear", mutates_args=())

@@ -151,17 +151,27 @@ class _Op(Generic[Out]):
         logits_indices: Tensor,  # [K] int64
         cache: PagedKVCache,
     ) -> Out | None:
-        if not isinstance(attention, list) or self.llama.model.batch_invariant or torch.is_grad_enabled():
+        if not isinstance(attention, list) or self.stands_aside():
             return None
         if any(g.query_index.shape[1] > MAX_T for g in attention):
             return None
-        llama, cfg, model = self.llama, self.llama.model.config, self.llama.model.model
         out = getattr(torch.ops.specpipe_cpu, self.op)(
-            tokens, positions, slots, *_columns(attention), logits_indices, model.embed_tokens.weight,
-            llama.inv_freq, llama.rope_scale, llama.norms, *self.products(), cache.k, cache.v, model.norm.weight,
-            cfg.num_attention_heads, cfg.rms_norm_eps,
-        )  # fmt: skip
+            tokens, positions, slots, *_columns(attention), logits_indices, *self.model_arguments(cache)
+        )
         return None if out is None else self.finish(out)
+
+    def stands_aside(self) -> bool:
+        """Whether the ops leave every step to the model's forward: batch-invariant mode, autograd."""
+        return self.llama.model.batch_invariant or torch.is_grad_enabled()
+
+    def model_arguments(self, cache: PagedKVCache) -> list[Any]:
+        """The ops' arguments after the step's own: the model's weights, `cache`'s K/V and
+        the settings, in the schemas' order."""
+        llama, cfg, model = self.llama, self.llama.model.config, self.llama.model.model
+        return [
+            model.embed_tokens.weight, llama.inv_freq, llama.rope_scale, llama.norms, *self.products(),
+            cache.k, cache.v, model.norm.weight, cfg.num_attention_heads, cfg.rms_norm_eps,
+        ]  # fmt: skip
 
 
 def _view(
@@ -236,16 +246,11 @@ class Int8DraftLM(_Op[Tensor]):
         `tokens[i]` is fed at position `starts[i]` (`slots[i]`: the slots of its positions),
         then the argmax after each fed token, `levels[i]` tokens in all; returns those argmaxes
         (`levels[i]` per request), or None where the op does not take the step (as `__call__`)."""
-        if self.llama.model.batch_invariant or torch.is_grad_enabled():
+        if self.stands_aside() or not cpu_kernels.load_with_fake("draft_lm_chain", _fake_chain):
             return None
-        if not cpu_kernels.load_with_fake("draft_lm_chain", _fake_chain):
-            return None
-        llama, cfg, model = self.llama, self.llama.model.config, self.llama.model.model
         out = torch.ops.specpipe_cpu.draft_lm_chain(
-            torch.tensor(tokens), torch.tensor(starts), slots, levels, model.embed_tokens.weight, llama.inv_freq,
-            llama.rope_scale, llama.norms, *self.products(), cache.k, cache.v, model.norm.weight,
-            cfg.num_attention_heads, cfg.rms_norm_eps,
-        )  # fmt: skip
+            torch.tensor(tokens), torch.tensor(starts), slots, levels, *self.model_arguments(cache)
+        )
         return [row[:n] for row, n in zip(out.tolist(), levels, strict=True)]
 
 

@@ -123,6 +123,16 @@ at::Tensor layers(const Linear& linear, const at::Tensor& tokens, const at::Tens
   return x;
 }
 
+// A draft LM's int8 products, checked: per layer qkv, o, gate_up, down; then the head.
+specpipe::Int8Linears int8_linears(at::TensorList weights, at::TensorList blocked, at::TensorList scales,
+                                   at::TensorList sums, size_t num_layers) {
+  TORCH_CHECK(weights.size() == 4 * num_layers + 1 && scales.size() == weights.size() &&
+                  blocked.size() == weights.size() && sums.size() == weights.size(),
+              "per layer four int8 linears (qkv, o, gate_up, down); then the head");
+  for (size_t k = 0; k < weights.size(); ++k) specpipe::check_int8_weight(weights[k], blocked[k], scales[k], sums[k]);
+  return specpipe::Int8Linears{weights, blocked, scales, sums};
+}
+
 at::Tensor draft_lm_forward(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& slots,
                             at::TensorList query_index, at::TensorList key_slots,
                             at::TensorList mask, at::TensorList valid,
@@ -131,11 +141,7 @@ at::Tensor draft_lm_forward(const at::Tensor& tokens, const at::Tensor& position
                             at::TensorList norms, at::TensorList weights, at::TensorList blocked,
                             at::TensorList scales, at::TensorList sums, at::TensorList k_cache, at::TensorList v_cache,
                             const at::Tensor& final_norm, int64_t num_heads, double eps) {
-  const specpipe::Int8Linears linear{weights, blocked, scales, sums};  // per layer qkv, o, gate_up, down; then the head
-  TORCH_CHECK(weights.size() == 4 * k_cache.size() + 1 && scales.size() == weights.size() &&
-                  blocked.size() == weights.size() && sums.size() == weights.size(),
-              "per layer four int8 linears (qkv, o, gate_up, down); then the head");
-  for (size_t k = 0; k < weights.size(); ++k) specpipe::check_int8_weight(weights[k], blocked[k], scales[k], sums[k]);
+  const specpipe::Int8Linears linear = int8_linears(weights, blocked, scales, sums, k_cache.size());
   const at::Tensor x = layers(linear, tokens, positions, slots, query_index, key_slots, mask, valid, rows, embed,
                               inv_freq, rope_scale, norms, k_cache, v_cache, num_heads, eps);
   const int64_t head = static_cast<int64_t>(weights.size()) - 1;
@@ -156,11 +162,7 @@ at::Tensor draft_lm_chain(const at::Tensor& tokens, const at::Tensor& starts, at
                           double rope_scale, at::TensorList norms, at::TensorList weights, at::TensorList blocked,
                           at::TensorList scales, at::TensorList sums, at::TensorList k_cache, at::TensorList v_cache,
                           const at::Tensor& final_norm, int64_t num_heads, double eps) {
-  const specpipe::Int8Linears linear{weights, blocked, scales, sums};
-  TORCH_CHECK(weights.size() == 4 * k_cache.size() + 1 && scales.size() == weights.size() &&
-                  blocked.size() == weights.size() && sums.size() == weights.size(),
-              "per layer four int8 linears (qkv, o, gate_up, down); then the head");
-  for (size_t k = 0; k < weights.size(); ++k) specpipe::check_int8_weight(weights[k], blocked[k], scales[k], sums[k]);
+  const specpipe::Int8Linears linear = int8_linears(weights, blocked, scales, sums, k_cache.size());
   const int64_t B = tokens.size(0);
   TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong && tokens.is_contiguous() &&
                   starts.sizes() == tokens.sizes() && starts.scalar_type() == at::kLong && starts.is_contiguous() &&

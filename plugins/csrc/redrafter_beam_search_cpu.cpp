@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "int8_linear.h"
+#include "llama_loops.h"
 
 namespace {
 
@@ -90,7 +91,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> redrafter_beam_search(
     TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == E, "residual biases [E]");
 
   const at::TensorOptions f32 = h.options();
-  at::Tensor state = at::zeros({rows, D}, f32), pre = at::empty({rows, D}, f32), next = at::empty({rows, D}, f32);
+  at::Tensor state = at::zeros({rows, D}, f32), next = at::empty({rows, D}, f32);
   at::Tensor emb = at::empty({rows, D}, f32), joined = at::empty({rows, H + D}, f32);
   at::Tensor top = at::empty({rows, k}, f32);
   std::vector<int64_t> index(rows * k), tokens(rows), step_tokens(length * rows), step_parents(length * rows);
@@ -109,20 +110,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> redrafter_beam_search(
   for (int64_t t = 0; t < length; ++t) {
     float* e_p = emb.data_ptr<float>();
     for (int64_t r = 0; r < rows; ++r) std::memcpy(e_p + r * D, embed_p + tokens[r] * D, D * sizeof(float));
-    const at::Tensor a = linear(linears, rnn_w, emb, nullptr), u = linear(linears, rnn_u, state, &rnn_b);
-    const float *a_p = a.data_ptr<float>(), *u_p = u.data_ptr<float>();
-    float* pre_p = pre.data_ptr<float>();
-    for (int64_t i = 0; i < rows * D; ++i) pre_p[i] = a_p[i] + u_p[i];  // W E(x) + (U s + b_U)
+    at::Tensor pre = linear(linears, rnn_u, state, &rnn_b);
+    specpipe::add_into(pre, linear(linears, rnn_w, emb, nullptr));  // (U s + b_U) + W E(x)
     at::silu_out(state, pre);
     float* j_p = joined.data_ptr<float>();
     for (int64_t r = 0; r < rows; ++r) std::memcpy(j_p + r * (H + D) + H, state.data_ptr<float>() + r * D, D * sizeof(float));
     at::Tensor z = linear(linears, proj, joined, &proj_b);
     for (int64_t i = 0; i < nres; ++i) {
       at::Tensor g = linear(linears, 3 + i, z, &res_b[i]);
-      at::silu_(g);
-      float* z_p = z.data_ptr<float>();
-      const float* g_p = g.data_ptr<float>();
-      for (int64_t j = 0; j < rows * E; ++j) z_p[j] = z_p[j] + g_p[j];
+      specpipe::add_into(z, at::silu_(g));
     }
     const at::Tensor logits = linears(head, z);  // [rows, V]
     for (int64_t r = 0; r < rows; ++r)

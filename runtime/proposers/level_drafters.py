@@ -117,6 +117,7 @@ class DraftLMLevels:
             r.draft_state = context + 1
         return self._run(tokens, positions, segments, rows)
 
+    @torch.inference_mode()
     def chain(self, tokens: list[int], levels: list[int]) -> list[list[int]] | None:
         """Greedy chains on from `tokens` (each request's first draft, node 1 of its tree,
         after `first`): request i's node j is fed at position context + j, seeing its whole
@@ -126,8 +127,7 @@ class DraftLMLevels:
         if self.fused is None:
             return None
         starts = [r.num_computed + 1 for r in self.requests]
-        with torch.inference_mode():
-            return self.fused.chain(tokens, starts, self.slots, levels, self.cache)
+        return self.fused.chain(tokens, starts, self.slots, levels, self.cache)
 
     def extend(self, rows: list[int], parents: list[int], nodes: list[int], tokens: list[int]) -> torch.Tensor:
         """One level per request, every request's in one forward: a request's nodes are
