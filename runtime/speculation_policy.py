@@ -137,6 +137,9 @@ batch drafted a step or two, paid its prompts' catch-up (~4% of a 64-token round
 back to auto-regression; runs that short make the next catch-up dear enough to stay."""
 HORIZON_EMA = 0.2
 """Weight of a finished run of drafting in its method's mean run length."""
+PLAIN_SAMPLES = 3
+"""Timings of a request count's auto-regressive step (forward residual and host overhead)
+below which a batch that drafts spends its exploration credit on plain steps (`_plain_probe`)."""
 DINKELBACH_ROUNDS = 3
 RECHOOSE_EVERY = 16
 """Steps a settled all-auto-regressive decision stands while nothing is drafted (at 8, its
@@ -284,8 +287,8 @@ class ForwardCost:
 
     def __init__(self) -> None:
         self.tokens = TokenCost()
-        self.extra: dict[int, float] = {}
-        self.extra_trees: dict[int, float] = {}
+        self.extra = Timings()
+        self.extra_trees = Timings()
 
     def __call__(self, n: float, requests: int = 1) -> float:
         return self.tokens(n) + self.residual(requests, n > requests)
@@ -327,15 +330,27 @@ class ForwardCost:
         if not self.tokens.points:  # never calibrated (a cost fit learning from live steps only)
             self.tokens.add(n, seconds)
             return first
-        decay_into(table, requests, seconds - self.tokens(n))
+        table.add(requests, seconds - self.tokens(n))
         return first
 
 
-def decay_into(table: dict[int, float], requests: int, seconds: float) -> None:
-    """A new timing for `requests` into `table` (read by `by_requests`): the first as it
-    is, later ones with weight `FORWARD_EMA`."""
-    old = table.get(requests)
-    table[requests] = seconds if old is None else old + FORWARD_EMA * (seconds - old)
+class Timings(dict[int, float]):
+    """Seconds learned per request count (read by `by_requests`), with how many timings
+    each count rests on (`seen`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: Counter[int] = Counter()
+
+    def add(self, requests: int, seconds: float) -> None:
+        """A new timing for `requests`: the mean of its timings so far, then a decayed mean
+        (weight `FORWARD_EMA`). Taken with that weight from the second timing on, a count's
+        first timing weighed ~80% for several more: the first steps after a batch's prefill
+        run slow (a 2-core Sapphire Rapids: 8 one-token requests 3.0, 2.9, 2.5, 2.2 ms, then
+        ~1.9), so the first auto-regressive timing of 8 requests stood ~50% high."""
+        self.seen[requests] += 1
+        old = self.get(requests, 0.0)
+        self[requests] = old + max(FORWARD_EMA, 1.0 / self.seen[requests]) * (seconds - old)
 
 
 def by_requests(table: dict[int, float], requests: int, per_request: bool = True) -> float:
@@ -560,6 +575,8 @@ class SpeculationPolicy:
     """(method, size) -> request-steps drafted at that size (for reports and metrics)."""
     probes: int = 0
     """Request-steps drafted larger than chosen, to explore."""
+    plain_probes: int = 0
+    """Steps kept auto-regressive to time a request count's plain step (`_plain_probe`)."""
     credit: float = 0.0
     """Seconds of exploration earned and not spent."""
     steps: int = 0
@@ -577,7 +594,7 @@ class SpeculationPolicy:
     """Whether the last full solve chose to draft (`_settle`)."""
     reused: int = 0
     """Steps that reused a settled decision instead of solving again (for tests and reports)."""
-    overhead: dict[int, float] = field(default_factory=dict)
+    overhead: Timings = field(default_factory=Timings)
     """requests -> decayed mean of a decoding step's host seconds outside the forward and
     drafting (`StepStats.overhead_seconds`; `by_requests` between counts, and beyond them
     along the line through the nearest two). Every choice pays it once a step, so it is
@@ -588,7 +605,7 @@ class SpeculationPolicy:
     auto-regressive steps of 32 ReDrafter requests at 33 ms where they took ~13, and the
     batch drafted 11-node trees: 86 tokens in ~84 ms, where auto-regression makes 32 in ~15.
     Steps without drafting only (`overhead_trees`: steps with trees)."""
-    overhead_trees: dict[int, float] = field(default_factory=dict)
+    overhead_trees: Timings = field(default_factory=Timings)
     """The same for steps with trees: packing tree masks, walking the trees, moving the
     accepted paths' KV cost more than a step of roots (Lyanna at batch 8: ~2.5 ms against
     ~0.8). One table for both charged a run of drafting steps' host work to the
@@ -689,8 +706,9 @@ class SpeculationPolicy:
         offers = [o for o in offers if len(o.sizes) > 1]
         if not offers:
             return fixed
+        prefilling = others
         others += len(fixed)  # their one token each is in the forward
-        probed = None
+        probed, plain = None, False
         if not self.adaptive:
             chosen = {o.key: o.sizes[-1] for o in offers}
         elif (standing := self._standing(offers, others)) is not None:
@@ -715,11 +733,15 @@ class SpeculationPolicy:
             if probe is not None:
                 offer, size = probe
                 chosen[offer.key], probed = size, offer.key
+            elif not prefilling and self._plain_probe(batch, others, best):
+                chosen, plain = dict.fromkeys(chosen, 1), True  # a probe too: no run ends, nothing settles
             self._settled = None
-            if probe is None:
+            if probe is None and not plain:
                 self._settle(list(groups.values()), batch, others, best, offers, chosen)
         for o in offers:
             self.chosen[(o.method, chosen[o.key])] += 1
+            if plain:
+                continue
             if chosen[o.key] == 1:
                 self._end_run(o.key)
             elif o.key != probed or o.key in self._runs:  # a probe alone is no run
@@ -774,6 +796,30 @@ class SpeculationPolicy:
         self.credit -= max(loss, 0.0)
         self.probes += 1
         return offer, size
+
+    def _plain_probe(self, batch: list[_Group], others: int, best: _Choice) -> bool:
+        """Whether this step goes auto-regressive instead of drafting `best`, to time the
+        plain step of this request count: while that price rests on fewer than
+        `PLAIN_SAMPLES` timings (`Timings.seen` of its forward residual; its host overhead
+        is timed in the same steps), paid from the exploration credit like any probe. Until then it is extrapolated
+        from other counts or from a batch's first, slow steps, and a price set too high is
+        never corrected by a choice that then never picks it: on a 2-core Sapphire Rapids
+        a batch of 8 sd requests at T=1, warmed up at batch 1, priced its auto-regressive
+        step at 4.4 ms (the overhead's line through 1 and 2 requests) where it took ~2.6,
+        drafted 3-node chains at 2.25 tokens/ms for the whole run where auto-regression
+        makes ~3, and ran 0.74x auto-regression. Steps that prefill are not timed
+        (`observe`), so the caller probes only without them. Never for one request: its
+        plain forward is the engine-start table's own (timed on one request)."""
+        requests = others + sum(g.count for g in batch)
+        if requests == 1 or max(best.sizes) == 1 or self.forward_cost.extra.seen[requests] >= PLAIN_SAMPLES:
+            return False
+        plain = self._evaluate(batch, [1] * len(batch), others)
+        loss = plain.seconds - plain.tokens / max(best.rate, 1e-12)
+        if loss > self.credit:
+            return False
+        self.credit -= max(loss, 0.0)
+        self.plain_probes += 1
+        return True
 
     def _probe(
         self, members: list[list[Offer]], batch: list[_Group], others: int, best: _Choice, stale_only: bool = True
@@ -988,7 +1034,7 @@ class SpeculationPolicy:
                 self._settled = None
             if stats.overhead_seconds is not None:
                 trees = stats.num_tokens > stats.num_requests
-                decay_into(self.overhead_trees if trees else self.overhead, stats.num_requests, stats.overhead_seconds)
+                (self.overhead_trees if trees else self.overhead).add(stats.num_requests, stats.overhead_seconds)
         for method, (levels, drafted, caught_up, request_levels, seconds) in stats.drafting.items():
             if drafted:
                 self._add_draft_sample(method, (levels, drafted, caught_up, request_levels), seconds)

@@ -923,8 +923,10 @@ def test_host_work_of_steps_with_trees_is_not_charged_to_auto_regression() -> No
     assert fixed(world, 8, 1, 300) == best
     rate, _ = run(calibrated(world), world, batch=8, steps=300)
     mixed = calibrated(world)
-    mixed.overhead_trees = mixed.overhead  # one table for both, as before
-    mixed_rate, _ = run(mixed, world, batch=8, steps=300)
+    mixed.overhead_trees = mixed.overhead  # one table for both, as before ...
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(speculation_policy, "PLAIN_SAMPLES", 0)  # ... and no plain probes (which would time the roots apart)
+        mixed_rate, _ = run(mixed, world, batch=8, steps=300)
     assert rate >= 0.97 * best and mixed_rate < 0.95 * best, (rate, mixed_rate, best)
     p = SpeculationPolicy()
     p.observe(StepStats(8, 0.005, num_requests=8, overhead_seconds=0.0008))
@@ -932,6 +934,43 @@ def test_host_work_of_steps_with_trees_is_not_charged_to_auto_regression() -> No
     p.observe(StepStats(40, 0.010, num_requests=8, overhead_seconds=0.0025))
     assert p.overhead_of(8, trees=True) == pytest.approx(0.0025)
     assert p.overhead_of(8, trees=False) == pytest.approx(0.0008)
+
+
+def test_a_plain_step_priced_by_extrapolation_is_timed_before_it_is_believed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`_plain_probe`: a batch of 8 whose auto-regressive step was never timed prices it by
+    extrapolation, here the host overhead's line through a warm-up's 1 and 2 requests
+    (0.5 and 1.5 ms: a slow second step), 7.5 ms of host work where it takes 0.8. Priced
+    that high, auto-regression is never chosen and never timed, and the batch drafts at a
+    loss for good; with plain probes it times the plain step (paid from the exploration
+    credit) and runs within 3% of auto-regression, the best fixed size."""
+    world = World(a=5.0, b=0.12, c=2.0, d=0.1, alpha=0.55, h=0.8, k=2.0)
+    best = max(fixed(world, 8, s, 300) for s in BEAMS)
+    assert fixed(world, 8, 1, 300) == best
+
+    def warmed_up() -> SpeculationPolicy:
+        p = calibrated(world)
+        for requests, host_ms in ((1, 0.5), (2, 1.5)):
+            p.observe(
+                StepStats(
+                    requests, world.forward(requests, requests), num_requests=requests, overhead_seconds=host_ms / 1000
+                )
+            )
+        return p
+
+    rate, _ = run(warmed_up(), world, batch=8, steps=300)
+    monkeypatch.setattr(speculation_policy, "PLAIN_SAMPLES", 0)
+    blind, _ = run(warmed_up(), world, batch=8, steps=300)
+    assert rate >= 0.97 * best and blind < 0.95 * best, (rate, blind, best)
+
+
+def test_timings_of_a_request_count_are_their_mean_until_the_decay_takes_over() -> None:
+    """`Timings.add`: a batch's first, slow steps must not outweigh the steps after them."""
+    t = speculation_policy.Timings()
+    for seconds in (0.004, 0.002, 0.002, 0.002):
+        t.add(8, seconds)
+    assert t[8] == pytest.approx(0.0025) and t.seen[8] == 4
+    t.add(8, 0.012)
+    assert t[8] == pytest.approx(0.0025 + speculation_policy.FORWARD_EMA * 0.0095)
 
 
 def test_no_tree_is_expected_to_yield_more_tokens_than_its_request_may_still_emit() -> None:
