@@ -64,6 +64,8 @@ class EngineStats:
     """kind of request (method/greedy) -> tree size -> tokens per step it expects (what it chooses by)."""
     probes: int = 0
     """Request-steps drafted larger than chosen, to re-measure acceptance."""
+    plain_probes: int = 0
+    """Steps kept auto-regressive where the batch would draft, to time its plain step."""
 
 
 class LLMEngine(EngineCore):
@@ -143,6 +145,7 @@ class LLMEngine(EngineCore):
             tree_sizes=dict(self.policy.chosen),
             estimated_tokens_per_step=self.policy.estimates(),
             probes=self.policy.probes,
+            plain_probes=self.policy.plain_probes,
         )
 
     def close(self) -> None:

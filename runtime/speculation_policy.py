@@ -595,8 +595,8 @@ class SpeculationPolicy:
     reused: int = 0
     """Steps that reused a settled decision instead of solving again (for tests and reports)."""
     overhead: Timings = field(default_factory=Timings)
-    """requests -> decayed mean of a decoding step's host seconds outside the forward and
-    drafting (`StepStats.overhead_seconds`; `by_requests` between counts, and beyond them
+    """requests -> mean, then decayed mean (`Timings`), of a decoding step's host seconds
+    outside the forward and drafting (`StepStats.overhead_seconds`; `by_requests` between counts, and beyond them
     along the line through the nearest two). Every choice pays it once a step, so it is
     part of each choice's time: left out, goodput compared forwards alone, and at batch 8
     (~1.1 ms of host work on a ~5 ms forward) drafting looked ~15% worse against
@@ -801,9 +801,10 @@ class SpeculationPolicy:
         """Whether this step goes auto-regressive instead of drafting `best`, to time the
         plain step of this request count: while that price rests on fewer than
         `PLAIN_SAMPLES` timings (`Timings.seen` of its forward residual; its host overhead
-        is timed in the same steps), paid from the exploration credit like any probe. Until then it is extrapolated
-        from other counts or from a batch's first, slow steps, and a price set too high is
-        never corrected by a choice that then never picks it: on a 2-core Sapphire Rapids
+        is timed in the same steps), paid from the exploration credit like any probe.
+        Until then it is extrapolated from other counts or from a batch's first, slow
+        steps, and a price set too high is never corrected by a choice that then never
+        picks it: on a 2-core Sapphire Rapids
         a batch of 8 sd requests at T=1, warmed up at batch 1, priced its auto-regressive
         step at 4.4 ms (the overhead's line through 1 and 2 requests) where it took ~2.6,
         drafted 3-node chains at 2.25 tokens/ms for the whole run where auto-regression
