@@ -71,6 +71,10 @@ def _fake_chain(tokens: Tensor, starts: Tensor, slots: list[Tensor], levels: lis
     return tokens.new_empty((tokens.shape[0], max(levels, default=0)))
 
 
+def _fake_chain_level(tokens: Tensor, positions: Tensor, slots: list[Tensor], embed: Tensor, *rest: Any) -> Tensor:
+    return embed.new_empty((tokens.shape[0], embed.shape[0]))
+
+
 def _fake_target(tokens: Tensor, positions: Tensor, slots: Tensor, *rest: Any) -> tuple[Tensor, Tensor]:
     logits_indices, embed = rest[5], rest[6]
     hidden = embed.new_empty((tokens.shape[0], embed.shape[1]))
@@ -252,6 +256,19 @@ class Int8DraftLM(_Op[Tensor]):
             torch.tensor(tokens), torch.tensor(starts), slots, levels, *self.model_arguments(cache)
         )
         return [row[:n] for row, n in zip(out.tolist(), levels, strict=True)]
+
+    def takes_chain_level(self) -> bool:
+        """Whether `chain_level` runs: the kernels built, the op not standing aside."""
+        return not self.stands_aside() and cpu_kernels.load_with_fake("draft_lm_chain_level", _fake_chain_level)
+
+    def chain_level(self, tokens: list[int], positions: list[int], slots: list[Tensor], cache: PagedKVCache) -> Tensor:
+        """`specpipe_cpu::draft_lm_chain_level`: one level of chains, request i's `tokens[i]`
+        fed at `positions[i]` seeing its cache up to there (`slots[i]`: the slots of its
+        positions); logits `[B, V]`, the caller drawing the next tokens (sampled chains).
+        Only where `takes_chain_level()`."""
+        return torch.ops.specpipe_cpu.draft_lm_chain_level(
+            torch.tensor(tokens), torch.tensor(positions), slots, *self.model_arguments(cache)
+        )
 
 
 def _columns(groups: list[AttentionGroup]) -> tuple[list[Tensor], ...]:

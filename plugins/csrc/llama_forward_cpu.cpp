@@ -148,15 +148,62 @@ at::Tensor draft_lm_forward(const at::Tensor& tokens, const at::Tensor& position
   return linear(head, rms_norm(at::index_select(x, 0, logits_indices), final_norm, eps));
 }
 
+// One level of a draft LM's chains: fed[i] is fed at position pos[i] of request active[i]
+// (its K/V to slots[b][pos]), seeing its whole cache up to there (a chain node's ancestors
+// are every node before it). `draft_lm_forward`'s step of one token per request, with the
+// one attention group `runtime.attention_batch.group` builds for those segments. Logits [n, V].
+struct ChainModel {
+  const specpipe::Int8Linears& linear;
+  const at::Tensor& embed;
+  const at::Tensor& inv_freq;
+  double rope_scale;
+  at::TensorList norms, k_cache, v_cache;
+  const at::Tensor& final_norm;
+  int64_t num_heads;
+  double eps;
+  int64_t head;
+
+  at::Tensor level(at::TensorList slots, const std::vector<int64_t>& active, const std::vector<int64_t>& fed,
+                   const std::vector<int64_t>& pos) const {
+    const int64_t n = static_cast<int64_t>(active.size());
+    int64_t width = 0;
+    for (int64_t i = 0; i < n; ++i) width = std::max(width, pos[i] + 1);
+    const at::TensorOptions i64 = embed.options().dtype(at::kLong);
+    at::Tensor tokens = at::empty({n}, i64), positions = at::empty({n}, i64), written = at::empty({n}, i64);
+    at::Tensor query_index = at::arange(n, i64).reshape({n, 1}), key_slots = at::zeros({n, width}, i64);
+    at::Tensor mask = at::zeros({n, 1, width}, i64.dtype(at::kBool)), valid = at::ones({n, 1}, i64.dtype(at::kBool));
+    int64_t* keys = key_slots.data_ptr<int64_t>();
+    bool* seen = mask.data_ptr<bool>();
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t p = pos[i];
+      const int64_t* table = slots[active[i]].data_ptr<int64_t>();
+      tokens.data_ptr<int64_t>()[i] = fed[i];
+      positions.data_ptr<int64_t>()[i] = p;
+      written.data_ptr<int64_t>()[i] = table[p];
+      std::copy(table, table + p + 1, keys + i * width);
+      std::fill(seen + i * width, seen + i * width + p + 1, true);
+    }
+    const at::Tensor rows = query_index.reshape({n});
+    const at::Tensor x = layers(linear, tokens, positions, written, {query_index}, {key_slots}, {mask}, {valid}, {rows},
+                                embed, inv_freq, rope_scale, norms, k_cache, v_cache, num_heads, eps);
+    return linear(head, rms_norm(x, final_norm, eps));  // [n, V]
+  }
+};
+
+// Checks the chain ops share: one slots tensor per request, covering the positions fed.
+void check_chain_slots(at::TensorList slots, int64_t B) {
+  TORCH_CHECK(static_cast<int64_t>(slots.size()) == B, "one slots tensor per request");
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(slots[b].dim() == 1 && slots[b].scalar_type() == at::kLong && slots[b].is_contiguous(),
+                "slots must be dense [positions] int64 tensors");
+}
+
 // A draft LM's greedy chains (SD at temperature 0), every level in one call: request b's
-// token tokens[b] is fed at position starts[b] (its K/V to slots[b][starts[b]]), seeing its
-// whole cache up to there (a chain node's ancestors are every node before it), and its
-// argmax (the first index of the row's largest logit) is fed next, one position on:
-// levels[b] tokens fed in all. Returns [B, max(levels)]: the argmax after each fed token,
-// -1 past a request's levels. A level is `draft_lm_forward`'s step of one token per
-// request still drafting, with the one attention group `runtime.attention_batch.group`
-// builds for those segments; what it saves is the Python between levels (the metadata,
-// the argmax, the level's tree bookkeeping: ~0.4-0.5 ms a level at batch 1).
+// token tokens[b] is fed at position starts[b], and its argmax (the first index of the
+// row's largest logit) is fed next, one position on: levels[b] tokens fed in all. Returns
+// [B, max(levels)]: the argmax after each fed token, -1 past a request's levels. A level is
+// `ChainModel::level`; what it saves is the Python between levels (the metadata, the
+// argmax, the level's tree bookkeeping: ~0.4-0.5 ms a level at batch 1).
 at::Tensor draft_lm_chain(const at::Tensor& tokens, const at::Tensor& starts, at::TensorList slots,
                           at::IntArrayRef levels, const at::Tensor& embed, const at::Tensor& inv_freq,
                           double rope_scale, at::TensorList norms, at::TensorList weights, at::TensorList blocked,
@@ -166,50 +213,31 @@ at::Tensor draft_lm_chain(const at::Tensor& tokens, const at::Tensor& starts, at
   const int64_t B = tokens.size(0);
   TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong && tokens.is_contiguous() &&
                   starts.sizes() == tokens.sizes() && starts.scalar_type() == at::kLong && starts.is_contiguous() &&
-                  static_cast<int64_t>(slots.size()) == B && static_cast<int64_t>(levels.size()) == B,
-              "tokens and starts dense [B] int64, one slots tensor and one level count per request");
+                  static_cast<int64_t>(levels.size()) == B,
+              "tokens and starts dense [B] int64, one level count per request");
+  check_chain_slots(slots, B);
   const int64_t* start = starts.data_ptr<int64_t>();
   int64_t most = 0;
   for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(slots[b].dim() == 1 && slots[b].scalar_type() == at::kLong && slots[b].is_contiguous(),
-                "slots must be dense [positions] int64 tensors");
     TORCH_CHECK(levels[b] >= 0 && start[b] >= 0 && start[b] + levels[b] <= slots[b].size(0),
                 "request ", b, " feeds positions past the slots its blocks cover");
     most = std::max(most, levels[b]);
   }
   const int64_t head = static_cast<int64_t>(weights.size()) - 1, V = weights[head].size(0);
-  const at::TensorOptions i64 = tokens.options();
-  at::Tensor out = at::full({B, most}, -1, i64);
+  const ChainModel model{linear, embed, inv_freq, rope_scale, norms, k_cache, v_cache, final_norm, num_heads, eps, head};
+  at::Tensor out = at::full({B, most}, -1, tokens.options());
   std::vector<int64_t> current(tokens.data_ptr<int64_t>(), tokens.data_ptr<int64_t>() + B);
   for (int64_t j = 0; j < most; ++j) {
-    std::vector<int64_t> active;
-    int64_t width = 0;
+    std::vector<int64_t> active, fed, pos;
     for (int64_t b = 0; b < B; ++b)
       if (levels[b] > j) {
         active.push_back(b);
-        width = std::max(width, start[b] + j + 1);
+        fed.push_back(current[b]);
+        pos.push_back(start[b] + j);
       }
-    const int64_t n = static_cast<int64_t>(active.size());
-    at::Tensor fed = at::empty({n}, i64), positions = at::empty({n}, i64), written = at::empty({n}, i64);
-    at::Tensor query_index = at::arange(n, i64).reshape({n, 1}), key_slots = at::zeros({n, width}, i64);
-    at::Tensor mask = at::zeros({n, 1, width}, i64.dtype(at::kBool)), valid = at::ones({n, 1}, i64.dtype(at::kBool));
-    int64_t* keys = key_slots.data_ptr<int64_t>();
-    bool* seen = mask.data_ptr<bool>();
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t b = active[i], p = start[b] + j;
-      const int64_t* table = slots[b].data_ptr<int64_t>();
-      fed.data_ptr<int64_t>()[i] = current[b];
-      positions.data_ptr<int64_t>()[i] = p;
-      written.data_ptr<int64_t>()[i] = table[p];
-      std::copy(table, table + p + 1, keys + i * width);
-      std::fill(seen + i * width, seen + i * width + p + 1, true);
-    }
-    const at::Tensor rows = query_index.reshape({n});
-    const at::Tensor x = layers(linear, fed, positions, written, {query_index}, {key_slots}, {mask}, {valid}, {rows},
-                                embed, inv_freq, rope_scale, norms, k_cache, v_cache, num_heads, eps);
-    const at::Tensor logits = linear(head, rms_norm(x, final_norm, eps));  // [n, V]
+    const at::Tensor logits = model.level(slots, active, fed, pos);
     const float* lp = logits.data_ptr<float>();
-    for (int64_t i = 0; i < n; ++i) {
+    for (size_t i = 0; i < active.size(); ++i) {
       const float* row = lp + i * V;
       int64_t best = 0;
       for (int64_t v = 1; v < V; ++v)
@@ -219,6 +247,31 @@ at::Tensor draft_lm_chain(const at::Tensor& tokens, const at::Tensor& starts, at
     }
   }
   return out;
+}
+
+// One level of sampled chains (SD at temperature > 0: the caller warps and draws between
+// levels): request b's token tokens[b] fed at position positions[b]; logits [B, V].
+at::Tensor draft_lm_chain_level(const at::Tensor& tokens, const at::Tensor& positions, at::TensorList slots,
+                                const at::Tensor& embed, const at::Tensor& inv_freq, double rope_scale,
+                                at::TensorList norms, at::TensorList weights, at::TensorList blocked,
+                                at::TensorList scales, at::TensorList sums, at::TensorList k_cache,
+                                at::TensorList v_cache, const at::Tensor& final_norm, int64_t num_heads, double eps) {
+  const specpipe::Int8Linears linear = int8_linears(weights, blocked, scales, sums, k_cache.size());
+  const int64_t B = tokens.size(0);
+  TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong && tokens.is_contiguous() &&
+                  positions.sizes() == tokens.sizes() && positions.scalar_type() == at::kLong &&
+                  positions.is_contiguous(),
+              "tokens and positions dense [B] int64");
+  check_chain_slots(slots, B);
+  const int64_t* p = positions.data_ptr<int64_t>();
+  std::vector<int64_t> active(B), fed(tokens.data_ptr<int64_t>(), tokens.data_ptr<int64_t>() + B), pos(p, p + B);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(pos[b] >= 0 && pos[b] < slots[b].size(0), "request ", b, " feeds a position past the slots its blocks cover");
+    active[b] = b;
+  }
+  const int64_t head = static_cast<int64_t>(weights.size()) - 1;
+  const ChainModel model{linear, embed, inv_freq, rope_scale, norms, k_cache, v_cache, final_norm, num_heads, eps, head};
+  return model.level(slots, active, fed, pos);
 }
 
 // The products of an fp32 target: `fp32_linear.h`'s kernel on the `block16` copies up to
@@ -270,6 +323,10 @@ TORCH_LIBRARY_FRAGMENT(specpipe_cpu, m) {
       "float rope_scale, Tensor[] norms, Tensor[] weights, Tensor[] blocked, Tensor[] scales, Tensor[] sums, "
       "Tensor(a!)[] k_cache, Tensor(b!)[] v_cache, Tensor final_norm, int num_heads, float eps) -> Tensor");
   m.def(
+      "draft_lm_chain_level(Tensor tokens, Tensor positions, Tensor[] slots, Tensor embed, Tensor inv_freq, "
+      "float rope_scale, Tensor[] norms, Tensor[] weights, Tensor[] blocked, Tensor[] scales, Tensor[] sums, "
+      "Tensor(a!)[] k_cache, Tensor(b!)[] v_cache, Tensor final_norm, int num_heads, float eps) -> Tensor");
+  m.def(
       "target_forward(Tensor tokens, Tensor positions, Tensor slots, Tensor[] query_index, Tensor[] key_slots, "
       "Tensor[] mask, Tensor[] valid, Tensor[] rows, Tensor logits_indices, Tensor embed, Tensor inv_freq, "
       "float rope_scale, Tensor[] norms, Tensor[] packed, Tensor[] small, int[] out_features, int small_m, "
@@ -279,6 +336,7 @@ TORCH_LIBRARY_FRAGMENT(specpipe_cpu, m) {
 TORCH_LIBRARY_IMPL(specpipe_cpu, CPU, m) {
   m.impl("draft_lm_forward", &draft_lm_forward);
   m.impl("draft_lm_chain", &draft_lm_chain);
+  m.impl("draft_lm_chain_level", &draft_lm_chain_level);
   m.impl("target_forward", &target_forward);
 }
 

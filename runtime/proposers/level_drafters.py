@@ -58,6 +58,12 @@ class RNNLevels:
     def chain(self, tokens: list[int], levels: list[int]) -> list[list[int]] | None:
         return None  # the RNN's levels are a few small products each: drafted level by level
 
+    def chains(self) -> bool:
+        return False
+
+    def chain_level(self, rows: list[int], tokens: list[int], depth: int) -> torch.Tensor:
+        raise NotImplementedError("the RNN drafts sampled levels through extend (chains() is False)")
+
 
 class DraftLMLevels:
     def __init__(
@@ -128,6 +134,22 @@ class DraftLMLevels:
             return None
         starts = [r.num_computed + 1 for r in self.requests]
         return self.fused.chain(tokens, starts, self.slots, levels, self.cache)
+
+    @torch.inference_mode()  # as `chain_level` runs (the op stands aside under autograd)
+    def chains(self) -> bool:
+        """Whether `chain_level` runs (the draft LM's one-call C++ forward takes the steps)."""
+        return self.fused is not None and self.fused.takes_chain_level()
+
+    @torch.inference_mode()
+    def chain_level(self, rows: list[int], tokens: list[int], depth: int) -> torch.Tensor:
+        """One level of chains (sampled ones: the caller draws between levels): request
+        `rows[k]`'s draft `tokens[k]`, node `depth` of its chain (after `first`), fed at
+        position context + depth, seeing its whole cache up to there; logits `[len(rows), V]`
+        in one C++ call (`Int8DraftLM.chain_level`), without `extend`'s tree masks, segments
+        and level bookkeeping. Only where `chains()`."""
+        assert self.fused is not None
+        positions = [self.requests[r].num_computed + depth for r in rows]
+        return self.fused.chain_level(tokens, positions, [self.slots[r] for r in rows], self.cache)
 
     def extend(self, rows: list[int], parents: list[int], nodes: list[int], tokens: list[int]) -> torch.Tensor:
         """One level per request, every request's in one forward: a request's nodes are

@@ -231,6 +231,15 @@ class LevelDrafter(Protocol):
         where the drafter has no such call (the caller goes level by level)."""
         ...
 
+    def chains(self) -> bool:
+        """Whether `chain_level` runs (else sampled chains go level by level through `extend`)."""
+        ...
+
+    def chain_level(self, rows: list[int], tokens: list[int], depth: int) -> torch.Tensor:
+        """One level of chains: request `rows[k]`'s draft `tokens[k]` as node `depth` of its
+        chain (its parent the node before); [len(rows), V] draft logits for its child."""
+        ...
+
 
 @dataclass
 class _Growing:
@@ -308,6 +317,8 @@ def draft_rsd_trees(
     lengths = lengths or [spec.length] * len(roots)
     if ranked and set(branching[: max(lengths)]) == {1} and (chains := _greedy_chains(drafter, logits, lengths)):
         return [DraftTree.chain([root, *chain]) for root, chain in zip(roots, chains, strict=True)]
+    if not beamed and all(sampled) and set(branching[: max(lengths)]) == {1} and drafter.chains():
+        return _sampled_chains(drafter, logits, roots, params, generators, lengths)  # every gens[i] is generators[i]
     for depth in range(max(lengths)):
         counts = [len(f) for f in frontier]
         probs = None if ranked else draft_probs(logits, [params[i] for i, c in enumerate(counts) for _ in range(c)])
@@ -366,6 +377,44 @@ def _greedy_chains(drafter: LevelDrafter, logits: torch.Tensor, lengths: list[in
     firsts = greedy_tokens([logits])
     rest = drafter.chain(firsts, [n - 1 for n in lengths])
     return None if rest is None else [[first, *more] for first, more in zip(firsts, rest, strict=True)]
+
+
+def _sampled_chains(
+    drafter: LevelDrafter,
+    logits: torch.Tensor,
+    roots: list[int],
+    params: list[SamplingParams],
+    generators: list[torch.Generator],
+    lengths: list[int],
+) -> list[DraftTree]:
+    """Sampled one-child levels (sd at T > 0, rsd-c's and rsd-s's chains, every request
+    sampling): per level the law of every chain still drafting (`draft_probs`, its
+    request's own warp: the one definition verification uses), one draw each from its own
+    generator (`draw_rows`), then the next level's forward in one call
+    (`LevelDrafter.chain_level`), with none of the tree code's per-level bookkeeping. The
+    same laws and draws, in the same order, as the level loop of `draft_rsd_trees` takes
+    for these trees, so the same trees (`tests/runtime/test_rsd_batched_levels.py`)."""
+    active = list(range(len(roots)))  # requests whose chains go on, in row order
+    tokens = [[root] for root in roots]
+    laws: list[list[int]] = [[-1] for _ in roots]  # row of the stacked levels' laws each node was drawn from
+    levels: list[torch.Tensor] = []
+    stored = 0
+    for depth in range(max(lengths)):
+        probs = draft_probs(logits, [params[i] for i in active])  # [len(active), V]
+        drawn = draw_rows(probs, [generators[i] for i in active]).tolist()
+        levels.append(probs)
+        for k, (i, token) in enumerate(zip(active, drawn, strict=True)):
+            tokens[i].append(token)
+            laws[i].append(stored + k)
+        stored += len(active)
+        going = [k for k, i in enumerate(active) if depth + 1 < lengths[i]]
+        if not going:
+            break
+        active = [active[k] for k in going]
+        logits = drafter.chain_level(active, [drawn[k] for k in going], depth + 1)
+    depths = [list(range(len(t))) for t in tokens]
+    parents = [[n - 1 for n in range(len(t))] for t in tokens]
+    return _packed_trees(tokens, parents, depths, laws, levels, [True] * len(roots))
 
 
 def _accepting_logits(tree: DraftTree, vocab: int, device: torch.device | str) -> torch.Tensor:

@@ -285,3 +285,26 @@ def test_the_draft_chain_is_its_levels_one_step_at_a_time() -> None:
     assert got == want and [len(t) for t in got] == levels
     assert late is not None and late != got
     assert torch.equal(cache.kv, reference.kv)
+
+
+def test_a_chain_level_is_a_draft_lm_forward_step() -> None:
+    """`specpipe_cpu::draft_lm_chain_level` (one level of sampled chains: the caller draws
+    between levels) gives the logits and writes the K/V of one `draft_lm_forward` step of
+    one token per request at its next position, bit for bit; fed one position late, other
+    logits."""
+    model = draft_lm()
+    fused = Int8DraftLM.of(model)
+    assert fused is not None
+    contexts, fed = [9, 30, 17], [3, 7, 11]
+    cache = prefilled(model, contexts)
+    reference = copy_of(cache)
+    table = [slots(r, SPAN) for r in range(len(contexts))]
+    with torch.inference_mode():
+        assert fused.takes_chain_level()
+        got = fused.chain_level(fed, contexts, table, cache)
+        late = fused.chain_level(fed, [c + 1 for c in contexts], table, copy_of(cache))
+        segments = [Segment(i, c, slots(i, c + 1)) for i, c in enumerate(contexts)]
+        step = step_input(torch.tensor(fed), torch.tensor(contexts), segments, torch.arange(len(fed)), "cpu")
+        want = fused(step.tokens, step.positions, step.slots, step.attention, step.logits_indices, reference)
+    assert want is not None and torch.equal(got, want) and not torch.equal(late, got)
+    assert torch.equal(cache.kv, reference.kv)

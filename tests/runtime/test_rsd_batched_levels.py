@@ -60,6 +60,33 @@ class NodeLogits:
     def chain(self, tokens: list[int], levels: list[int]) -> None:
         return None  # level by level: the tree-building code under test
 
+    def chains(self) -> bool:
+        return False
+
+
+class ChainedNodeLogits(NodeLogits):
+    """`NodeLogits` that also feeds chains a level per call (`chain_level`), as the draft
+    LM's C++ op does: node `depth` of a chain, its parent the node before."""
+
+    def chains(self) -> bool:
+        return True
+
+    def chain_level(self, rows: list[int], tokens: list[int], depth: int) -> torch.Tensor:
+        for r, t in zip(rows, tokens, strict=True):
+            self.tokens[r][depth] = t
+            self.parent_tokens[r][depth] = self.tokens[r][depth - 1]
+        return self._logits(rows, [depth] * len(rows))
+
+
+class LateChainedNodeLogits(ChainedNodeLogits):
+    """A wrong chain level: each fed token is read as its parent's child one node late."""
+
+    def chain_level(self, rows: list[int], tokens: list[int], depth: int) -> torch.Tensor:
+        for r, t in zip(rows, tokens, strict=True):
+            self.tokens[r][depth] = t
+            self.parent_tokens[r][depth] = self.tokens[r][max(depth - 2, 0)]
+        return self._logits(rows, [depth] * len(rows))
+
 
 def reference_trees(
     drafter: NodeLogits, roots: list[int], params: list[SamplingParams], gens: list[torch.Generator], spec: TreeSpec
@@ -226,3 +253,44 @@ def test_every_depth_of_a_batch_in_one_call_is_each_request_drafted_that_deep(
             assert max(together[i].depths) <= lengths[i]
     deepest = draft(indices, spec, None)
     assert any(len(d.tokens) != len(t.tokens) for d, t in zip(deepest, together, strict=True))
+
+
+@pytest.mark.parametrize("method", ["sd", "rsd-c", "rsd-s"])
+def test_sampled_chains_a_level_per_call_are_the_level_loops_trees(method: str) -> None:
+    """`_sampled_chains` (every request sampling one child a level: sd, and rsd-c's and
+    rsd-s's chains, the next level fed through `chain_level`) drafts the trees the level
+    loop does through `extend`: the same tokens, parents, depths and draft-law rows, bit
+    for bit, with the same generators; chains ending at different depths, requests with
+    top-k / top-p laws. A chain level that feeds a token as a child of the wrong node drafts
+    other trees."""
+    roots, contexts = [5, 17, 40, 9], [3, 60, 21, 33]
+    params = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=5),
+        SamplingParams(temperature=1.3, top_p=0.8),
+        SamplingParams(temperature=1.0, top_k=2, top_p=0.5),
+    ]
+    spec = TreeSpec.for_method(method, beam_width=1, beam_length=4, branching=(1, 1, 1, 1))
+    lengths = [4, 1, 3, 4]
+
+    def trees(drafter: NodeLogits) -> list[DraftTree]:
+        gens = [torch.Generator(device=TEST_DEVICE).manual_seed(100 + i) for i in range(len(roots))]
+        return draft_rsd_trees(drafter, roots, params, gens, spec, lengths)
+
+    def same(a: list[DraftTree], b: list[DraftTree]) -> bool:
+        return all(
+            x.tokens == y.tokens
+            and x.parents == y.parents
+            and x.depths == y.depths
+            and x.sampled == y.sampled
+            and x.draft_probs is not None
+            and y.draft_probs is not None
+            and torch.equal(x.draft_probs, y.draft_probs)
+            for x, y in zip(a, b, strict=True)
+        )
+
+    levels = trees(NodeLogits(contexts, roots))
+    chained = trees(ChainedNodeLogits(contexts, roots))
+    assert [len(t.tokens) for t in chained] == [n + 1 for n in lengths]
+    assert same(chained, levels)
+    assert not same(trees(LateChainedNodeLogits(contexts, roots)), levels)
