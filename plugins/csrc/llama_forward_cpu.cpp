@@ -149,7 +149,7 @@ at::Tensor draft_lm_forward(const at::Tensor& tokens, const at::Tensor& position
 }
 
 // One level of a draft LM's chains: fed[i] is fed at position pos[i] of request active[i]
-// (its K/V to slots[b][pos]), seeing its whole cache up to there (a chain node's ancestors
+// (its K/V to slots[active[i]][pos[i]]), seeing its whole cache up to there (a chain node's ancestors
 // are every node before it). `draft_lm_forward`'s step of one token per request, with the
 // one attention group `runtime.attention_batch.group` builds for those segments. Logits [n, V].
 struct ChainModel {
@@ -190,7 +190,8 @@ struct ChainModel {
   }
 };
 
-// Checks the chain ops share: one slots tensor per request, covering the positions fed.
+// The check the chain ops share: one dense int64 slots tensor per request (each op checks
+// that they cover the positions it feeds).
 void check_chain_slots(at::TensorList slots, int64_t B) {
   TORCH_CHECK(static_cast<int64_t>(slots.size()) == B, "one slots tensor per request");
   for (int64_t b = 0; b < B; ++b)
