@@ -11,7 +11,8 @@
 // dimension, so each weight line is read once per 6 rows, from memory for the first tile and
 // from cache for the next. On a 2-core Sapphire Rapids the 4-block tile took the demo
 // target's 25 products at 6 rows 1.97 -> 1.59 ms, 11 rows 3.59 -> 2.30, 16 rows 5.26 -> 3.04,
-// 32 rows 9.4 -> 5.4 (1 row 1.28 -> 1.22, a stream of the weights either way). At decoding's
+// 32 rows 9.4 -> 5.4 (1 row 1.28 -> 1.22; a randn of each input inside the timed loop
+// included); with inputs made beforehand, 6 rows cost what 1 row does (~1.2 ms, the stream). At decoding's
 // few rows the product is a stream of the weights: oneDNN's blocked kernels (what
 // `pack_cpu_weights` makes for every M) took ~2x as long there (the demo target's 25
 // products, 1 row: 3.9 vs 1.9 ms; 5 rows 4.4 vs 2.2) and win from ~40 rows up.
