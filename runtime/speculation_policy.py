@@ -287,8 +287,8 @@ class ForwardCost:
 
     def __init__(self) -> None:
         self.tokens = TokenCost()
-        self.extra = Timings()
-        self.extra_trees = Timings()
+        self.extra = ByRequests()
+        self.extra_trees = ByRequests()
 
     def __call__(self, n: float, requests: int = 1) -> float:
         return self.tokens(n) + self.residual(requests, n > requests)
@@ -334,7 +334,7 @@ class ForwardCost:
         return first
 
 
-class Timings(dict[int, float]):
+class ByRequests(dict[int, float]):
     """Seconds learned per request count (read by `by_requests`), with how many timings
     each count rests on (`seen`)."""
 
@@ -594,8 +594,8 @@ class SpeculationPolicy:
     """Whether the last full solve chose to draft (`_settle`)."""
     reused: int = 0
     """Steps that reused a settled decision instead of solving again (for tests and reports)."""
-    overhead: Timings = field(default_factory=Timings)
-    """requests -> mean, then decayed mean (`Timings`), of a decoding step's host seconds
+    overhead: ByRequests = field(default_factory=ByRequests)
+    """requests -> mean, then decayed mean (`ByRequests`), of a decoding step's host seconds
     outside the forward and drafting (`StepStats.overhead_seconds`; `by_requests` between counts, and beyond them
     along the line through the nearest two). Every choice pays it once a step, so it is
     part of each choice's time: left out, goodput compared forwards alone, and at batch 8
@@ -605,7 +605,7 @@ class SpeculationPolicy:
     auto-regressive steps of 32 ReDrafter requests at 33 ms where they took ~13, and the
     batch drafted 11-node trees: 86 tokens in ~84 ms, where auto-regression makes 32 in ~15.
     Steps without drafting only (`overhead_trees`: steps with trees)."""
-    overhead_trees: Timings = field(default_factory=Timings)
+    overhead_trees: ByRequests = field(default_factory=ByRequests)
     """The same for steps with trees: packing tree masks, walking the trees, moving the
     accepted paths' KV cost more than a step of roots (Lyanna at batch 8: ~2.5 ms against
     ~0.8). One table for both charged a run of drafting steps' host work to the
@@ -800,7 +800,7 @@ class SpeculationPolicy:
     def _plain_probe(self, batch: list[_Group], others: int, best: _Choice) -> bool:
         """Whether this step goes auto-regressive instead of drafting `best`, to time the
         plain step of this request count: while that price rests on fewer than
-        `PLAIN_SAMPLES` timings (`Timings.seen` of its forward residual; its host overhead
+        `PLAIN_SAMPLES` timings (`ByRequests.seen` of its forward residual; its host overhead
         is timed in the same steps), paid from the exploration credit like any probe.
         Until then it is extrapolated from other counts or from a batch's first, slow
         steps, and a price set too high is never corrected by a choice that then never

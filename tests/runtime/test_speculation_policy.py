@@ -964,8 +964,8 @@ def test_a_plain_step_priced_by_extrapolation_is_timed_before_it_is_believed(mon
 
 
 def test_timings_of_a_request_count_are_their_mean_until_the_decay_takes_over() -> None:
-    """`Timings.add`: a batch's first, slow steps must not outweigh the steps after them."""
-    t = speculation_policy.Timings()
+    """`ByRequests.add`: a batch's first, slow steps must not outweigh the steps after them."""
+    t = speculation_policy.ByRequests()
     for seconds in (0.004, 0.002, 0.002, 0.002):
         t.add(8, seconds)
     assert t[8] == pytest.approx(0.0025) and t.seen[8] == 4
