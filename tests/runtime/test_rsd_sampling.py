@@ -68,6 +68,23 @@ def test_rsd_with_an_int8_draft_lm_follows_target_distribution() -> None:
     assert passes_chi_square(counts, law), chi_square(counts, law)
 
 
+@pytest.mark.skipif(TEST_DEVICE != "cpu" or not vectorized(), reason="the draft LM's C++ chain op runs on the CPU")
+def test_sampled_chains_a_level_per_call_follow_target_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sd through an int8 draft LM drafts its chains a level per C++ call
+    (`rsd._sampled_chains`, `specpipe_cpu::draft_lm_chain_level`): the output is still the
+    target's law. Test of the test: the same chains with each level's likeliest token in
+    place of a draw (verified as if drawn) are rejected."""
+    chained = []
+    real = rsd._sampled_chains
+    monkeypatch.setattr(rsd, "_sampled_chains", lambda *a: chained.append(1) or real(*a))
+    engine = toy_sampling.toy_engine("draft-lm", SETTINGS, int8=True)
+    law = toy_sampling.exact_first_three(engine.model, PARAMS)
+    counts = toy_sampling.emitted_first_three(engine, PARAMS, "sd")
+    assert chained and passes_chi_square(counts, law), chi_square(counts, law)
+    monkeypatch.setattr(rsd, "draw_rows", lambda probs, gens: probs.argmax(-1))
+    assert not passes_chi_square(toy_sampling.emitted_first_three(engine, PARAMS, "sd"), law)
+
+
 def test_unnormalised_draft_law_fails_the_same_test(monkeypatch: pytest.MonkeyPatch) -> None:
     def without_renormalising(q: torch.Tensor, p: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         accept_prob, q_next, _ = real_step(q, p, x)
