@@ -161,7 +161,6 @@ struct ChainModel {
   const at::Tensor& final_norm;
   int64_t num_heads;
   double eps;
-  int64_t head;
 
   at::Tensor level(at::TensorList slots, const std::vector<int64_t>& active, const std::vector<int64_t>& fed,
                    const std::vector<int64_t>& pos) const {
@@ -186,6 +185,7 @@ struct ChainModel {
     const at::Tensor rows = query_index.reshape({n});
     const at::Tensor x = layers(linear, tokens, positions, written, {query_index}, {key_slots}, {mask}, {valid}, {rows},
                                 embed, inv_freq, rope_scale, norms, k_cache, v_cache, num_heads, eps);
+    const int64_t head = static_cast<int64_t>(linear.weight.size()) - 1;
     return linear(head, rms_norm(x, final_norm, eps));  // [n, V]
   }
 };
@@ -224,8 +224,7 @@ at::Tensor draft_lm_chain(const at::Tensor& tokens, const at::Tensor& starts, at
                 "request ", b, " feeds positions past the slots its blocks cover");
     most = std::max(most, levels[b]);
   }
-  const int64_t head = static_cast<int64_t>(weights.size()) - 1, V = weights[head].size(0);
-  const ChainModel model{linear, embed, inv_freq, rope_scale, norms, k_cache, v_cache, final_norm, num_heads, eps, head};
+  const ChainModel model{linear, embed, inv_freq, rope_scale, norms, k_cache, v_cache, final_norm, num_heads, eps};
   at::Tensor out = at::full({B, most}, -1, tokens.options());
   std::vector<int64_t> current(tokens.data_ptr<int64_t>(), tokens.data_ptr<int64_t>() + B);
   for (int64_t j = 0; j < most; ++j) {
@@ -237,6 +236,7 @@ at::Tensor draft_lm_chain(const at::Tensor& tokens, const at::Tensor& starts, at
         pos.push_back(start[b] + j);
       }
     const at::Tensor logits = model.level(slots, active, fed, pos);
+    const int64_t V = logits.size(1);
     const float* lp = logits.data_ptr<float>();
     for (size_t i = 0; i < active.size(); ++i) {
       const float* row = lp + i * V;
@@ -270,8 +270,7 @@ at::Tensor draft_lm_chain_level(const at::Tensor& tokens, const at::Tensor& posi
     TORCH_CHECK(pos[b] >= 0 && pos[b] < slots[b].size(0), "request ", b, " feeds a position past the slots its blocks cover");
     active[b] = b;
   }
-  const int64_t head = static_cast<int64_t>(weights.size()) - 1;
-  const ChainModel model{linear, embed, inv_freq, rope_scale, norms, k_cache, v_cache, final_norm, num_heads, eps, head};
+  const ChainModel model{linear, embed, inv_freq, rope_scale, norms, k_cache, v_cache, final_norm, num_heads, eps};
   return model.level(slots, active, fed, pos);
 }
 

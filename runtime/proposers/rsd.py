@@ -315,9 +315,10 @@ def draft_rsd_trees(
     branching = spec.branching if not spec.beamed else (1,) * spec.length
     ranked = not beamed and not any(sampled)  # only ranks: the logits' order is the law's
     lengths = lengths or [spec.length] * len(roots)
-    if ranked and set(branching[: max(lengths)]) == {1} and (chains := _greedy_chains(drafter, logits, lengths)):
+    one_child = set(branching[: max(lengths)]) == {1}  # chains: sd, and rsd-c's / rsd-s's cuts
+    if ranked and one_child and (chains := _greedy_chains(drafter, logits, lengths)):
         return [DraftTree.chain([root, *chain]) for root, chain in zip(roots, chains, strict=True)]
-    if not beamed and all(sampled) and set(branching[: max(lengths)]) == {1} and drafter.chains():
+    if not beamed and all(sampled) and one_child and drafter.chains():
         return _sampled_chains(drafter, logits, roots, params, generators, lengths)  # every gens[i] is generators[i]
     for depth in range(max(lengths)):
         counts = [len(f) for f in frontier]
