@@ -20,8 +20,11 @@ The clients run on the same machine as the server; on a small one a client's own
 streamed response is taken from the engine, and the Python client spends more of it than
 perf_analyzer. Reported per method and client: tokens/s both ways (over all rounds), the
 median over rounds of the Triton / in-process ratio, and through Triton the mean time from
-a request's send to its first response and between its streamed responses (one per
-engine step). Writes `<out>.json` and `<out>.md`.
+a request's send to its first response and between its streamed responses. Each
+`--stream-interval-ms` gets a server of its own (all running, used in turn within a
+round): 0 streams a response per engine step; the serving default holds a request's
+text for that long between responses (`ServingConfig.stream_interval_ms`), so a response
+carries several steps' tokens. Writes `<out>.json` and `<out>.md`.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from runtime.config import RuntimeConfig
 from runtime.llm_engine import LLMEngine
 from runtime.loaded_engine import LoadedEngine
 from training.corpus import heldout_prompts
+from triton_repo.repository import STREAM_INTERVAL_MS, ServingConfig
 
 MODEL = "specpipe"
 
@@ -56,14 +60,17 @@ CLIENTS = ("perf_analyzer", "python")
 class Row:
     method: str
     client: str
+    stream_interval_ms: float | None
+    """The server's least time between two streamed responses of a request (0: one per step;
+    None: a running server's, `--url`, not known here)."""
     in_process_tokens_per_s: float
     triton_tokens_per_s: float
     ratio: float
     """Median over rounds of Triton's tokens/s over in-process tokens/s in that round."""
     ratios: list[float]
     mean_first_response_ms: float
-    mean_response_gap_ms: float
-    """Mean time between two streamed responses of one request (one engine step)."""
+    mean_response_gap_ms: float | None
+    """Mean time between two streamed responses of one request (None: none streamed twice)."""
     tokens: tuple[int, int]
     """Output tokens of one round, in-process and through Triton (the same when EOS is ignored;
     perf_analyzer's are the in-process ones, see the module docstring)."""
@@ -194,14 +201,16 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
         f"tokens/s within a round. Clients: `perf_analyzer` is NVIDIA's (C++, concurrency 1), `python` is "
         f"`tritonclient.grpc` with a streaming callback. Command: `{meta['command']}`",
         "",
-        "| method | client | in-process tok/s | Triton tok/s | Triton / in-process | first response ms "
-        "| ms between responses |",
-        "|---|---|---|---|---|---|---|",
+        "| method | client | stream interval ms | in-process tok/s | Triton tok/s | Triton / in-process "
+        "| first response ms | ms between responses |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        gap = "-" if r.mean_response_gap_ms is None else f"{r.mean_response_gap_ms:.1f}"
+        interval = "?" if r.stream_interval_ms is None else f"{r.stream_interval_ms:g}"
         lines.append(
-            f"| {r.method} | {r.client} | {r.in_process_tokens_per_s:.1f} | {r.triton_tokens_per_s:.1f} "
-            f"| {r.ratio:.2f} | {r.mean_first_response_ms:.1f} | {r.mean_response_gap_ms:.1f} |"
+            f"| {r.method} | {r.client} | {interval} | {r.in_process_tokens_per_s:.1f} "
+            f"| {r.triton_tokens_per_s:.1f} | {r.ratio:.2f} | {r.mean_first_response_ms:.1f} | {gap} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -216,50 +225,68 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-prompts", type=int, default=6, help="prompts per round (default: %(default)s)")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (default: %(default)s)")
+    ap.add_argument(
+        "--stream-interval-ms",
+        type=float,
+        nargs="+",
+        default=[0.0, STREAM_INTERVAL_MS],
+        help="a server per interval, each the least ms between a request's streamed responses (default: %(default)s)",
+    )
     ap.add_argument("--url", help="a running server's gRPC endpoint (default: start one on the engine)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/triton_overhead"), help="output path stem")
     args = ap.parse_args(argv)
 
-    from triton_repo.repository import ServingConfig
     from triton_repo.server import TritonServer
 
+    intervals = [None] if args.url else args.stream_interval_ms  # a running server's own is not known
     loaded = LoadedEngine.load(args.engine)
     llm = LLMEngine(loaded, RuntimeConfig())
     texts = heldout_prompts(args.num_prompts)
     prompts = [loaded.encode(t) for t in texts]
     local: dict[str, list[Timed]] = {m: [] for m in args.methods}
-    served: dict[tuple[str, str], list[Timed]] = {(m, c): [] for m in args.methods for c in args.clients}
+    keys = [(m, c, i) for m in args.methods for c in args.clients for i in intervals]
+    served: dict[tuple[str, str, float | None], list[Timed]] = {key: [] for key in keys}
     with contextlib.ExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        url = args.url or stack.enter_context(TritonServer(ServingConfig(args.engine), work / "triton")).grpc_url
-        python = TritonClient(url)
-        stack.callback(python.close)
-        clients: dict[str, TritonClient | PerfAnalyzerClient] = {"python": python}
-        if "perf_analyzer" in args.clients:
-            clients["perf_analyzer"] = PerfAnalyzerClient(url, work)
-        for method in args.methods:  # warm-up both ways
+        clients: dict[tuple[str, float | None], TritonClient | PerfAnalyzerClient] = {}
+        for interval in intervals:
+            url = args.url
+            if interval is not None:
+                config = ServingConfig(args.engine, stream_interval_ms=interval)
+                url = stack.enter_context(TritonServer(config, work / f"triton-{interval:g}")).grpc_url
+            python = TritonClient(url)
+            stack.callback(python.close)
+            if "python" in args.clients:
+                clients["python", interval] = python
+            if "perf_analyzer" in args.clients:
+                clients["perf_analyzer", interval] = PerfAnalyzerClient(url, work)
+            for method in args.methods:  # warm-up
+                python.run(texts[:1], 8, method)
+        for method in args.methods:
             warm_up(llm, prompts[0], method, 0.0)
-            python.run(texts[:1], 8, method)
         for turn in tqdm(range(args.rounds), desc="rounds"):
-            order = args.clients[turn % len(args.clients) :] + args.clients[: turn % len(args.clients)]
+            order = list(clients)[turn % len(clients) :] + list(clients)[: turn % len(clients)]
             for method in args.methods:
                 timed, tokens = in_process(llm, prompts, args.max_tokens, method)
                 local[method].append(timed)
-                for name in order:
-                    served[method, name].append(clients[name].run(texts, args.max_tokens, method, tokens))
+                for name, interval in order:
+                    run = clients[name, interval].run(texts, args.max_tokens, method, tokens)
+                    served[method, name, interval].append(run)
     rows = []
-    for (method, name), runs in served.items():
+    for (method, name, interval), runs in served.items():
         ratios = rate_ratios(runs, local[method])
+        gaps = [x for t in runs for x in t.gaps_ms]
         rows.append(
             Row(
                 method=method,
                 client=name,
+                stream_interval_ms=interval,
                 in_process_tokens_per_s=tokens_per_s(local[method]),
                 triton_tokens_per_s=tokens_per_s(runs),
                 ratio=statistics.median(ratios),
                 ratios=[round(r, 3) for r in ratios],
                 mean_first_response_ms=statistics.mean(x for t in runs for x in t.first_ms),
-                mean_response_gap_ms=statistics.mean(x for t in runs for x in t.gaps_ms),
+                mean_response_gap_ms=statistics.mean(gaps) if gaps else None,
                 tokens=(local[method][0].tokens, runs[0].tokens),
             )
         )
@@ -269,6 +296,7 @@ def main(argv: list[str] | None = None) -> None:
         "max_tokens": args.max_tokens,
         "rounds": args.rounds,
         "clients": args.clients,
+        "stream_interval_ms": intervals,
         "command": command("benchmarks.triton_overhead", argv),
         "machine": machine(),
     }

@@ -111,6 +111,8 @@ class Completion:
     """With return_log_probs: every response's `output_log_probs`, concatenated."""
     cum_log_prob: float | None = None
     """With return_log_probs: the last response's `cum_log_probs`."""
+    responses: int = 0
+    """Responses received, the final one included."""
 
 
 def stream_completion(
@@ -128,11 +130,13 @@ def stream_completion(
     finish_reason, stats = "", {}
     log_probs: list[float] = []
     cum_log_prob: float | None = None
+    received = 0
     while True:
         result, error = responses.get(timeout=timeout_s)
         if error is not None:
             raise error
         assert result is not None
+        received += 1
         text = result.as_numpy("text_output")
         if text is not None:
             piece = b"".join(text.reshape(-1)).decode("utf-8")
@@ -147,7 +151,7 @@ def stream_completion(
         if (cum := result.as_numpy("cum_log_probs")) is not None:
             cum_log_prob = float(cum.reshape(-1)[0])
         if result.get_response().parameters["triton_final_response"].bool_param:
-            return Completion("".join(pieces), finish_reason, stats, log_probs, cum_log_prob)
+            return Completion("".join(pieces), finish_reason, stats, log_probs, cum_log_prob, received)
 
 
 def _print_piece(piece: str) -> None:

@@ -36,6 +36,8 @@ TEMPLATE = HERE / "config.pbtxt.template"
 MODEL_SOURCE = HERE / "specpipe" / "1" / "model.py"
 INFER_SOURCE = HERE / "specpipe_infer" / "1" / "model.py"
 DEVICES = ("cpu", "cuda")
+STREAM_INTERVAL_MS = 20.0
+"""`ServingConfig.stream_interval_ms`'s default."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,10 @@ class ServingConfig:
     loads and steps on one thread of its own (`serving_model._engine_main`), which is what
     lets it use every core beside Triton's threads: demo ReDrafter, batch 1, 2 cores, 379
     tok/s served vs 409 in-process, 276 on one thread."""
+    stream_interval_ms: float = STREAM_INTERVAL_MS
+    """Least milliseconds between two streamed responses of one request: the text of the
+    steps in between goes out together (`serving_model`'s response thread). 0: a response
+    per engine step."""
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -65,6 +71,8 @@ class ServingConfig:
             raise ValueError(f"stall timeout must be > 0 seconds, got {self.stall_timeout_s}")
         if self.torch_threads < 0:
             raise ValueError(f"torch threads must be >= 0 (0: torch's default), got {self.torch_threads}")
+        if not 0 <= self.stream_interval_ms <= 1000:
+            raise ValueError(f"stream interval must be in [0, 1000] ms, got {self.stream_interval_ms}")
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.model_name):
             raise ValueError(f"model name {self.model_name!r}: use letters, digits, '_', '.' or '-' (a directory name)")
 
@@ -78,6 +86,7 @@ class ServingConfig:
             "tp_master": self.tp_master,
             "stall_timeout_s": str(self.stall_timeout_s),
             "torch_threads": str(self.torch_threads),
+            "stream_interval_ms": str(self.stream_interval_ms),
         }
 
 
@@ -91,6 +100,7 @@ def serving_config(args: argparse.Namespace, tp_master: str = "") -> ServingConf
         tp_master,
         args.stall_timeout,
         args.torch_threads,
+        args.stream_interval_ms,
     )
 
 
@@ -111,6 +121,14 @@ def add_serving_args(ap: argparse.ArgumentParser) -> None:
         type=int,
         default=ServingConfig.torch_threads,
         help="intra-op threads of the served engine; 0 = torch's default, every core (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--stream-interval-ms",
+        type=float,
+        default=ServingConfig.stream_interval_ms,
+        help="least milliseconds between two streamed responses of a request; the tokens of the steps in "
+        "between go out together (fewer, larger responses: each costs the server CPU the engine would use). "
+        "0: one response per engine step (default: %(default)s)",
     )
     add_runtime_args(ap)
 

@@ -12,7 +12,11 @@ Threads:
   (`runtime/output.py`: text deltas, stop words, finish reason, statistics, log probs; deltas
   when streaming, one response otherwise, with the prompt in front when the request set
   `exclude_input_in_output` false), ends every request with exactly one FINAL response, notices
-  cancelled requests and cancels them in the engine, and updates the metrics.
+  cancelled requests and cancels them in the engine, and updates the metrics. A streamed
+  request's deltas go out together when several wait (the thread fell behind the engine)
+  or when its last response left less than `stream_interval_ms` ago (`_flush`): each
+  response costs the stub, Triton and the client CPU that, on a small machine, the engine
+  would otherwise have (`benchmarks/triton_overhead.py`).
 
 Under tensor parallelism this process is rank 0 (it joins the other ranks at the address
 in the `tp_master` parameter); ranks 1..N-1 are `runtime.tp_worker` processes.
@@ -32,7 +36,8 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -61,6 +66,19 @@ CANCEL_INPUT = "cancel_request_id"
 """A request holding this input only cancels the requests in flight with that Triton request id."""
 
 
+def joined(first: OutputDelta | None, then: OutputDelta) -> OutputDelta:
+    """`then` with `first`'s text and log probs in front (consecutive deltas of one request:
+    the token count is cumulative, so `then`'s stands)."""
+    if first is None:
+        return then
+    return replace(
+        then,
+        text=first.text + then.text,
+        token_ids=first.token_ids + then.token_ids,
+        log_probs=first.log_probs + then.log_probs,
+    )
+
+
 @dataclass(eq=False)
 class Stream:
     """One Triton request in flight."""
@@ -78,6 +96,10 @@ class Stream:
     """Its FINAL response went out (the engine may still send an event, which is ignored)."""
     triton_id: str = ""
     """Triton's id of the request (what `cancel_request_id` names)."""
+    unsent: OutputDelta | None = None
+    """Streamed deltas not sent yet, joined (`_flush` sends them)."""
+    sent_at: float = float("-inf")
+    """When its last streamed response went out."""
 
 
 class SpecpipeModel:
@@ -89,6 +111,9 @@ class SpecpipeModel:
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         self.stall_timeout_s = float(params["stall_timeout_s"])
+        self.stream_interval_s = float(params.get("stream_interval_ms") or 0.0) / 1e3
+        self.unsent: dict[Stream, None] = {}
+        """Streams holding deltas not sent yet, oldest first (response thread only)."""
         self.metrics = ServingMetrics(pb_utils)
         self.step_started: float | None = None
         """When the step now running began (None between steps): a stall shows here."""
@@ -245,25 +270,49 @@ class SpecpipeModel:
         last_housekeeping = 0.0
         while self.running:
             try:
-                stream, event = self.events.get(timeout=POLL_SECONDS)
+                stream, event = self.events.get(timeout=self._wait_seconds())
             except queue.Empty:
                 pass
             else:
-                self._handle(stream, event)
+                self._handle(stream, partial(self._on_event, stream, event))
                 while not self.events.empty():
-                    self._handle(*self.events.get_nowait())
+                    stream, event = self.events.get_nowait()
+                    self._handle(stream, partial(self._on_event, stream, event))
+            self._flush()
             if time.perf_counter() - last_housekeeping >= HOUSEKEEPING_SECONDS:
                 last_housekeeping = time.perf_counter()
                 self._check_cancelled()
                 stats = self.llm.stats()
                 self.metrics.observe_engine(stats, self.engine_up(stats))
 
-    def _handle(self, stream: Stream, event: RequestEvent) -> None:
-        """One event; a failure to respond (a detokenizer error, the client went away)
-        ends that request only: it is cancelled in the engine and, if the sender still
-        works, gets an error FINAL."""
+    def _wait_seconds(self) -> float:
+        """How long the response thread may wait for events: until the first held delta is due."""
+        if not self.unsent:
+            return POLL_SECONDS
+        first = next(iter(self.unsent))  # the oldest response of those holding deltas
+        return min(max(first.sent_at + self.stream_interval_s - time.perf_counter(), 0.0), POLL_SECONDS)
+
+    def _flush(self) -> None:
+        """Send the held deltas of every stream whose last response is `stream_interval_ms` old."""
+        now = time.perf_counter()
+        for stream in list(self.unsent):
+            if now - stream.sent_at < self.stream_interval_s:
+                continue
+            self._handle(stream, partial(self._send_unsent, stream, now))
+
+    def _send_unsent(self, stream: Stream, now: float) -> None:
+        delta, stream.unsent = stream.unsent, None
+        self.unsent.pop(stream, None)
+        if delta is not None and not stream.done:
+            stream.sent_at = now
+            stream.sender.send(self._response(stream, delta.text, delta, delta.log_probs))
+
+    def _handle(self, stream: Stream, action: Callable[[], None]) -> None:
+        """One event or send for `stream`; a failure to respond (a detokenizer error, the
+        client went away) ends that request only: it is cancelled in the engine and, if the
+        sender still works, gets an error FINAL."""
         try:
-            self._on_event(stream, event)
+            action()
         except Exception as e:
             log.exception("responding to %s failed", stream.request_id or "?")
             if stream.request_id:
@@ -280,6 +329,7 @@ class SpecpipeModel:
                     log.exception("could not send the error FINAL")
                 if stream.request_id:
                     self.metrics.requests["error"].increment(1)
+            self.unsent.pop(stream, None)
             if stream.request_id:
                 with self.lock:
                     self.streams.pop(stream.request_id, None)
@@ -292,8 +342,9 @@ class SpecpipeModel:
                 self.llm.cancel(stream.request_id)
 
     def _on_event(self, stream: Stream, event: RequestEvent) -> None:
-        """Text deltas go out as they come when streaming; the final delta (for a stop word,
-        the engine's event after `cancel(id, "stop")`) becomes the FINAL response."""
+        """Text deltas are held for `_flush` when streaming; the final delta (for a stop
+        word, the engine's event after `cancel(id, "stop")`) becomes the FINAL response,
+        with whatever deltas were still held in front."""
         if stream.done:
             return  # an error FINAL went out already; this is the engine's "cancelled" echo
         self.llm.faults.check("detokenize", [stream.parsed.params])
@@ -304,12 +355,15 @@ class SpecpipeModel:
         if delta.stop_hit:
             self.llm.cancel(event.request_id, "stop")  # frees its KV at the next step, which ends it
         if delta.finished:
-            self._finish(stream, delta)
+            self._finish(stream, joined(stream.unsent, delta))
         elif stream.parsed.stream and (delta.text or delta.log_probs):
-            stream.sender.send(self._response(stream, delta.text, delta, delta.log_probs))
+            stream.unsent = joined(stream.unsent, delta)
+            self.unsent.setdefault(stream)
 
     def _finish(self, stream: Stream, delta: OutputDelta) -> None:
         stream.done = True
+        stream.unsent = None
+        self.unsent.pop(stream, None)
         assert delta.finish_reason is not None and delta.stats is not None
         if delta.error is not None:
             response = self.pb.InferenceResponse(

@@ -55,6 +55,7 @@ def stream_grpc(url: str, requests: list[dict[str, Any]]) -> list[dict[str, Any]
             "finish_reason": done.finish_reason,
             "output_log_probs": done.output_log_probs,
             "cum_log_prob": done.cum_log_prob,
+            "responses": done.responses,
             **done.stats,
         }
 

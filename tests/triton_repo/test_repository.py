@@ -176,6 +176,7 @@ def test_defaults_are_empty_and_settings_round_trip(engine_dir: Path, tmp_path: 
         "tp_master": "",
         "stall_timeout_s": "120.0",
         "torch_threads": "0",
+        "stream_interval_ms": "20.0",
     }
     runtime = RuntimeConfig(
         max_batch_size=4,
@@ -221,7 +222,13 @@ def test_missing_engine_dir_fails_before_writing(tmp_path: Path, capsys: pytest.
 
 @pytest.mark.parametrize(
     ("field", "value", "needle"),
-    [("device", "tpu", "device 'tpu'"), ("model_name", "a/b", "model name"), ("torch_threads", -1, "torch threads")],
+    [
+        ("device", "tpu", "device 'tpu'"),
+        ("model_name", "a/b", "model name"),
+        ("torch_threads", -1, "torch threads"),
+        ("stream_interval_ms", -1.0, "stream interval"),
+        ("stream_interval_ms", float("nan"), "stream interval"),
+    ],
 )
 def test_bad_settings_are_refused(tmp_path: Path, field: str, value: object, needle: str) -> None:
     with pytest.raises(ValueError, match=needle):

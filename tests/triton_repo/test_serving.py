@@ -64,6 +64,15 @@ def server(engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         yield running
 
 
+@pytest.fixture(scope="module")
+def slow_stream_server(engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
+    """A server holding each request's streamed text for up to a second between responses."""
+    skip_without_tritonserver()
+    config = ServingConfig(engine_dir=engine_dir, stream_interval_ms=1000)
+    with TritonServer(config, tmp_path_factory.mktemp("triton-slow-stream")) as running:
+        yield running
+
+
 def solo_text(
     engine: LoadedEngine, prompt: str, params: SamplingParams, method: str | None = None, **overrides: Any
 ) -> str:
@@ -115,6 +124,30 @@ def test_every_protocol_returns_the_runtime_greedy_text(server: TritonServer, en
         events = [json.loads(line[len("data: ") :]) for line in body.splitlines() if line.startswith("data: ")]
         assert status == 200 and "".join(e["text_output"] for e in events) == text
         assert [e.get("finish_reason") for e in events].count("length") == 1
+
+
+def test_held_deltas_go_out_together_and_nothing_is_lost(
+    server: TritonServer, slow_stream_server: TritonServer, engine: LoadedEngine
+) -> None:
+    """Streamed deltas held for `stream_interval_ms` go out in one response, in order: the
+    first at once, the rest with the FINAL (a 1 s interval, a sub-second request), with
+    every token's text and log prob and the cumulative counts, as the response-per-step
+    server with the default interval streams them. A variant that kept only the last held
+    delta loses text; one that held nothing sends a response a step (24 here)."""
+    requests = [
+        {"prompt": p, "max_tokens": MAX_TOKENS, "method": m, "return_log_probs": True}
+        for p, m in zip(PROMPTS, ("ar", "redrafter", "ar"), strict=True)
+    ]
+    held = stream_grpc(slow_stream_server.grpc_url, requests)
+    default = stream_grpc(server.grpc_url, requests)
+    for req, slow, fast in zip(requests, held, default, strict=True):
+        expected = solo_text(engine, req["prompt"], SamplingParams(max_tokens=MAX_TOKENS), req["method"])
+        assert slow["text"] == fast["text"] == expected
+        assert slow["finals"] == 1 and slow["num_output_tokens"] == MAX_TOKENS
+        assert len(slow["output_log_probs"]) == MAX_TOKENS == len(fast["output_log_probs"])
+        assert slow["output_log_probs"] == pytest.approx(fast["output_log_probs"], abs=1e-5)
+        assert slow["cum_log_prob"] == pytest.approx(sum(slow["output_log_probs"]), abs=1e-3)
+        assert slow["responses"] <= 3
 
 
 def test_the_engine_steps_on_the_thread_that_built_it(server: TritonServer) -> None:
