@@ -421,7 +421,7 @@ def test_calibrated_forward_cost_never_decreases_with_tokens(monkeypatch: pytest
     more tokens look cheaper: each size runs once untimed and three times timed, the
     fastest kept, and a decreasing run is pooled to its mean (`monotone`)."""
     clock = [0.0]
-    noisy = {5: [0.050, 0.020, 0.019, 0.021], 8: [0.050, 0.012, 0.013, 0.012]}  # 8 tokens timed during a lull
+    noisy = {5: [0.050, 0.020, 0.019, 0.021, 0.020], 8: [0.050, 0.012, 0.013, 0.012, 0.014]}  # 8 during a lull
     calls: dict[int, int] = {}
 
     def forward(n: int) -> None:
@@ -433,7 +433,7 @@ def test_calibrated_forward_cost_never_decreases_with_tokens(monkeypatch: pytest
     p = SpeculationPolicy()
     p.calibrate(forward, 12)
     points = p.forward_cost.tokens.points
-    assert calls == dict.fromkeys([1, 2, 3, 5, 8, 12], 4)
+    assert calls == dict.fromkeys([1, 2, 3, 5, 8, 12], 1 + speculation_policy.CALIBRATION_ROUNDS)
     assert points[5] == pytest.approx(0.0155) and points[8] == pytest.approx(0.0155)
     assert all(points[a] <= points[b] for a, b in zip(sorted(points), sorted(points)[1:], strict=False))
 
@@ -1050,3 +1050,26 @@ def test_probes_visit_sizes_that_are_not_cuts_of_each_other_in_turn() -> None:
     assert p._probe_size(beams, 9) == 5  # the chains, by their longest
     assert p._probe_size(dataclasses.replace(beams, exact=True), 9) == 17
     assert p._probe_size(dataclasses.replace(beams, exact=True), 17) is None
+
+
+def test_steps_right_after_a_prefill_teach_no_price(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`AFTER_PREFILL`: a CPU runs the steps after a prefill's heavy GEMMs slower (here 2x).
+    Those steps are nobody's price: auto-regression at 8 requests, timed only there, stood
+    ~2x its steady cost and lost every later choice. The tables learn from the steps after
+    them only; with the window at 0, the plain price is the slow steps'."""
+    world = World(a=5.0, b=0.12, c=2.0, d=0.1, alpha=0.55, h=0.8)
+
+    def plain_price(window: int) -> float:
+        monkeypatch.setattr(speculation_policy, "AFTER_PREFILL", window)
+        p = calibrated(world)
+        p.since_prefill = window + 1
+        p.observe(StepStats(800, 0.040, num_requests=8, prefill=True))
+        for t in range(window + 3):
+            slow = 2.0 if t < 4 else 1.0
+            stats = StepStats(8, slow * world.forward(8, 8), num_requests=8, overhead_seconds=slow * world.host(0))
+            p.observe(stats)
+        return p.overhead_of(8, False) + p.forward_cost(8, 8)
+
+    steady = world.forward(8, 8) + world.host(0)
+    assert plain_price(4) == pytest.approx(steady, rel=1e-6)
+    assert plain_price(0) > 1.4 * steady
