@@ -160,19 +160,7 @@ request-levels: every drafting request's levels summed, seconds)."""
 CALIBRATION_SIZES = (1, 2, 3, 5, 8, 12, 17, 24, 33, 48, 64, 128)
 """Forward sizes (tokens) timed at engine start."""
 CALIBRATION_ROUNDS = 4
-"""Timed forwards of each calibration size (the fastest is kept)."""
-AFTER_PREFILL = 4
-"""Decoding steps after a step that prefilled whose timings no table learns from (`observe`),
-and in which no plain step is probed (`_plain_probe`). A CPU runs the forwards that follow a
-stretch of heavy GEMMs slower (2-core Sapphire Rapids, demo target, 8 one-token requests
-after their prompts' 40 ms chunks: 4.6, 4.3, 3.6, 3.1, 2.9 ms, then ~2.3-2.5; one-token
-forwards after 40 GEMMs of 512 x 384 x 4096: 2.6, 2.2, 1.5, then 1.2 ms; after reading
-200 MB instead, no slower than before): every choice pays that in those steps alike, but
-a table that learns from them prices whichever choice they happened to take. Auto-
-regression, chosen only when drafting does not pay, was timed in nothing but those steps
-at batch 8 (1.1 ms host work and 1.3 ms forward residual learned, ~0.5 and ~0.4 in steady
-steps), so ReDrafter drafted at batch 8 where its steps made ~2.5 tokens/ms against
-auto-regression's ~3.1."""
+"""Timed forwards of each calibration size in a row (the fastest is kept)."""
 
 
 @dataclass(slots=True)
@@ -592,8 +580,6 @@ class SpeculationPolicy:
     credit: float = 0.0
     """Seconds of exploration earned and not spent."""
     steps: int = 0
-    since_prefill: int = AFTER_PREFILL + 1
-    """Decoding steps since the last step that prefilled (`AFTER_PREFILL`)."""
     _measured: dict[Hashable, int] = field(default_factory=dict)
     """request (and kind of request) -> step its largest size was last measured or probed."""
     horizons: dict[str, float] = field(default_factory=dict)
@@ -822,13 +808,11 @@ class SpeculationPolicy:
         a batch of 8 sd requests at T=1, warmed up at batch 1, priced its auto-regressive
         step at 4.4 ms (the overhead's line through 1 and 2 requests) where it took ~2.6,
         drafted 3-node chains at 2.25 tokens/ms for the whole run where auto-regression
-        makes ~3, and ran 0.74x auto-regression. Steps that prefill, and the `AFTER_PREFILL`
-        steps after one, are not timed (`observe`), so it probes only in later steps. Never for one request: its
+        makes ~3, and ran 0.74x auto-regression. Steps that prefill are not timed
+        (`observe`), so the caller probes only without them. Never for one request: its
         plain forward is the engine-start table's own (timed on one request)."""
         requests = others + sum(g.count for g in batch)
         if requests == 1 or max(best.sizes) == 1 or self.forward_cost.extra.seen[requests] >= PLAIN_SAMPLES:
-            return False
-        if self.since_prefill < AFTER_PREFILL:  # this step's timing would not be learned
             return False
         plain = self._evaluate(batch, [1] * len(batch), others)
         loss = plain.seconds - plain.tokens / max(best.rate, 1e-12)
@@ -1004,7 +988,9 @@ class SpeculationPolicy:
         go in ascending order, each once untimed (a shape's first forward pays one-off
         set-up: kernel selection, allocator growth) and then `CALIBRATION_ROUNDS` times in a
         row, keeping the fastest: a few-token forward timed right after a large one is not
-        what a decoding step costs (`AFTER_PREFILL`), and visiting the sizes in turn priced
+        what a decoding step costs (a CPU runs the forwards that follow a stretch of heavy
+        GEMMs up to ~2x slower: one-token forwards after 40 GEMMs of 512 x 384 x 4096 took
+        2.6, 2.2, 1.5, then 1.2 ms; after reading 200 MB, no slower), and visiting the sizes in turn priced
         the demo target's 1-8-token forwards at 1.6-1.7 ms where a run of them takes ~1.2
         (2-core Sapphire Rapids). A forward of more tokens never costs less: the times are
         made non-decreasing by pooling (`monotone`) rather than by carrying the largest so
@@ -1045,8 +1031,7 @@ class SpeculationPolicy:
         settled = self._settled
         if settled is not None and any(o.size != settled.sizes.get(o.key) for o in stats.outcomes):
             self._settled = None  # a tree it did not choose (a probe): decide afresh
-        self.since_prefill = 0 if stats.prefill else self.since_prefill + 1
-        if self.since_prefill > AFTER_PREFILL:
+        if not stats.prefill:
             if self.forward_cost.observe(stats.num_tokens, stats.num_requests, stats.forward_seconds):
                 # a first step of its shape at this count: the decision priced it by
                 # extrapolation (a first auto-regressive step of 8 requests at 5.1 ms where it
@@ -1057,7 +1042,7 @@ class SpeculationPolicy:
                 trees = stats.num_tokens > stats.num_requests
                 (self.overhead_trees if trees else self.overhead).add(stats.num_requests, stats.overhead_seconds)
         for method, (levels, drafted, caught_up, request_levels, seconds) in stats.drafting.items():
-            if drafted and self.since_prefill > AFTER_PREFILL:
+            if drafted:
                 self._add_draft_sample(method, (levels, drafted, caught_up, request_levels), seconds)
         step: dict[tuple[Hashable, int], list[tuple[float, float]]] = {}
         gains: dict[tuple[Hashable, int], list[tuple[float, float]]] = {}

@@ -1052,24 +1052,27 @@ def test_probes_visit_sizes_that_are_not_cuts_of_each_other_in_turn() -> None:
     assert p._probe_size(dataclasses.replace(beams, exact=True), 17) is None
 
 
-def test_steps_right_after_a_prefill_teach_no_price(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`AFTER_PREFILL`: a CPU runs the steps after a prefill's heavy GEMMs slower (here 2x).
-    Those steps are nobody's price: auto-regression at 8 requests, timed only there, stood
-    ~2x its steady cost and lost every later choice. The tables learn from the steps after
-    them only; with the window at 0, the plain price is the slow steps'."""
-    world = World(a=5.0, b=0.12, c=2.0, d=0.1, alpha=0.55, h=0.8)
 
-    def plain_price(window: int) -> float:
-        monkeypatch.setattr(speculation_policy, "AFTER_PREFILL", window)
-        p = calibrated(world)
-        p.since_prefill = window + 1
-        p.observe(StepStats(800, 0.040, num_requests=8, prefill=True))
-        for t in range(window + 3):
-            slow = 2.0 if t < 4 else 1.0
-            stats = StepStats(8, slow * world.forward(8, 8), num_requests=8, overhead_seconds=slow * world.host(0))
-            p.observe(stats)
-        return p.overhead_of(8, False) + p.forward_cost(8, 8)
+def test_calibration_times_few_tokens_apart_from_the_slow_forwards_after_large_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A forward of fewer than 64 tokens within two calls of one of 64 or more runs 2x slow
+    (a CPU after heavy GEMMs). Timed in a row per size, in ascending order, every
+    size is priced at its steady cost; visiting the sizes in turn (the calibration before)
+    timed each small size right after the 128-token one and priced the demo target's
+    1-8-token forwards ~40% high."""
+    clock, last = [0.0], [0, 0]
 
-    steady = world.forward(8, 8) + world.host(0)
-    assert plain_price(4) == pytest.approx(steady, rel=1e-6)
-    assert plain_price(0) > 1.4 * steady
+    def steady(n: int) -> float:
+        return 0.001 + 0.0001 * n
+
+    def forward(n: int) -> None:
+        slow = 2.0 if n < 64 <= max(last) else 1.0
+        clock[0] += slow * steady(n)
+        last[:] = [last[1], n]
+
+    monkeypatch.setattr(speculation_policy.time, "perf_counter", lambda: clock[0])
+    p = SpeculationPolicy()
+    p.calibrate(forward, 128)
+    points = p.forward_cost.tokens.points
+    assert all(points[n] == pytest.approx(steady(n)) for n in points), points
