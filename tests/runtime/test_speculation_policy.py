@@ -1052,7 +1052,6 @@ def test_probes_visit_sizes_that_are_not_cuts_of_each_other_in_turn() -> None:
     assert p._probe_size(dataclasses.replace(beams, exact=True), 17) is None
 
 
-
 def test_calibration_times_few_tokens_apart_from_the_slow_forwards_after_large_ones(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
