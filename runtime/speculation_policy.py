@@ -161,6 +161,19 @@ CALIBRATION_SIZES = (1, 2, 3, 5, 8, 12, 17, 24, 33, 48, 64, 128)
 """Forward sizes (tokens) timed at engine start."""
 CALIBRATION_ROUNDS = 4
 """Timed forwards of each calibration size in a row (the fastest is kept)."""
+AFTER_PREFILL = 4
+"""Decoding steps after a step that prefilled in which a plain step (one token a request)
+of several requests teaches the auto-regressive tables nothing (`observe`) and is not
+probed (`_plain_probe`). After a stretch of heavy GEMMs a CPU runs the next forwards up to
+~2x slower (2-core Sapphire Rapids, 8 one-token requests after their prompts' two 40 ms
+chunks: 4.6, 4.3, 3.6, 3.1, 2.9 ms, then ~2.3-2.5). Every choice pays that alike, but
+auto-regression, chosen only where drafting does not pay, was timed in nothing but those
+steps at batch 8 and priced ~1.6x its steady cost (4.1 ms), so batches drafted at a loss.
+Steps with trees still teach theirs (a choice to draft times its own steps every step;
+dropping the slow ones left the tree residual, one per request count whatever the tree's
+size, to the first steady tree a batch drafted: at one request rsd-c at T=1 priced every
+chain by a 15-node probe and stopped drafting for good), and so do plain steps of one
+request (never probed: their forward is the calibration's own)."""
 
 
 @dataclass(slots=True)
@@ -580,6 +593,8 @@ class SpeculationPolicy:
     credit: float = 0.0
     """Seconds of exploration earned and not spent."""
     steps: int = 0
+    since_prefill: int = AFTER_PREFILL + 1
+    """Decoding steps since the last step that prefilled (`AFTER_PREFILL`)."""
     _measured: dict[Hashable, int] = field(default_factory=dict)
     """request (and kind of request) -> step its largest size was last measured or probed."""
     horizons: dict[str, float] = field(default_factory=dict)
@@ -808,11 +823,13 @@ class SpeculationPolicy:
         a batch of 8 sd requests at T=1, warmed up at batch 1, priced its auto-regressive
         step at 4.4 ms (the overhead's line through 1 and 2 requests) where it took ~2.6,
         drafted 3-node chains at 2.25 tokens/ms for the whole run where auto-regression
-        makes ~3, and ran 0.74x auto-regression. Steps that prefill are not timed
-        (`observe`), so the caller probes only without them. Never for one request: its
+        makes ~3, and ran 0.74x auto-regression. Steps that prefill, and the `AFTER_PREFILL`
+        steps after one, teach it nothing (`observe`), so it probes only in later steps. Never for one request: its
         plain forward is the engine-start table's own (timed on one request)."""
         requests = others + sum(g.count for g in batch)
         if requests == 1 or max(best.sizes) == 1 or self.forward_cost.extra.seen[requests] >= PLAIN_SAMPLES:
+            return False
+        if self.since_prefill < AFTER_PREFILL:  # its timing would not be learned
             return False
         plain = self._evaluate(batch, [1] * len(batch), others)
         loss = plain.seconds - plain.tokens / max(best.rate, 1e-12)
@@ -1031,7 +1048,9 @@ class SpeculationPolicy:
         settled = self._settled
         if settled is not None and any(o.size != settled.sizes.get(o.key) for o in stats.outcomes):
             self._settled = None  # a tree it did not choose (a probe): decide afresh
-        if not stats.prefill:
+        self.since_prefill = 0 if stats.prefill else self.since_prefill + 1
+        steady = self.since_prefill > AFTER_PREFILL or stats.num_requests == 1
+        if not stats.prefill and (stats.num_tokens > stats.num_requests or steady):
             if self.forward_cost.observe(stats.num_tokens, stats.num_requests, stats.forward_seconds):
                 # a first step of its shape at this count: the decision priced it by
                 # extrapolation (a first auto-regressive step of 8 requests at 5.1 ms where it

@@ -1075,3 +1075,32 @@ def test_calibration_times_few_tokens_apart_from_the_slow_forwards_after_large_o
     p.calibrate(forward, 128)
     points = p.forward_cost.tokens.points
     assert all(points[n] == pytest.approx(steady(n)) for n in points), points
+
+
+def test_plain_steps_right_after_a_prefill_teach_no_price(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`AFTER_PREFILL`: a CPU runs the steps after a prefill's heavy GEMMs slower (here 2x).
+    Auto-regression at 8 requests, timed only there, stood ~2x its steady cost and lost
+    every later choice: its tables learn from the steps after them only (with the window
+    at 0, the slow price stands). Steps with trees, and plain steps of one request, still
+    teach theirs."""
+    world = World(a=5.0, b=0.12, c=2.0, d=0.1, alpha=0.55, h=0.8)
+
+    def after_prefill(window: int, requests: int, tokens: int) -> SpeculationPolicy:
+        monkeypatch.setattr(speculation_policy, "AFTER_PREFILL", window)
+        p = calibrated(world)
+        p.since_prefill = window + 1
+        p.observe(StepStats(800, 0.040, num_requests=requests, prefill=True))
+        for t in range(window + 3):
+            slow = 2.0 if t < 4 else 1.0
+            forward = slow * world.forward(tokens, requests)
+            p.observe(StepStats(tokens, forward, num_requests=requests, overhead_seconds=slow * world.host(0)))
+        return p
+
+    def plain_price(p: SpeculationPolicy, requests: int) -> float:
+        return p.overhead_of(requests, False) + p.forward_cost(requests, requests)
+
+    steady = world.forward(8, 8) + world.host(0)
+    assert plain_price(after_prefill(4, 8, 8), 8) == pytest.approx(steady, rel=1e-6)
+    assert plain_price(after_prefill(0, 8, 8), 8) > 1.4 * steady
+    assert after_prefill(4, 1, 1).forward_cost.extra.seen[1] == 7  # one request: every step
+    assert after_prefill(4, 8, 40).forward_cost.extra_trees.seen[8] == 7  # trees: every step
