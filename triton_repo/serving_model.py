@@ -113,7 +113,7 @@ class SpecpipeModel:
         self.stall_timeout_s = float(params["stall_timeout_s"])
         self.stream_interval_s = float(params.get("stream_interval_ms") or 0.0) / 1e3
         self.unsent: dict[Stream, None] = {}
-        """Streams holding deltas not sent yet, oldest first (response thread only)."""
+        """Streams holding deltas not sent yet (response thread only; a dict: ordered, O(1) removal)."""
         self.metrics = ServingMetrics(pb_utils)
         self.step_started: float | None = None
         """When the step now running began (None between steps): a stall shows here."""
@@ -289,8 +289,8 @@ class SpecpipeModel:
         """How long the response thread may wait for events: until the first held delta is due."""
         if not self.unsent:
             return POLL_SECONDS
-        first = next(iter(self.unsent))  # the oldest response of those holding deltas
-        return min(max(first.sent_at + self.stream_interval_s - time.perf_counter(), 0.0), POLL_SECONDS)
+        due = min(stream.sent_at for stream in self.unsent) + self.stream_interval_s
+        return min(max(due - time.perf_counter(), 0.0), POLL_SECONDS)
 
     def _flush(self) -> None:
         """Send the held deltas of every stream whose last response is `stream_interval_ms` old."""
@@ -366,6 +366,9 @@ class SpecpipeModel:
         self.unsent.pop(stream, None)
         assert delta.finish_reason is not None and delta.stats is not None
         if delta.error is not None:
+            if stream.parsed.stream and (delta.text or delta.log_probs):  # text held back goes out before the error
+                streamed = replace(delta, finish_reason=None, stats=None)
+                stream.sender.send(self._response(stream, delta.text, streamed, delta.log_probs))
             response = self.pb.InferenceResponse(
                 output_tensors=[], error=self.pb.TritonError(delta.error, self.pb.TritonError.INTERNAL)
             )
