@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.engine_dir import EngineConfig
-from triton_repo.repository import PROJECT_ROOT, ServingConfig
+from triton_repo.repository import PROJECT_ROOT, STREAM_INTERVAL_MS, ServingConfig
 
 PERF_VENV = Path(os.environ.get("SPECPIPE_PERF_VENV", PROJECT_ROOT / ".venv-perf"))
 """Where `make perf-tools` installs the NVIDIA clients."""
@@ -323,7 +323,8 @@ def _with_server(args: argparse.Namespace, work: Path, body: Callable[[str], int
 
     if args.url:
         return body(args.url)
-    with TritonServer(ServingConfig(engine_dir=args.engine), work / "triton") as server:
+    config = ServingConfig(engine_dir=args.engine, stream_interval_ms=args.stream_interval_ms)
+    with TritonServer(config, work / "triton") as server:
         print(f"serving {args.engine} on gRPC {server.grpc_url}", flush=True)
         return body(server.grpc_url)
 
@@ -337,6 +338,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("tool", choices=["genai-perf", "perf-analyzer"])
     ap.add_argument("--engine", type=Path, default=PROJECT_ROOT / "engines" / "demo-redrafter")
     ap.add_argument("--url", help="gRPC host:port of a running server (default: start one for --engine)")
+    ap.add_argument(
+        "--stream-interval-ms",
+        type=float,
+        default=STREAM_INTERVAL_MS,
+        help="the started server's least ms between a request's streamed responses; 0: one per engine step "
+        "(default: %(default)s)",
+    )
     ap.add_argument("--out", type=Path, help="artifact directory (default: benchmarks/results/<tool>/)")
     ap.add_argument("--requests", type=int, default=24, help="requests measured (default: %(default)s)")
     ap.add_argument("--concurrency", type=int, default=2, help="genai-perf: requests in flight (default: %(default)s)")
