@@ -829,7 +829,7 @@ class SpeculationPolicy:
         requests = others + sum(g.count for g in batch)
         if requests == 1 or max(best.sizes) == 1 or self.forward_cost.extra.seen[requests] >= PLAIN_SAMPLES:
             return False
-        if self.since_prefill < AFTER_PREFILL:  # its timing would not be learned
+        if not self._learns_plain(self.since_prefill + 1, requests):  # the coming step
             return False
         plain = self._evaluate(batch, [1] * len(batch), others)
         loss = plain.seconds - plain.tokens / max(best.rate, 1e-12)
@@ -930,6 +930,12 @@ class SpeculationPolicy:
         capped at one step, or at the loss of the probe it saves for (None: no probe can run)."""
         cap = seconds if probe_loss is None else max(seconds, probe_loss)
         return min(self.credit + PROBE_SHARE * seconds, cap)
+
+    @staticmethod
+    def _learns_plain(since_prefill: int, requests: int) -> bool:
+        """Whether a plain step of `requests` requests, `since_prefill` decoding steps after
+        the last step that prefilled, teaches the auto-regressive tables (`AFTER_PREFILL`)."""
+        return since_prefill > AFTER_PREFILL or requests == 1
 
     def _evaluate(self, batch: list[_Group], sizes: list[int], others: int) -> _Choice:
         tokens, nodes, requests = 0.0, float(others), others
@@ -1049,8 +1055,8 @@ class SpeculationPolicy:
         if settled is not None and any(o.size != settled.sizes.get(o.key) for o in stats.outcomes):
             self._settled = None  # a tree it did not choose (a probe): decide afresh
         self.since_prefill = 0 if stats.prefill else self.since_prefill + 1
-        steady = self.since_prefill > AFTER_PREFILL or stats.num_requests == 1
-        if not stats.prefill and (stats.num_tokens > stats.num_requests or steady):
+        trees = stats.num_tokens > stats.num_requests
+        if not stats.prefill and (trees or self._learns_plain(self.since_prefill, stats.num_requests)):
             if self.forward_cost.observe(stats.num_tokens, stats.num_requests, stats.forward_seconds):
                 # a first step of its shape at this count: the decision priced it by
                 # extrapolation (a first auto-regressive step of 8 requests at 5.1 ms where it
@@ -1058,7 +1064,6 @@ class SpeculationPolicy:
                 # chains ran ~10% faster)
                 self._settled = None
             if stats.overhead_seconds is not None:
-                trees = stats.num_tokens > stats.num_requests
                 (self.overhead_trees if trees else self.overhead).add(stats.num_requests, stats.overhead_seconds)
         for method, (levels, drafted, caught_up, request_levels, seconds) in stats.drafting.items():
             if drafted:
