@@ -47,7 +47,8 @@ SOURCES = [
     )
 ]
 HEADERS = [
-    Path(__file__).parent / "csrc" / name for name in ("fp32_linear.h", "int8_linear.h", "lanes.h", "llama_loops.h")
+    Path(__file__).parent / "csrc" / name
+    for name in ("fp32_linear.h", "int8_linear.h", "inverse_cdf.h", "lanes.h", "llama_loops.h")
 ]
 """Headers the sources include: part of the build's hash like the sources."""
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]

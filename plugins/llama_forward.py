@@ -75,6 +75,13 @@ def _fake_chain_level(tokens: Tensor, positions: Tensor, slots: list[Tensor], em
     return embed.new_empty((tokens.shape[0], embed.shape[0]))
 
 
+def _fake_sampled_chain(
+    first: Tensor, starts: Tensor, slots: list[Tensor], levels: list[int], *rest: Any
+) -> tuple[Tensor, Tensor]:
+    most = max(levels, default=0)
+    return starts.new_empty((first.shape[0], most)), first.new_empty((first.shape[0], most + 1, first.shape[1]))
+
+
 def _fake_target(tokens: Tensor, positions: Tensor, slots: Tensor, *rest: Any) -> tuple[Tensor, Tensor]:
     logits_indices, embed = rest[5], rest[6]
     hidden = embed.new_empty((tokens.shape[0], embed.shape[1]))
@@ -268,6 +275,28 @@ class Int8DraftLM(_Op[Tensor]):
         Only where `takes_chain_level()`."""
         return torch.ops.specpipe_cpu.draft_lm_chain_level(
             torch.tensor(tokens), torch.tensor(positions), slots, *self.model_arguments(cache)
+        )
+
+    def sampled_chain(
+        self,
+        first: Tensor,
+        starts: list[int],
+        slots: list[Tensor],
+        levels: list[int],
+        temperatures: list[float],
+        uniforms: Tensor,
+        cache: PagedKVCache,
+    ) -> tuple[Tensor, Tensor] | None:
+        """`specpipe_cpu::draft_lm_sampled_chain`: sampled chains, every level in one call.
+        Request i draws `levels[i]` tokens, level j from softmax(logits / `temperatures[i]`)
+        at `uniforms[i, j]` (level 0's logits `first[i]`, the next ones those after feeding
+        each draw at `starts[i]` + j). Returns the draws `[B, max(levels)]` and their laws
+        `[B, max(levels) + 1, V]` (row 0 zeros: the root's), or None where the op does not
+        take the step (as `__call__`)."""
+        if self.stands_aside() or not cpu_kernels.load_with_fake("draft_lm_sampled_chain", _fake_sampled_chain):
+            return None
+        return torch.ops.specpipe_cpu.draft_lm_sampled_chain(
+            first, torch.tensor(starts), slots, levels, temperatures, uniforms, *self.model_arguments(cache)
         )
 
 

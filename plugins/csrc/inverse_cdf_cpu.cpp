@@ -15,24 +15,12 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <vector>
 
-namespace {
+#include "inverse_cdf.h"
 
-int64_t draw_row(const float* p, double u, int64_t V, std::vector<double>& cdf) {
-  double total = 0.0;
-  for (int64_t i = 0; i < V; ++i) {
-    total += static_cast<double>(p[i]);
-    cdf[i] = total;
-  }
-  const int64_t token = std::upper_bound(cdf.begin(), cdf.end(), u * total) - cdf.begin();  // searchsorted, right=True
-  if (token < V) return token;
-  int64_t last = V - 1;  // u * total rounded up to the total: the last token with mass
-  while (last > 0 && !(p[last] > 0.0f)) --last;
-  return last;
-}
+namespace {
 
 at::Tensor inverse_cdf(const at::Tensor& probs, const at::Tensor& u) {
   TORCH_CHECK(probs.device().is_cpu() && probs.scalar_type() == at::kFloat && probs.dim() == 2 && probs.is_contiguous(),
@@ -47,7 +35,7 @@ at::Tensor inverse_cdf(const at::Tensor& probs, const at::Tensor& u) {
   int64_t* t = tokens.data_ptr<int64_t>();
   at::parallel_for(0, M, 2, [&](int64_t begin, int64_t end) {
     std::vector<double> cdf(V);
-    for (int64_t m = begin; m < end; ++m) t[m] = draw_row(p + m * V, up[m], V, cdf);
+    for (int64_t m = begin; m < end; ++m) t[m] = specpipe::draw_row(p + m * V, up[m], V, cdf);
   });
   return tokens;
 }

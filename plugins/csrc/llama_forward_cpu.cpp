@@ -31,6 +31,7 @@
 
 #include "fp32_linear.h"
 #include "int8_linear.h"
+#include "inverse_cdf.h"
 #include "llama_loops.h"
 
 namespace {
@@ -274,6 +275,72 @@ at::Tensor draft_lm_chain_level(const at::Tensor& tokens, const at::Tensor& posi
   return model.level(slots, active, fed, pos);
 }
 
+// A draft LM's sampled chains (SD at temperature > 0, RSD-C's and RSD-S's chains), every
+// level in one call. Level j of request b: its law q = softmax(logits / temperatures[b]) (the
+// warp `runtime.sampling.target_probs` makes of a temperature alone: the same ATen ops, so
+// the same bits), a draw from q at the uniform uniforms[b][j] (`specpipe::draw_row`, what
+// `runtime.gumbel.draw_rows` draws), and, while j + 1 < levels[b], the draw fed at position
+// starts[b] + j for the next level's logits. Level 0's logits are `first` (the root's, rows
+// in request order). Returns the draws [B, max(levels)] (-1 past a request's levels) and
+// the laws [B, max(levels) + 1, V]: row j + 1 the law draw j came from, row 0 (the root,
+// not drawn) zeros, so request b's first levels[b] + 1 rows are its tree's `draft_probs`.
+// What it saves is the Python of the level loop it replaces (`rsd._sampled_chains`): per
+// level the metadata, the warp, the draw and the device-to-host read.
+std::tuple<at::Tensor, at::Tensor> draft_lm_sampled_chain(
+    const at::Tensor& first, const at::Tensor& starts, at::TensorList slots, at::IntArrayRef levels,
+    at::ArrayRef<double> temperatures, const at::Tensor& uniforms, const at::Tensor& embed,
+    const at::Tensor& inv_freq, double rope_scale, at::TensorList norms, at::TensorList weights,
+    at::TensorList blocked, at::TensorList scales, at::TensorList sums, at::TensorList k_cache,
+    at::TensorList v_cache, const at::Tensor& final_norm, int64_t num_heads, double eps) {
+  const specpipe::Int8Linears linear = int8_linears(weights, blocked, scales, sums, k_cache.size());
+  const int64_t B = starts.size(0);
+  TORCH_CHECK(first.dim() == 2 && first.size(0) == B && first.scalar_type() == at::kFloat,
+              "first must be the roots' fp32 logits [B, V]");
+  TORCH_CHECK(starts.dim() == 1 && starts.scalar_type() == at::kLong && starts.is_contiguous() &&
+                  static_cast<int64_t>(levels.size()) == B && static_cast<int64_t>(temperatures.size()) == B,
+              "starts dense [B] int64, one level count and one temperature per request");
+  check_chain_slots(slots, B);
+  const int64_t* start = starts.data_ptr<int64_t>();
+  int64_t most = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(levels[b] >= 1 && start[b] >= 0 && start[b] + levels[b] - 1 <= slots[b].size(0),
+                "request ", b, " drafts no level, or feeds positions past the slots its blocks cover");
+    TORCH_CHECK(temperatures[b] > 0.0, "request ", b, " has no sampling law (temperature ", temperatures[b], ")");
+    most = std::max(most, levels[b]);
+  }
+  TORCH_CHECK(uniforms.dim() == 2 && uniforms.size(0) == B && uniforms.size(1) >= most &&
+                  uniforms.scalar_type() == at::kDouble && uniforms.is_contiguous(),
+              "uniforms must be dense float64 [B, max(levels)]");
+  const ChainModel model{linear, embed, inv_freq, rope_scale, norms, k_cache, v_cache, final_norm, num_heads, eps};
+  const int64_t V = first.size(1);
+  at::Tensor drawn = at::full({B, most}, -1, starts.options());
+  at::Tensor laws = at::zeros({B, most + 1, V}, first.options());
+  const double* u = uniforms.data_ptr<double>();
+  std::vector<double> cdf(V);
+  std::vector<int64_t> active(B);
+  for (int64_t b = 0; b < B; ++b) active[b] = b;
+  at::Tensor logits = first.contiguous();
+  for (int64_t j = 0; j < most; ++j) {
+    std::vector<int64_t> going, fed, pos;
+    for (size_t i = 0; i < active.size(); ++i) {
+      const int64_t b = active[i];
+      const at::Tensor q = at::softmax(logits[static_cast<int64_t>(i)].div(temperatures[b]), -1);  // [V]
+      laws[b][j + 1].copy_(q);
+      const int64_t token = specpipe::draw_row(q.data_ptr<float>(), u[b * uniforms.size(1) + j], V, cdf);
+      drawn.data_ptr<int64_t>()[b * most + j] = token;
+      if (j + 1 < levels[b]) {
+        going.push_back(b);
+        fed.push_back(token);
+        pos.push_back(start[b] + j);
+      }
+    }
+    if (going.empty()) break;
+    logits = model.level(slots, going, fed, pos);
+    active = std::move(going);
+  }
+  return {drawn, laws};
+}
+
 // The products of an fp32 target: `fp32_linear.h`'s kernel on the `block16` copies up to
 // `small_m` rows, oneDNN's blocked copies (`mkldnn::_linear_pointwise`) above, as
 // `model_defs.llama.Linear` chooses.
@@ -327,6 +394,11 @@ TORCH_LIBRARY_FRAGMENT(specpipe_cpu, m) {
       "float rope_scale, Tensor[] norms, Tensor[] weights, Tensor[] blocked, Tensor[] scales, Tensor[] sums, "
       "Tensor(a!)[] k_cache, Tensor(b!)[] v_cache, Tensor final_norm, int num_heads, float eps) -> Tensor");
   m.def(
+      "draft_lm_sampled_chain(Tensor first, Tensor starts, Tensor[] slots, int[] levels, float[] temperatures, "
+      "Tensor uniforms, Tensor embed, Tensor inv_freq, float rope_scale, Tensor[] norms, Tensor[] weights, "
+      "Tensor[] blocked, Tensor[] scales, Tensor[] sums, Tensor(a!)[] k_cache, Tensor(b!)[] v_cache, "
+      "Tensor final_norm, int num_heads, float eps) -> (Tensor, Tensor)");
+  m.def(
       "target_forward(Tensor tokens, Tensor positions, Tensor slots, Tensor[] query_index, Tensor[] key_slots, "
       "Tensor[] mask, Tensor[] valid, Tensor[] rows, Tensor logits_indices, Tensor embed, Tensor inv_freq, "
       "float rope_scale, Tensor[] norms, Tensor[] packed, Tensor[] small, int[] out_features, int small_m, "
@@ -337,6 +409,7 @@ TORCH_LIBRARY_IMPL(specpipe_cpu, CPU, m) {
   m.impl("draft_lm_forward", &draft_lm_forward);
   m.impl("draft_lm_chain", &draft_lm_chain);
   m.impl("draft_lm_chain_level", &draft_lm_chain_level);
+  m.impl("draft_lm_sampled_chain", &draft_lm_sampled_chain);
   m.impl("target_forward", &target_forward);
 }
 

@@ -58,6 +58,11 @@ class RNNLevels:
     def chain(self, tokens: list[int], levels: list[int]) -> list[list[int]] | None:
         return None  # the RNN's levels are a few small products each: drafted level by level
 
+    def sampled_chain(
+        self, first: torch.Tensor, levels: list[int], temperatures: list[float], uniforms: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None
+
     def chains(self) -> bool:
         return False
 
@@ -134,6 +139,20 @@ class DraftLMLevels:
             return None
         starts = [r.num_computed + 1 for r in self.requests]
         return self.fused.chain(tokens, starts, self.slots, levels, self.cache)
+
+    @torch.inference_mode()
+    def sampled_chain(
+        self, first: torch.Tensor, levels: list[int], temperatures: list[float], uniforms: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Sampled chains from `first` (`first()`'s logits): request i draws `levels[i]`
+        tokens, level j from softmax(logits / `temperatures[i]`) at `uniforms[i, j]`, each
+        draw fed at position context + 1 + j for the next level. The draws `[B, max(levels)]`
+        and their laws `[B, max(levels) + 1, V]` (row 0 zeros) in one C++ call
+        (`Int8DraftLM.sampled_chain`); None where that does not apply."""
+        if self.fused is None:
+            return None
+        starts = [r.num_computed + 1 for r in self.requests]
+        return self.fused.sampled_chain(first, starts, self.slots, levels, temperatures, uniforms, self.cache)
 
     @torch.inference_mode()  # as `chain_level` runs (the op stands aside under autograd)
     def chains(self) -> bool:

@@ -308,3 +308,54 @@ def test_a_chain_level_is_a_draft_lm_forward_step() -> None:
         want = fused(step.tokens, step.positions, step.slots, step.attention, step.logits_indices, reference)
     assert want is not None and torch.equal(got, want) and not torch.equal(late, got)
     assert torch.equal(cache.kv, reference.kv)
+
+
+def test_the_sampled_chain_is_its_levels_drawn_one_at_a_time() -> None:
+    """`specpipe_cpu::draft_lm_sampled_chain` (sampled chains, every level in one call) draws
+    the tokens, returns the laws and writes the K/V of its levels taken one at a time in
+    Python: each level's law the one definition of a warp (`target_probs` at the request's
+    temperature), its draw `inverse_cdf_rows` at the request's uniform, the next level one
+    `draft_lm_chain_level`; bit for bit, for requests of different temperatures and
+    depths. Fed one position late (RoPE and the keys one slot off), other draws or laws."""
+    from runtime.sampling import SamplingParams, inverse_cdf_rows, target_probs
+
+    model = draft_lm()
+    fused = Int8DraftLM.of(model)
+    assert fused is not None
+    contexts, levels, roots = [9, 30, 17], [4, 1, 6], [3, 7, 11]
+    temperatures = [1.0, 0.6, 1.7]
+    cache = prefilled(model, contexts)
+    reference = copy_of(cache)
+    table = [slots(r, SPAN) for r in range(len(contexts))]
+    uniforms = torch.rand(len(roots), max(levels), dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        first = fused.chain_level(roots, contexts, table, cache)  # the roots' logits (what `first()` gives)
+        reference.kv.copy_(cache.kv)
+        starts = [c + 1 for c in contexts]
+        result = fused.sampled_chain(first, starts, table, levels, temperatures, uniforms, cache)
+        assert result is not None
+        drawn, laws = result
+        late_starts = [s + 1 for s in starts]
+        late = fused.sampled_chain(first, late_starts, table, levels, temperatures, uniforms, copy_of(cache))
+        assert late is not None
+        want_tokens: list[list[int]] = [[] for _ in roots]
+        want_laws = torch.zeros_like(laws)
+        active, logits = list(range(len(roots))), first
+        for j in range(max(levels)):
+            probs = torch.cat([target_probs(logits[k : k + 1], SamplingParams(temperature=temperatures[r]))
+                               for k, r in enumerate(active)])  # fmt: skip
+            tokens = inverse_cdf_rows(probs, uniforms[active, j]).tolist()
+            for k, (r, token) in enumerate(zip(active, tokens, strict=True)):
+                want_tokens[r].append(token)
+                want_laws[r, j + 1] = probs[k]
+            going = [k for k, r in enumerate(active) if j + 1 < levels[r]]
+            if not going:
+                break
+            active = [active[k] for k in going]
+            fed = [tokens[k] for k in going]
+            logits = fused.chain_level(fed, [starts[r] + j for r in active], [table[r] for r in active], reference)
+    assert [row[:n] for row, n in zip(drawn.tolist(), levels, strict=True)] == want_tokens
+    assert all(row[n:] == [-1] * (max(levels) - n) for row, n in zip(drawn.tolist(), levels, strict=True))
+    assert torch.equal(laws, want_laws)
+    assert torch.equal(cache.kv, reference.kv)
+    assert not (torch.equal(late[0], drawn) and torch.equal(late[1], laws))

@@ -60,6 +60,9 @@ class NodeLogits:
     def chain(self, tokens: list[int], levels: list[int]) -> None:
         return None  # level by level: the tree-building code under test
 
+    def sampled_chain(self, first: torch.Tensor, levels: list[int], t: list[float], u: torch.Tensor) -> None:
+        return None
+
     def chains(self) -> bool:
         return False
 

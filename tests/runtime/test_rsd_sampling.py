@@ -19,6 +19,7 @@ from plugins.int8_linear import vectorized
 from plugins.llama_forward import Int8DraftLM
 from runtime import verify
 from runtime.proposers import rsd
+from runtime.proposers.level_drafters import DraftLMLevels
 from runtime.sampling import SamplingParams
 from tests import toy_sampling
 from tests.device import TEST_DEVICE
@@ -70,10 +71,11 @@ def test_rsd_with_an_int8_draft_lm_follows_target_distribution() -> None:
 
 @pytest.mark.skipif(TEST_DEVICE != "cpu" or not vectorized(), reason="the draft LM's C++ chain op runs on the CPU")
 def test_sampled_chains_a_level_per_call_follow_target_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
-    """sd through an int8 draft LM drafts its chains a level per C++ call
-    (`rsd._sampled_chains`, `specpipe_cpu::draft_lm_chain_level`): the output is still the
-    target's law. Test of the test: the same chains with each level's likeliest token in
-    place of a draw (verified as if drawn) are rejected."""
+    """sd through an int8 draft LM, under a top-p warp (which the one-call op does not
+    take), drafts its chains a level per C++ call (`rsd._sampled_chains`,
+    `specpipe_cpu::draft_lm_chain_level`): the output is still the target's law. Test of
+    the test: the same chains with each level's likeliest token in place of a draw
+    (verified as if drawn) are rejected."""
     chained = []
     real = rsd._sampled_chains
     monkeypatch.setattr(rsd, "_sampled_chains", lambda *a: chained.append(1) or real(*a))
@@ -81,8 +83,36 @@ def test_sampled_chains_a_level_per_call_follow_target_distribution(monkeypatch:
     law = toy_sampling.exact_first_three(engine.model, PARAMS)
     counts = toy_sampling.emitted_first_three(engine, PARAMS, "sd")
     assert chained and passes_chi_square(counts, law), chi_square(counts, law)
-    monkeypatch.setattr(rsd, "draw_rows", lambda probs, gens: probs.argmax(-1))
+    monkeypatch.setattr(rsd, "inverse_cdf_rows", lambda probs, u: probs.argmax(-1))
     assert not passes_chi_square(toy_sampling.emitted_first_three(engine, PARAMS, "sd"), law)
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu" or not vectorized(), reason="the draft LM's C++ chain op runs on the CPU")
+def test_sampled_chains_in_one_call_follow_target_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sd through an int8 draft LM at a temperature alone drafts each step's chains in one
+    C++ call (`specpipe_cpu::draft_lm_sampled_chain`: warp, draw and next level inside):
+    the output is still the target's law. Test of the test: the same op fed uniforms of 0
+    (each level's first token of non-zero mass, verified as if drawn) is rejected."""
+    params = SamplingParams(temperature=0.9)
+    calls = []
+    real = DraftLMLevels.sampled_chain
+
+    def counted(self: DraftLMLevels, *args: object) -> object:
+        out = real(self, *args)  # type: ignore[arg-type]
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(DraftLMLevels, "sampled_chain", counted)
+    engine = toy_sampling.toy_engine("draft-lm", SETTINGS, int8=True)
+    law = toy_sampling.exact_first_three(engine.model, params)
+    counts = toy_sampling.emitted_first_three(engine, params, "sd")
+    assert calls and all(calls) and passes_chi_square(counts, law), chi_square(counts, law)
+
+    def at_zero(self: DraftLMLevels, first: torch.Tensor, levels: list[int], t: list[float], u: torch.Tensor) -> object:
+        return real(self, first, levels, t, torch.zeros_like(u))
+
+    monkeypatch.setattr(DraftLMLevels, "sampled_chain", at_zero)
+    assert not passes_chi_square(toy_sampling.emitted_first_three(engine, params, "sd"), law)
 
 
 def test_unnormalised_draft_law_fails_the_same_test(monkeypatch: pytest.MonkeyPatch) -> None:

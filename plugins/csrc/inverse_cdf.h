@@ -1,0 +1,30 @@
+// One draw by inverse CDF, shared by `specpipe_cpu::inverse_cdf` (inverse_cdf_cpu.cpp) and
+// the draft LM's sampled chains (llama_forward_cpu.cpp), so both draw the same token from
+// the same row and uniform, bit for bit.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace specpipe {
+
+// The token i of `p [V]` (non-negative, not necessarily normalised) with
+// cdf[i-1] <= u * total < cdf[i], the running sums in fp64 in the order torch's cumsum
+// takes (so the same sums to the bit); where u * total rounds up to the total, the last
+// token of non-zero probability. `cdf` is scratch of at least V entries.
+inline int64_t draw_row(const float* p, double u, int64_t V, std::vector<double>& cdf) {
+  double total = 0.0;
+  for (int64_t i = 0; i < V; ++i) {
+    total += static_cast<double>(p[i]);
+    cdf[i] = total;
+  }
+  const auto end = cdf.begin() + V;
+  const int64_t token = std::upper_bound(cdf.begin(), end, u * total) - cdf.begin();  // searchsorted, right=True
+  if (token < V) return token;
+  int64_t last = V - 1;  // u * total rounded up to the total: the last token with mass
+  while (last > 0 && !(p[last] > 0.0f)) --last;
+  return last;
+}
+
+}  // namespace specpipe
