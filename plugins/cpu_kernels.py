@@ -44,6 +44,7 @@ SOURCES = [
         "token_info_top_k_cpu.cpp",
         "argmax_rows_cpu.cpp",
         "fp32_linear_cpu.cpp",
+        "chain_verify_cpu.cpp",
     )
 ]
 HEADERS = [

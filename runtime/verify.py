@@ -31,6 +31,7 @@ README notes that "might not give the exact distribution match", so it is not us
 from __future__ import annotations
 
 import itertools
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,6 +39,8 @@ import torch
 import torch.nn.functional as F
 
 from plugins.argmax_rows import greedy_tokens
+from plugins.chain_verify import kernel_applies as chain_kernel_applies
+from plugins.chain_verify import verify_chains
 from runtime.sampling import SamplingParams, inverse_cdf_rows, target_probs, target_probs_rows, uniform
 from runtime.tree import DraftTree, children_lists
 
@@ -135,22 +138,72 @@ def accept_sampled_batch(
     over all their rows. The bonus tokens of every tree are one `inverse_cdf_rows` over the
     batch's final laws, each at the uniform its request drew after its walk: what `sample`
     draws row by row, bit for bit (its cumulative sums run along each row), for ~80 us at
-    batch 8 instead of ~260 (8 calls of ~5 ATen ops each)."""
+    batch 8 instead of ~260 (8 calls of ~5 ATen ops each).
+
+    Chains at a temperature alone (sd's, rsd-c's and rsd-s's cuts, one-beam ReDrafter trees
+    at T > 0) are walked in one C++ call for the batch instead (`_chains_in_one_call`), with
+    the same uniforms, laws, tests and draws, so the same tokens."""
     if not trees:
         return []
     alone = [i for i, t in enumerate(trees) if len(t.tokens) == 1]
     roots = iter(target_probs_rows(torch.cat([logits[i] for i in alone]), [params[i] for i in alone]) if alone else ())
-    tables = _tree_laws(trees, logits, params)
-    walks: list[tuple[list[int], torch.Tensor]] = []  # per tree: its accepted path, the law its bonus is drawn from
+    done = _chains_in_one_call(trees, logits, params, generators)
+    tables = _tree_laws(trees, logits, params, skip=done)
+    walked = [i for i in range(len(trees)) if i not in done]
+    walks: dict[
+        int, tuple[list[int], torch.Tensor]
+    ] = {}  # per tree: its accepted path, the law its bonus is drawn from
     draws = []
-    for i, (tree, rows, prm, gen) in enumerate(zip(trees, logits, params, generators, strict=True)):
-        walks.append(([0], next(roots)) if len(tree.tokens) == 1 else _walk_tree(tree, rows, prm, gen, tables.get(i)))
+    for i in walked:
+        tree, rows, prm, gen = trees[i], logits[i], params[i], generators[i]
+        walks[i] = ([0], next(roots)) if len(tree.tokens) == 1 else _walk_tree(tree, rows, prm, gen, tables.get(i))
         draws.append(uniform(gen, rows.device))  # after the walk's node uniforms, as `sample` would
-    bonus = inverse_cdf_rows(torch.stack([q for _, q in walks]), torch.stack(draws)).tolist()
-    return [
-        Acceptance(path, [*(tree.tokens[c] for c in path[1:]), token])
-        for tree, (path, _), token in zip(trees, walks, bonus, strict=True)
-    ]
+    if walked:
+        bonus = inverse_cdf_rows(torch.stack([walks[i][1] for i in walked]), torch.stack(draws)).tolist()
+        for i, token in zip(walked, bonus, strict=True):
+            path = walks[i][0]
+            done[i] = Acceptance(path, [*(trees[i].tokens[c] for c in path[1:]), token])
+    return [done[i] for i in range(len(trees))]
+
+
+def _temperature_alone(params: SamplingParams) -> bool:
+    """Whether the warp is a temperature alone (no top-k or top-p: no sort of the row)."""
+    return not params.top_k and params.top_p >= 1.0
+
+
+def _is_chain(tree: DraftTree) -> bool:
+    """A tree of one node a depth (packed: node c's parent is c - 1), more than the root."""
+    return len(tree.tokens) > 1 and len(tree.tokens) == max(tree.depths) + 1
+
+
+def _chains_in_one_call(
+    trees: list[DraftTree], logits: list[torch.Tensor], params: list[SamplingParams], generators: list[torch.Generator]
+) -> dict[int, Acceptance]:
+    """The acceptance of every chain whose warp is a temperature alone, in one C++ call
+    (`plugins/chain_verify.py`: the walk's laws, tests and draw, bit for bit, without its
+    Python), by tree index; none where the kernel does not apply. Each request's uniforms
+    are drawn as its walk draws them: one a draft, then the bonus's."""
+    chosen = [i for i, t in enumerate(trees) if _is_chain(t) and _temperature_alone(params[i])]
+    if not chosen or not chain_kernel_applies([logits[i] for i in chosen]):
+        return {}
+    uniforms, bonus_uniforms = [], []
+    for i in chosen:
+        gen, device = generators[i], logits[i].device
+        uniforms.append(torch.rand(len(trees[i].tokens) - 1, generator=gen, device=device))
+        bonus_uniforms.append(uniform(gen, device))
+    found = verify_chains(
+        [logits[i] for i in chosen],
+        [trees[i].draft_probs if trees[i].sampled else None for i in chosen],
+        [trees[i].tokens for i in chosen],
+        [params[i].temperature for i in chosen],
+        uniforms,
+        torch.stack(bonus_uniforms),
+    )
+    assert found is not None  # the kernel applies (checked above)
+    return {
+        i: Acceptance(list(range(n + 1)), [*trees[i].tokens[1 : n + 1], token])
+        for i, n, token in zip(chosen, *found, strict=True)
+    }
 
 
 @dataclass
@@ -167,7 +220,11 @@ class _Laws:
 
 
 def _tree_laws(
-    trees: list[DraftTree], logits: list[torch.Tensor], params: list[SamplingParams], chains_only: bool = True
+    trees: list[DraftTree],
+    logits: list[torch.Tensor],
+    params: list[SamplingParams],
+    chains_only: bool = True,
+    skip: Collection[int] = (),
 ) -> dict[int, _Laws]:
     """Every node's laws of the chains (by index) whose warp is a temperature alone, in one
     softmax and one read to the host for the batch, where the walk computed them
@@ -177,14 +234,12 @@ def _tree_laws(
     visits about half of a chain's nodes at T=1, a quarter of a branching tree's, whose
     table costs more than its walk (~12 us a row: rsd-c's 15-node trees at batch 8
     verified in 3.1 ms with it, 2.3 without); top-k/top-p warps sort every row.
-    `chains_only=False` tables every tree (the walk over siblings is tested through it)."""
+    `chains_only=False` tables every tree (the walk over siblings is tested through it);
+    trees in `skip` are accepted elsewhere (`_chains_in_one_call`)."""
     chosen = [
         i
         for i, t in enumerate(trees)
-        if len(t.tokens) > 1
-        and (len(t.tokens) == max(t.depths) + 1 or not chains_only)
-        and not params[i].top_k
-        and params[i].top_p >= 1.0
+        if i not in skip and len(t.tokens) > 1 and (_is_chain(t) or not chains_only) and _temperature_alone(params[i])
     ]
     if not chosen:
         return {}

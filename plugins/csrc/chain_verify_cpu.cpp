@@ -1,0 +1,113 @@
+// specpipe_cpu::verify_sampled_chains: recursive rejection sampling down chains (one child a
+// node) whose warp is a temperature alone, every chain of a step in one call;
+// plugins/chain_verify.py has the contract, and the walk it replaces (runtime/verify.py:
+// `_walk_tree` over `_tree_laws`'s laws) is its reference (tests/plugins/test_chain_verify.py:
+// the same accepted paths and bonus tokens, bit for bit).
+//
+// Chain b, target logits [N, V] at its nodes, draft laws p [N, V] (row 0 the root's; absent:
+// every draft a point mass, p = delta_x), temperature T, one uniform u_c a node (fp32, as
+// `torch.rand` draws them) and one for the bonus (fp64):
+//   q = softmax(logits[0] / T)                                  the target law at the root
+//   for c = 1 .. N-1: x = token c
+//     accept c if u_c < min(1, q(x) / p_c(x))                  (RSD eq. 3; fp32 quotient)
+//       then q = softmax(logits[c] / T)
+//     else q = norm([q - p_c]^+) and stop                       (RSD eq. 4: c had no sibling)
+//   bonus = inverse CDF of q at the bonus uniform               (`specpipe::draw_row`)
+// The laws are the same ATen ops on the same rows as the Python walk's, so the same bits; what
+// it saves is the walk's Python (~0.25 ms a step for one chain of five drafts) and the laws
+// of nodes past the first rejection, which the walk's table computed anyway.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+#include "inverse_cdf.h"
+
+namespace {
+
+// `runtime.verify.residual`: norm([q - p]^+), or q where nothing is left (q == p).
+at::Tensor residual(const at::Tensor& q, const at::Tensor& p) {
+  const at::Tensor positive = (q - p).clamp_min(0.0);
+  const at::Tensor mass = positive.sum(-1, true);
+  return at::where(mass > 0, positive / mass.clamp_min(std::numeric_limits<float>::min()), q);
+}
+
+// `runtime.verify.host_acceptance`: min(1, q(x) / p(x)) as fp32, the quotient taken in fp64
+// and rounded once (the correctly rounded fp32 quotient).
+double acceptance(float qx, float px) {
+  const double quotient = static_cast<double>(qx) / std::max(static_cast<double>(px),
+                                                              static_cast<double>(std::numeric_limits<float>::min()));
+  return std::min(1.0, static_cast<double>(static_cast<float>(quotient)));
+}
+
+std::tuple<at::Tensor, at::Tensor> verify_sampled_chains(at::TensorList logits, at::TensorList laws,
+                                                         at::TensorList tokens, at::ArrayRef<double> temperatures,
+                                                         at::TensorList uniforms, const at::Tensor& bonus_uniforms) {
+  const int64_t B = static_cast<int64_t>(logits.size());
+  TORCH_CHECK(static_cast<int64_t>(laws.size()) == B && static_cast<int64_t>(tokens.size()) == B &&
+                  static_cast<int64_t>(temperatures.size()) == B && static_cast<int64_t>(uniforms.size()) == B,
+              "one logits, laws, tokens, temperature and uniforms entry per chain");
+  TORCH_CHECK(bonus_uniforms.dim() == 1 && bonus_uniforms.size(0) == B &&
+                  bonus_uniforms.scalar_type() == at::kDouble && bonus_uniforms.is_contiguous(),
+              "bonus_uniforms must be dense float64 [", B, "]");
+  at::Tensor accepted = at::zeros({B}, bonus_uniforms.options().dtype(at::kLong));
+  at::Tensor bonus = at::empty({B}, accepted.options());
+  const double* bonus_u = bonus_uniforms.data_ptr<double>();
+  std::vector<double> cdf;
+  for (int64_t b = 0; b < B; ++b) {
+    const at::Tensor& rows = logits[b];
+    TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == at::kFloat && rows.device().is_cpu(),
+                "chain ", b, ": logits must be fp32 CPU [N, V]");
+    const int64_t N = rows.size(0), V = rows.size(1);
+    const bool drawn = laws[b].numel() > 0;  // else point masses
+    TORCH_CHECK(!drawn || (laws[b].sizes() == rows.sizes() && laws[b].scalar_type() == at::kFloat),
+                "chain ", b, ": draft laws must be fp32 [N, V] like its logits (or empty: point masses)");
+    TORCH_CHECK(tokens[b].dim() == 1 && tokens[b].size(0) == N && tokens[b].scalar_type() == at::kLong &&
+                    tokens[b].is_contiguous(),
+                "chain ", b, ": tokens must be dense int64 [N]");
+    TORCH_CHECK(uniforms[b].dim() == 1 && uniforms[b].size(0) == N - 1 && uniforms[b].scalar_type() == at::kFloat &&
+                    uniforms[b].is_contiguous(),
+                "chain ", b, ": one fp32 uniform a draft, [N - 1]");
+    TORCH_CHECK(temperatures[b] > 0.0, "chain ", b, " has no sampling law (temperature ", temperatures[b], ")");
+    const int64_t* tok = tokens[b].data_ptr<int64_t>();
+    const float* u = uniforms[b].data_ptr<float>();
+    at::Tensor q = at::softmax(rows[0].div(temperatures[b]), -1);
+    int64_t c = 1;
+    for (; c < N; ++c) {
+      const int64_t x = tok[c];
+      TORCH_CHECK(x >= 0 && x < V, "chain ", b, ": token ", x, " is out of the vocabulary");
+      const at::Tensor p = drawn ? laws[b][c] : at::Tensor();
+      const float px = drawn ? p.data_ptr<float>()[x] : 1.0f;
+      if (static_cast<double>(u[c - 1]) < acceptance(q.data_ptr<float>()[x], px)) {
+        q = at::softmax(rows[c].div(temperatures[b]), -1);
+        continue;
+      }
+      at::Tensor point;
+      if (!drawn) {
+        point = at::zeros({V}, q.options());
+        point.data_ptr<float>()[x] = 1.0f;
+      }
+      q = residual(q, drawn ? p : point);
+      break;
+    }
+    accepted.data_ptr<int64_t>()[b] = c - 1;
+    const at::Tensor law = q.contiguous();
+    cdf.resize(V);
+    bonus.data_ptr<int64_t>()[b] = specpipe::draw_row(law.data_ptr<float>(), bonus_u[b], V, cdf);
+  }
+  return {accepted, bonus};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specpipe_cpu, m) {
+  m.def(
+      "verify_sampled_chains(Tensor[] logits, Tensor[] laws, Tensor[] tokens, float[] temperatures, "
+      "Tensor[] uniforms, Tensor bonus_uniforms) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(specpipe_cpu, CPU, m) { m.impl("verify_sampled_chains", &verify_sampled_chains); }
