@@ -710,14 +710,19 @@ class LevelTreeProposer(Proposer):
         return not params.beamed or params.beam_width == 1
 
     def cost_paths(self, params: TreeSpec) -> list[str]:
-        """rsd-s's chains are drawn (`draft_rsd_trees`), its wider trees beam-searched, a
-        level of a beam costing more (a log and a beam step). Fitted together (levels,
-        nodes), a batch-1 step of its 5-node chain was predicted at 8.0 ms where it took
-        6.65, and load-aware rsd-s drafted 17-node beams at 1.45x auto-regression where
-        chains ran 1.76x. One path for the others."""
-        if not params.stochastic or not params.beamed:
+        """Chains (the `ladder`'s first `length` trees) are drafted apart from the wider
+        trees: on a draft LM every level of a batch's chains in one C++ call (greedy:
+        `_greedy_chains`; sampled at a temperature alone: `_sampled_chains`), ~0.2 ms a
+        level at batch 1, where a wider tree's level goes through `extend` and the tree code
+        (rsd-s's through a beam step too), each costing more a level. Fitted together
+        (levels, nodes), the two mispriced each other: a batch-1 step of rsd-s's 5-node chain
+        was predicted at 8.0 ms where it took 6.65, and load-aware rsd-s drafted 17-node
+        beams at 1.45x auto-regression where chains ran 1.76x; rsd-c at T=1 priced its 15-
+        and 9-node trees at 3.6-4.9 ms where they took 5.1-6.5, and its chains ~0.3 ms high.
+        One path where the ladder is chains alone (sd), or its beams are deterministic."""
+        if not params.stochastic or len(params.ladder) == params.length:
             return super().cost_paths(params)
-        return ["", *("chains" if tree.beam_width == 1 else "" for tree, _ in params.ladder)]
+        return ["", *("chains" if k < params.length else "" for k in range(len(params.ladder)))]
 
     def draft_cost_samples(self, method: str) -> dict[str, list[DraftCall]]:
         """A draft LM's drafting timed at engine start, for 1 and 8 requests of `CONTEXTS`
