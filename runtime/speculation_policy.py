@@ -140,6 +140,13 @@ HORIZON_EMA = 0.2
 PLAIN_SAMPLES = 3
 """Timings of a request count's auto-regressive step (forward residual and host overhead)
 below which a batch that drafts spends its exploration credit on plain steps (`_plain_probe`)."""
+PLAIN_EVERY = 32
+"""Steps after which a batch that drafts re-times its plain step (`_plain_probe`, paid from
+the exploration credit like the first `PLAIN_SAMPLES`), as trees are re-probed
+(`PROBE_EVERY`): a plain price set by a slow burst (a neighbour's load, a CPU slowed by
+heavy GEMMs) is otherwise never corrected by a choice that then never picks it. One run
+of load-aware Lyanna at batch 8, T=0 drafted 3-node trees in ~20% of its request-steps
+and ran 0.83x auto-regression, where four reruns drafted none and ran 0.96-0.98x."""
 DINKELBACH_ROUNDS = 3
 RECHOOSE_EVERY = 16
 """Steps a settled all-auto-regressive decision stands while nothing is drafted (at 8, its
@@ -335,15 +342,16 @@ class ForwardCost:
     def calibrate(self, n: int, seconds: float) -> None:
         self.tokens.add(n, seconds)
 
-    def observe(self, n: int, requests: int, seconds: float) -> bool:
-        """Learn a live forward's timing; whether it is the first of its shape (trees or one
-        token per request) at this request count (until then, `residual` extrapolated)."""
+    def observe(self, n: int, requests: int, seconds: float, probe: bool = False) -> bool:
+        """Learn a live forward's timing (a plain `probe`'s: `ByRequests.add`); whether it is
+        the first of its shape (trees or one token per request) at this request count
+        (until then, `residual` extrapolated)."""
         table = self.extra_trees if n > requests else self.extra
         first = requests not in table
         if not self.tokens.points:  # never calibrated (a cost fit learning from live steps only)
             self.tokens.add(n, seconds)
             return first
-        table.add(requests, seconds - self.tokens(n))
+        table.add(requests, seconds - self.tokens(n), probe)
         return first
 
 
@@ -355,14 +363,20 @@ class ByRequests(dict[int, float]):
         super().__init__()
         self.seen: Counter[int] = Counter()
 
-    def add(self, requests: int, seconds: float) -> None:
+    def add(self, requests: int, seconds: float, probe: bool = False) -> None:
         """A new timing for `requests`: the mean of its timings so far, then a decayed mean
-        (weight `FORWARD_EMA`). Taken with that weight from the second timing on, a count's
+        (weight `FORWARD_EMA`); a `probe`'s (`_plain_probe`) below the value replaces it
+        (`PLAIN_EVERY`: taken at its decayed weight, four re-timings 32 steps apart brought
+        a price doubled by a burst down to where auto-regression won, 130 steps of drafting
+        at a loss; one above it only adds like any other). Taken with that weight from the second timing on, a count's
         first timing weighed ~80% for several more: the first steps after a batch's prefill
         run slow (a 2-core Sapphire Rapids: 8 one-token requests 3.0, 2.9, 2.5, 2.2 ms, then
         ~1.9), so the first auto-regressive timing of 8 requests stood ~50% high."""
         self.seen[requests] += 1
         old = self.get(requests, 0.0)
+        if probe and requests in self and seconds < old:
+            self[requests] = seconds
+            return
         self[requests] = old + max(FORWARD_EMA, 1.0 / self.seen[requests]) * (seconds - old)
 
 
@@ -595,6 +609,10 @@ class SpeculationPolicy:
     steps: int = 0
     since_prefill: int = AFTER_PREFILL + 1
     """Decoding steps since the last step that prefilled (`AFTER_PREFILL`)."""
+    _plain_timed: dict[int, int] = field(default_factory=dict)
+    """request count -> step its plain step was last learned (`PLAIN_EVERY`)."""
+    _plain_probing: bool = False
+    """The coming step is a plain probe (`_plain_probe`; its timing counts as `ByRequests.add` says)."""
     _measured: dict[Hashable, int] = field(default_factory=dict)
     """request (and kind of request) -> step its largest size was last measured or probed."""
     horizons: dict[str, float] = field(default_factory=dict)
@@ -816,7 +834,8 @@ class SpeculationPolicy:
         """Whether this step goes auto-regressive instead of drafting `best`, to time the
         plain step of this request count: while that price rests on fewer than
         `PLAIN_SAMPLES` timings (`ByRequests.seen` of its forward residual; its host overhead
-        is timed in the same steps), paid from the exploration credit like any probe.
+        is timed in the same steps), and again once it was last timed `PLAIN_EVERY` steps
+        ago, paid from the exploration credit like any probe.
         Until then it is extrapolated from other counts or from a batch's first, slow
         steps, and a price set too high is never corrected by a choice that then never
         picks it: on a 2-core Sapphire Rapids
@@ -827,7 +846,10 @@ class SpeculationPolicy:
         steps after one, teach it nothing (`observe`), so it probes only in later steps. Never for one request: its
         plain forward is the engine-start table's own (timed on one request)."""
         requests = others + sum(g.count for g in batch)
-        if requests == 1 or max(best.sizes) == 1 or self.forward_cost.extra.seen[requests] >= PLAIN_SAMPLES:
+        if requests == 1 or max(best.sizes) == 1:
+            return False
+        timed = self.forward_cost.extra.seen[requests] >= PLAIN_SAMPLES
+        if timed and self.steps - self._plain_timed.get(requests, self.steps) < PLAIN_EVERY:
             return False
         if not self._learns_plain(self.since_prefill + 1, requests):  # the coming step
             return False
@@ -837,6 +859,7 @@ class SpeculationPolicy:
             return False
         self.credit -= max(loss, 0.0)
         self.plain_probes += 1
+        self._plain_probing = True
         return True
 
     def _probe(
@@ -1056,15 +1079,18 @@ class SpeculationPolicy:
             self._settled = None  # a tree it did not choose (a probe): decide afresh
         self.since_prefill = 0 if stats.prefill else self.since_prefill + 1
         trees = stats.num_tokens > stats.num_requests
+        probe, self._plain_probing = self._plain_probing and not trees, False
         if not stats.prefill and (trees or self._learns_plain(self.since_prefill, stats.num_requests)):
-            if self.forward_cost.observe(stats.num_tokens, stats.num_requests, stats.forward_seconds):
+            if not trees:
+                self._plain_timed[stats.num_requests] = self.steps
+            if self.forward_cost.observe(stats.num_tokens, stats.num_requests, stats.forward_seconds, probe):
                 # a first step of its shape at this count: the decision priced it by
                 # extrapolation (a first auto-regressive step of 8 requests at 5.1 ms where it
                 # took ~7; standing 16 steps on it, sd at T=1 stayed auto-regressive where
                 # chains ran ~10% faster)
                 self._settled = None
             if stats.overhead_seconds is not None:
-                (self.overhead_trees if trees else self.overhead).add(stats.num_requests, stats.overhead_seconds)
+                (self.overhead_trees if trees else self.overhead).add(stats.num_requests, stats.overhead_seconds, probe)
         for method, (levels, drafted, caught_up, request_levels, seconds) in stats.drafting.items():
             if drafted:
                 self._add_draft_sample(method, (levels, drafted, caught_up, request_levels), seconds)
