@@ -24,6 +24,7 @@ from torch import nn
 
 from model_defs.redrafter import ReDrafter
 from plugins.beam_packing import pack, unpacked
+from plugins.redrafter_beam_search import int8_beam_search
 from runtime.block_manager import BlockManager
 from runtime.cuda_graphs import BUCKETS, CapturedCalls, GraphLimits, bucket_of
 from runtime.loaded_engine import LoadedEngine
@@ -128,6 +129,12 @@ def draft_trees(
     rows = len(bonus)
     roots = torch.tensor(bonus, device=hidden.device)
     if graphs is None and width == 1 and not with_dists:
+        # the C++ search straight (`beam_search`'s own first step, less its argument checks
+        # and the beams' concatenation: ~25 us of a ~0.5 ms search)
+        fast = int8_beam_search(drafter, embed, hidden, roots, 1, length)
+        if fast is not None:
+            drafts = fast[0][:, 0].tolist()
+            return [DraftTree.chain([root, *d], budgets=True) for root, d in zip(bonus, drafts, strict=True)]
         beams = beam_search(drafter, embed, hidden, roots, 1, length, False).beams[:, 0].tolist()
         return [DraftTree.chain(beam, budgets=True) for beam in beams]
     padded = None if graphs is None or with_dists else bucket_of(rows)
