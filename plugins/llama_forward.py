@@ -76,10 +76,10 @@ def _fake_chain_level(tokens: Tensor, positions: Tensor, slots: list[Tensor], em
 
 
 def _fake_sampled_chain(
-    first: Tensor, starts: Tensor, slots: list[Tensor], levels: list[int], *rest: Any
+    first: Tensor | None, roots: Tensor | None, starts: Tensor, slots: list[Tensor], levels: list[int], *rest: Any
 ) -> tuple[Tensor, Tensor]:
-    most = max(levels, default=0)
-    return starts.new_empty((first.shape[0], most)), first.new_empty((first.shape[0], most + 1, first.shape[1]))
+    most, b, embed = max(levels, default=0), starts.shape[0], rest[2]
+    return starts.new_empty((b, most)), embed.new_empty((b, most + 1, embed.shape[0]))
 
 
 def _fake_target(tokens: Tensor, positions: Tensor, slots: Tensor, *rest: Any) -> tuple[Tensor, Tensor]:
@@ -279,7 +279,8 @@ class Int8DraftLM(_Op[Tensor]):
 
     def sampled_chain(
         self,
-        first: Tensor,
+        first: Tensor | None,
+        roots: list[int] | None,
         starts: list[int],
         slots: list[Tensor],
         levels: list[int],
@@ -289,14 +290,15 @@ class Int8DraftLM(_Op[Tensor]):
     ) -> tuple[Tensor, Tensor] | None:
         """`specpipe_cpu::draft_lm_sampled_chain`: sampled chains, every level in one call.
         Request i draws `levels[i]` tokens, level j from softmax(logits / `temperatures[i]`)
-        at `uniforms[i, j]` (level 0's logits `first[i]`, the next ones those after feeding
-        each draw at `starts[i]` + j). Returns the draws `[B, max(levels)]` and their laws
-        `[B, max(levels) + 1, V]` (row 0 zeros: the root's), or None where the op does not
-        take the step (as `__call__`)."""
+        at `uniforms[i, j]` (level 0's logits `first[i]`, or those of `roots[i]` fed at
+        `starts[i]` - 1; the next ones those after feeding each draw at `starts[i]` + j).
+        Returns the draws `[B, max(levels)]` and their laws `[B, max(levels) + 1, V]` (row 0
+        zeros: the root's), or None where the op does not take the step (as `__call__`)."""
         if self.stands_aside() or not cpu_kernels.load_with_fake("draft_lm_sampled_chain", _fake_sampled_chain):
             return None
+        fed = None if roots is None else torch.tensor(roots)
         return torch.ops.specpipe_cpu.draft_lm_sampled_chain(
-            first, torch.tensor(starts), slots, levels, temperatures, uniforms, *self.model_arguments(cache)
+            first, fed, torch.tensor(starts), slots, levels, temperatures, uniforms, *self.model_arguments(cache)
         )
 
 

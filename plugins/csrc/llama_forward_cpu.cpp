@@ -280,22 +280,27 @@ at::Tensor draft_lm_chain_level(const at::Tensor& tokens, const at::Tensor& posi
 // warp `runtime.sampling.target_probs` makes of a temperature alone: the same ATen ops, so
 // the same bits), a draw from q at the uniform uniforms[b][j] (`specpipe::draw_row`, what
 // `runtime.gumbel.draw_rows` draws), and, while j + 1 < levels[b], the draw fed at position
-// starts[b] + j for the next level's logits. Level 0's logits are `first` (the root's, rows
-// in request order). Returns the draws [B, max(levels)] (-1 past a request's levels) and
+// starts[b] + j for the next level's logits. Level 0's logits are `first` (the roots', rows
+// in request order), or, given `roots`, those of the roots fed at starts[b] - 1 (a chain
+// level, as `draft_lm_chain_level` feeds them). Returns the draws [B, max(levels)] (-1 past a request's levels) and
 // the laws [B, max(levels) + 1, V]: row j + 1 the law draw j came from, row 0 (the root,
 // not drawn) zeros, so request b's first levels[b] + 1 rows are its tree's `draft_probs`.
 // What it saves is the Python of the level loop it replaces (`rsd._sampled_chains`): per
 // level the metadata, the warp, the draw and the device-to-host read.
 std::tuple<at::Tensor, at::Tensor> draft_lm_sampled_chain(
-    const at::Tensor& first, const at::Tensor& starts, at::TensorList slots, at::IntArrayRef levels,
+    const std::optional<at::Tensor>& first, const std::optional<at::Tensor>& roots, const at::Tensor& starts, at::TensorList slots, at::IntArrayRef levels,
     at::ArrayRef<double> temperatures, const at::Tensor& uniforms, const at::Tensor& embed,
     const at::Tensor& inv_freq, double rope_scale, at::TensorList norms, at::TensorList weights,
     at::TensorList blocked, at::TensorList scales, at::TensorList sums, at::TensorList k_cache,
     at::TensorList v_cache, const at::Tensor& final_norm, int64_t num_heads, double eps) {
   const specpipe::Int8Linears linear = int8_linears(weights, blocked, scales, sums, k_cache.size());
   const int64_t B = starts.size(0);
-  TORCH_CHECK(first.dim() == 2 && first.size(0) == B && first.scalar_type() == at::kFloat,
+  TORCH_CHECK(first.has_value() != roots.has_value(), "give the roots' logits (first) or the roots, not both");
+  TORCH_CHECK(!first || (first->dim() == 2 && first->size(0) == B && first->scalar_type() == at::kFloat),
               "first must be the roots' fp32 logits [B, V]");
+  TORCH_CHECK(!roots || (roots->dim() == 1 && roots->size(0) == B && roots->scalar_type() == at::kLong &&
+                         roots->is_contiguous()),
+              "roots must be dense int64 [B]");
   TORCH_CHECK(starts.dim() == 1 && starts.scalar_type() == at::kLong && starts.is_contiguous() &&
                   static_cast<int64_t>(levels.size()) == B && static_cast<int64_t>(temperatures.size()) == B,
               "starts dense [B] int64, one level count and one temperature per request");
@@ -303,7 +308,7 @@ std::tuple<at::Tensor, at::Tensor> draft_lm_sampled_chain(
   const int64_t* start = starts.data_ptr<int64_t>();
   int64_t most = 0;
   for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(levels[b] >= 1 && start[b] >= 0 && start[b] + levels[b] - 1 <= slots[b].size(0),
+    TORCH_CHECK(levels[b] >= 1 && start[b] >= 1 && start[b] + levels[b] - 1 <= slots[b].size(0),
                 "request ", b, " drafts no level, or feeds positions past the slots its blocks cover");
     TORCH_CHECK(temperatures[b] > 0.0, "request ", b, " has no sampling law (temperature ", temperatures[b], ")");
     most = std::max(most, levels[b]);
@@ -312,14 +317,22 @@ std::tuple<at::Tensor, at::Tensor> draft_lm_sampled_chain(
                   uniforms.scalar_type() == at::kDouble && uniforms.is_contiguous(),
               "uniforms must be dense float64 [B, max(levels)]");
   const ChainModel model{linear, embed, inv_freq, rope_scale, norms, k_cache, v_cache, final_norm, num_heads, eps};
-  const int64_t V = first.size(1);
-  at::Tensor drawn = at::full({B, most}, -1, starts.options());
-  at::Tensor laws = at::zeros({B, most + 1, V}, first.options());
-  const double* u = uniforms.data_ptr<double>();
-  std::vector<double> cdf(V);
   std::vector<int64_t> active(B);
   for (int64_t b = 0; b < B; ++b) active[b] = b;
-  at::Tensor logits = first.contiguous();
+  at::Tensor logits;
+  if (first) {
+    logits = first->contiguous();
+  } else {
+    const int64_t* r = roots->data_ptr<int64_t>();
+    std::vector<int64_t> fed(r, r + B), pos(B);
+    for (int64_t b = 0; b < B; ++b) pos[b] = start[b] - 1;
+    logits = model.level(slots, active, fed, pos);
+  }
+  const int64_t V = logits.size(1);
+  at::Tensor drawn = at::full({B, most}, -1, starts.options());
+  at::Tensor laws = at::zeros({B, most + 1, V}, logits.options());
+  const double* u = uniforms.data_ptr<double>();
+  std::vector<double> cdf(V);
   for (int64_t j = 0; j < most; ++j) {
     std::vector<int64_t> going, fed, pos;
     for (size_t i = 0; i < active.size(); ++i) {
@@ -394,7 +407,7 @@ TORCH_LIBRARY_FRAGMENT(specpipe_cpu, m) {
       "float rope_scale, Tensor[] norms, Tensor[] weights, Tensor[] blocked, Tensor[] scales, Tensor[] sums, "
       "Tensor(a!)[] k_cache, Tensor(b!)[] v_cache, Tensor final_norm, int num_heads, float eps) -> Tensor");
   m.def(
-      "draft_lm_sampled_chain(Tensor first, Tensor starts, Tensor[] slots, int[] levels, float[] temperatures, "
+      "draft_lm_sampled_chain(Tensor? first, Tensor? roots, Tensor starts, Tensor[] slots, int[] levels, float[] temperatures, "
       "Tensor uniforms, Tensor embed, Tensor inv_freq, float rope_scale, Tensor[] norms, Tensor[] weights, "
       "Tensor[] blocked, Tensor[] scales, Tensor[] sums, Tensor(a!)[] k_cache, Tensor(b!)[] v_cache, "
       "Tensor final_norm, int num_heads, float eps) -> (Tensor, Tensor)");

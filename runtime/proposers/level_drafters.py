@@ -55,13 +55,16 @@ class RNNLevels:
         self.states[r, n] = s
         return self.drafter.logits(self.hidden[r], s)
 
-    def chain(self, tokens: list[int], levels: list[int]) -> list[list[int]] | None:
+    def chain(self, tokens: list[int], levels: list[int], at_root: bool = False) -> list[list[int]] | None:
         return None  # the RNN's levels are a few small products each: drafted level by level
 
     def sampled_chain(
-        self, first: torch.Tensor, levels: list[int], temperatures: list[float], uniforms: torch.Tensor
+        self, first: torch.Tensor | None, levels: list[int], temperatures: list[float], uniforms: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None
+
+    def feeds_roots(self) -> bool:
+        return False
 
     def chains(self) -> bool:
         return False
@@ -109,18 +112,48 @@ class DraftLMLevels:
                 return logits
         return forward(self.model, self.cache, step, self.graphs).logits[0]
 
-    def first(self) -> torch.Tensor:
-        """Every request's catch-up and root in one forward."""
-        tokens: list[int] = []
-        positions: list[int] = []
-        segments, rows = [], []
-        block_size = self.blocks.block_size
-        self.slots = []
+    def _catch_up(self) -> list[int]:
+        """Per request, the first position its catch-up feeds (its root sits at
+        `num_computed`); looks up the requests' slots (`slots`) on the first call."""
+        if not self.slots:
+            block_size = self.blocks.block_size
+            self.slots = [
+                self.blocks.slots(r.request_id, 0, len(self.blocks.table(r.request_id)) * block_size)
+                for r in self.requests
+            ]
+        return [min(r.draft_state or 0, r.num_computed) for r in self.requests]
+
+    def feeds_roots(self) -> bool:
+        """Whether chains may start at the roots (`chain` / `sampled_chain` from the roots,
+        in place of `first`): every request's catch-up is its root alone (its cache caught
+        up: the steady state of a request that drafts) and the draft LM's C++ chain ops run.
+        Fed as a chain level, the roots give the logits and K/V `first`'s forward gives, bit
+        for bit, without its metadata built in Python (~0.1 ms a step at batch 1)."""
+        starts = self._catch_up()
+        return all(start == r.num_computed for start, r in zip(starts, self.requests, strict=True)) and self.chains()
+
+    def _roots_fed(self) -> list[int]:
+        """`first`'s bookkeeping for a call that feeds the roots itself: each request's cache
+        then holds everything up to its root. The roots' positions."""
+        self._catch_up()
         for r in self.requests:
+            r.draft_state = r.num_computed + 1
+        return [r.num_computed for r in self.requests]
+
+    @torch.inference_mode()
+    def first(self) -> torch.Tensor:
+        """Every request's catch-up and root in one forward; as one chain level
+        (`chain_level_at`) where `feeds_roots`."""
+        if self.feeds_roots():
+            positions = self._roots_fed()
+            rows = list(range(len(self.requests)))
+            return self.chain_level_at(rows, [r.tokens[r.num_computed] for r in self.requests], positions)
+        starts = self._catch_up()
+        tokens: list[int] = []
+        positions = []
+        segments, rows = [], []
+        for r, start, slots in zip(self.requests, starts, self.slots, strict=True):
             context = r.num_computed  # the root (pending token) sits at position `context`
-            start = min(r.draft_state or 0, context)
-            slots = self.blocks.slots(r.request_id, 0, len(self.blocks.table(r.request_id)) * block_size)
-            self.slots.append(slots)
             segments.append(Segment(len(tokens), start, slots[: context + 1]))
             tokens += r.tokens[start : context + 1]
             positions += range(start, context + 1)
@@ -129,30 +162,36 @@ class DraftLMLevels:
         return self._run(tokens, positions, segments, rows)
 
     @torch.inference_mode()
-    def chain(self, tokens: list[int], levels: list[int]) -> list[list[int]] | None:
+    def chain(self, tokens: list[int], levels: list[int], at_root: bool = False) -> list[list[int]] | None:
         """Greedy chains on from `tokens` (each request's first draft, node 1 of its tree,
-        after `first`): request i's node j is fed at position context + j, seeing its whole
-        cache up to there, for j = 1 .. `levels[i]`; returns the argmax after each (request
-        i's next `levels[i]` drafts). Every level in one C++ call (`Int8DraftLM.chain`); None
-        where that does not apply (the caller goes on level by level)."""
+        after `first`; `at_root`: its root, in place of `first`, where `feeds_roots`):
+        request i's node j is fed at position context + j, seeing its whole cache up to
+        there, for j = 1 .. `levels[i]` (from the root: j = 0 .. `levels[i]` - 1); returns the
+        argmax after each (request i's next `levels[i]` drafts). Every level in one C++ call
+        (`Int8DraftLM.chain`); None where that does not apply (the caller goes on level by level)."""
         if self.fused is None:
             return None
-        starts = [r.num_computed + 1 for r in self.requests]
+        starts = self._roots_fed() if at_root else [r.num_computed + 1 for r in self.requests]
         return self.fused.chain(tokens, starts, self.slots, levels, self.cache)
 
     @torch.inference_mode()
     def sampled_chain(
-        self, first: torch.Tensor, levels: list[int], temperatures: list[float], uniforms: torch.Tensor
+        self, first: torch.Tensor | None, levels: list[int], temperatures: list[float], uniforms: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Sampled chains from `first` (`first()`'s logits): request i draws `levels[i]`
-        tokens, level j from softmax(logits / `temperatures[i]`) at `uniforms[i, j]`, each
-        draw fed at position context + 1 + j for the next level. The draws `[B, max(levels)]`
-        and their laws `[B, max(levels) + 1, V]` (row 0 zeros) in one C++ call
+        """Sampled chains from `first` (`first()`'s logits; None: from the roots, fed as the
+        op's first level, where `feeds_roots`): request i draws `levels[i]` tokens, level j
+        from softmax(logits / `temperatures[i]`) at `uniforms[i, j]`, each draw fed at
+        position context + 1 + j for the next level. The draws `[B, max(levels)]` and their
+        laws `[B, max(levels) + 1, V]` (row 0 zeros) in one C++ call
         (`Int8DraftLM.sampled_chain`); None where that does not apply."""
         if self.fused is None:
             return None
+        roots = None
+        if first is None:
+            self._roots_fed()
+            roots = [r.tokens[r.num_computed] for r in self.requests]
         starts = [r.num_computed + 1 for r in self.requests]
-        return self.fused.sampled_chain(first, starts, self.slots, levels, temperatures, uniforms, self.cache)
+        return self.fused.sampled_chain(first, roots, starts, self.slots, levels, temperatures, uniforms, self.cache)
 
     @torch.inference_mode()  # as `chain_level` runs (the op stands aside under autograd)
     def chains(self) -> bool:
@@ -166,8 +205,12 @@ class DraftLMLevels:
         position context + depth, seeing its whole cache up to there; logits `[len(rows), V]`
         in one C++ call (`Int8DraftLM.chain_level`), without `extend`'s tree masks, segments
         and level bookkeeping. Only where `chains()`."""
+        return self.chain_level_at(rows, tokens, [self.requests[r].num_computed + depth for r in rows])
+
+    @torch.inference_mode()
+    def chain_level_at(self, rows: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """`chain_level` with each fed token's position given."""
         assert self.fused is not None
-        positions = [self.requests[r].num_computed + depth for r in rows]
         return self.fused.chain_level(tokens, positions, [self.slots[r] for r in rows], self.cache)
 
     def extend(self, rows: list[int], parents: list[int], nodes: list[int], tokens: list[int]) -> torch.Tensor:

@@ -225,16 +225,22 @@ class LevelDrafter(Protocol):
         every request, parents already fed; returns [M, V] draft logits for their children."""
         ...
 
-    def chain(self, tokens: list[int], levels: list[int]) -> list[list[int]] | None:
-        """Greedy chains on from `tokens` (each request's first draft, after `first`): request
-        i's next `levels[i]` drafts, each the argmax after the one before, in one call; None
-        where the drafter has no such call (the caller goes level by level)."""
+    def chain(self, tokens: list[int], levels: list[int], at_root: bool = False) -> list[list[int]] | None:
+        """Greedy chains on from `tokens` (each request's first draft, after `first`; `at_root`:
+        its root, in place of `first`, where `feeds_roots`): request i's next `levels[i]`
+        drafts, each the argmax after the token before, in one call; None where the drafter
+        has no such call (the caller goes level by level)."""
+        ...
+
+    def feeds_roots(self) -> bool:
+        """Whether chains may start at the roots (`chain`, `sampled_chain`) in place of `first`."""
         ...
 
     def sampled_chain(
-        self, first: torch.Tensor, levels: list[int], temperatures: list[float], uniforms: torch.Tensor
+        self, first: torch.Tensor | None, levels: list[int], temperatures: list[float], uniforms: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Sampled chains on from `first` (`first()`'s logits), every level in one call: request
+        """Sampled chains on from `first` (`first()`'s logits; None: from the roots, where
+        `feeds_roots`), every level in one call: request
         i's `levels[i]` draws, level j from its temperature's warp at `uniforms[i, j]`; the
         draws `[B, max(levels)]` and their laws `[B, max(levels) + 1, V]` (row 0 zeros).
         None where the drafter has no such call (the caller goes level by level)."""
@@ -313,9 +319,6 @@ def draft_rsd_trees(
     frontier = [[0] for _ in roots]  # per request, the nodes the logits rows are for, in order
     levels: list[torch.Tensor] = []  # [M, V] probabilities of each level, rows request by request
     stored = 0  # rows in `levels`
-    logits = drafter.first()  # [B, V]
-    scores = torch.zeros(len(roots), dtype=torch.float64, device=logits.device)  # beams: path log-prob per row
-    gumbels = torch.zeros_like(scores)  # rsd-s: perturbed value per row
     sampled = [spec.stochastic and not p.greedy for p in params]
     # one stochastic beam is a chain of draws: each level's Gumbel-top-1 of its one path is
     # a draw from q (greedy: its argmax), so rsd-s's chains are sd's, drafted as sd drafts
@@ -325,10 +328,17 @@ def draft_rsd_trees(
     ranked = not beamed and not any(sampled)  # only ranks: the logits' order is the law's
     lengths = lengths or [spec.length] * len(roots)
     one_child = set(branching[: max(lengths)]) == {1}  # chains: sd, and rsd-c's / rsd-s's cuts
-    if ranked and one_child and (chains := _greedy_chains(drafter, logits, lengths)):
+    at_root = one_child and not beamed and drafter.feeds_roots()  # chains fed from the roots: no `first`
+    if ranked and at_root and (chains := drafter.chain(roots, lengths, at_root=True)) is not None:
         return [DraftTree.chain([root, *chain]) for root, chain in zip(roots, chains, strict=True)]
     if not beamed and all(sampled) and one_child and drafter.chains():
-        return _sampled_chains(drafter, logits, roots, params, generators, lengths)  # every gens[i] is generators[i]
+        first = None if at_root else drafter.first()
+        return _sampled_chains(drafter, first, roots, params, generators, lengths)  # every gens[i] is generators[i]
+    logits = drafter.first()  # [B, V]
+    if ranked and one_child and (chains := _greedy_chains(drafter, logits, lengths)):
+        return [DraftTree.chain([root, *chain]) for root, chain in zip(roots, chains, strict=True)]
+    scores = torch.zeros(len(roots), dtype=torch.float64, device=logits.device)  # beams: path log-prob per row
+    gumbels = torch.zeros_like(scores)  # rsd-s: perturbed value per row
     for depth in range(max(lengths)):
         counts = [len(f) for f in frontier]
         probs = None if ranked else draft_probs(logits, [params[i] for i, c in enumerate(counts) for _ in range(c)])
@@ -391,7 +401,7 @@ def _greedy_chains(drafter: LevelDrafter, logits: torch.Tensor, lengths: list[in
 
 def _sampled_chains(
     drafter: LevelDrafter,
-    logits: torch.Tensor,
+    logits: torch.Tensor | None,
     roots: list[int],
     params: list[SamplingParams],
     generators: list[torch.Generator],
@@ -411,9 +421,10 @@ def _sampled_chains(
     (`LevelDrafter.sampled_chain`, the draft LM's C++ op: the same softmax, the same
     inverse-CDF draw, so the same trees and laws bit for bit), where the loop paid ~0.1 ms
     of Python a level (sd at T=1, batch 1: ~0.4 ms of a ~3.4 ms step)."""
-    uniforms = torch.zeros((len(roots), max(lengths)), dtype=torch.float64, device=logits.device)
+    device = generators[0].device
+    uniforms = torch.zeros((len(roots), max(lengths)), dtype=torch.float64, device=device)
     for i, (gen, n) in enumerate(zip(generators, lengths, strict=True)):
-        uniforms[i, :n] = torch.rand(n, dtype=torch.float64, generator=gen, device=logits.device)
+        uniforms[i, :n] = torch.rand(n, dtype=torch.float64, generator=gen, device=device)
     if all(not prm.top_k and prm.top_p >= 1.0 for prm in params):
         fused = drafter.sampled_chain(logits, lengths, [prm.temperature for prm in params], uniforms)
         if fused is not None:
@@ -424,6 +435,8 @@ def _sampled_chains(
                 )
                 for i, (root, row, n) in enumerate(zip(roots, drawn, lengths, strict=True))
             ]
+    if logits is None:  # the roots were to be fed as the op's first level: fed by `first` instead
+        logits = drafter.first()
     active = list(range(len(roots)))  # requests whose chains go on, in row order
     tokens = [[root] for root in roots]
     laws: list[list[int]] = [[-1] for _ in roots]  # row of the stacked levels' laws each node was drawn from

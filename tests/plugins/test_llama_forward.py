@@ -316,7 +316,9 @@ def test_the_sampled_chain_is_its_levels_drawn_one_at_a_time() -> None:
     Python: each level's law the one definition of a warp (`target_probs` at the request's
     temperature), its draw `inverse_cdf_rows` at the request's uniform, the next level one
     `draft_lm_chain_level`; bit for bit, for requests of different temperatures and
-    depths. Fed one position late (RoPE and the keys one slot off), other draws or laws."""
+    depths. Given the roots in place of their logits, it feeds them as its first level: the
+    same draws, laws and cache. Fed one position late (RoPE and the keys one slot off),
+    other draws or laws."""
     from runtime.sampling import SamplingParams, inverse_cdf_rows, target_probs
 
     model = draft_lm()
@@ -328,15 +330,20 @@ def test_the_sampled_chain_is_its_levels_drawn_one_at_a_time() -> None:
     reference = copy_of(cache)
     table = [slots(r, SPAN) for r in range(len(contexts))]
     uniforms = torch.rand(len(roots), max(levels), dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    from_roots = copy_of(cache)
     with torch.inference_mode():
         first = fused.chain_level(roots, contexts, table, cache)  # the roots' logits (what `first()` gives)
         reference.kv.copy_(cache.kv)
         starts = [c + 1 for c in contexts]
-        result = fused.sampled_chain(first, starts, table, levels, temperatures, uniforms, cache)
+        result = fused.sampled_chain(first, None, starts, table, levels, temperatures, uniforms, cache)
         assert result is not None
         drawn, laws = result
+        # the roots fed as the op's first level: the same draws, laws and cache
+        rooted = fused.sampled_chain(None, roots, starts, table, levels, temperatures, uniforms, from_roots)
+        assert rooted is not None and torch.equal(rooted[0], drawn) and torch.equal(rooted[1], laws)
+        assert torch.equal(from_roots.kv, cache.kv)
         late_starts = [s + 1 for s in starts]
-        late = fused.sampled_chain(first, late_starts, table, levels, temperatures, uniforms, copy_of(cache))
+        late = fused.sampled_chain(first, None, late_starts, table, levels, temperatures, uniforms, copy_of(cache))
         assert late is not None
         want_tokens: list[list[int]] = [[] for _ in roots]
         want_laws = torch.zeros_like(laws)

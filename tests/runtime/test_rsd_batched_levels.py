@@ -57,11 +57,14 @@ class NodeLogits:
             self.parent_tokens[r][n] = self.tokens[r][p]
         return self._logits(rows, nodes)
 
-    def chain(self, tokens: list[int], levels: list[int]) -> None:
+    def chain(self, tokens: list[int], levels: list[int], at_root: bool = False) -> None:
         return None  # level by level: the tree-building code under test
 
-    def sampled_chain(self, first: torch.Tensor, levels: list[int], t: list[float], u: torch.Tensor) -> None:
+    def sampled_chain(self, first: torch.Tensor | None, levels: list[int], t: list[float], u: torch.Tensor) -> None:
         return None
+
+    def feeds_roots(self) -> bool:
+        return False
 
     def chains(self) -> bool:
         return False

@@ -17,7 +17,8 @@ import torch
 from plugins.cpu_linear import int8_available
 from plugins.int8_linear import vectorized
 from plugins.llama_forward import Int8DraftLM
-from runtime import verify
+from runtime import llm_engine, verify
+from runtime.config import RuntimeConfig
 from runtime.proposers import rsd
 from runtime.proposers.level_drafters import DraftLMLevels
 from runtime.sampling import SamplingParams
@@ -125,3 +126,46 @@ def test_unnormalised_draft_law_fails_the_same_test(monkeypatch: pytest.MonkeyPa
     engine = toy_sampling.toy_engine("draft-lm", SETTINGS)
     counts = toy_sampling.emitted_first_three(engine, PARAMS, "rsd-c")
     assert not passes_chi_square(counts, toy_sampling.exact_first_three(engine.model, PARAMS))
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu" or not vectorized(), reason="the draft LM's C++ chain ops run on the CPU")
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_chains_fed_from_the_roots_draft_what_first_and_chain_draft(
+    temperature: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`DraftLMLevels.feeds_roots`: where every request's catch-up is its root alone, sd's
+    chains (greedy: `draft_lm_chain`; sampled at a temperature alone:
+    `draft_lm_sampled_chain`) feed the roots as their first level in place of `first`'s
+    forward. The roots' logits and K/V are the same bits, so the drafts are the same (every
+    request accepts as many) and the output is the same, token for token and seed for
+    seed, as with `first`; the roots' path ran. Roots fed one position early draft other
+    chains."""
+    engine = toy_sampling.toy_engine("draft-lm", SETTINGS, int8=True)
+    n = 48
+    params = [SamplingParams(temperature=temperature, max_tokens=12, seed=i, ignore_eos=True) for i in range(n)]
+    config = RuntimeConfig(speculation="fixed", max_num_tokens=16 * n, max_queue_size=n)
+    real = DraftLMLevels.feeds_roots
+    fed: list[bool] = []
+
+    def counted(self: DraftLMLevels) -> bool:
+        fed.append(real(self))
+        return fed[-1]
+
+    monkeypatch.setattr(DraftLMLevels, "feeds_roots", counted)
+    rooted = llm_engine.generate(engine, [toy_sampling.PROMPT] * n, params, "sd", config)
+    monkeypatch.setattr(DraftLMLevels, "feeds_roots", lambda self: False)
+    plain = llm_engine.generate(engine, [toy_sampling.PROMPT] * n, params, "sd", config)
+    assert any(fed) and not all(fed)  # steady steps from the roots; first drafts (a prompt to read) not
+    assert [r.output_ids for r in rooted] == [r.output_ids for r in plain]
+    assert [r.num_accepted for r in rooted] == [r.num_accepted for r in plain]
+    assert sum(r.num_accepted for r in rooted) > n  # drafts were accepted: the chains mattered
+    fed_at, sampled_chain = DraftLMLevels._roots_fed, Int8DraftLM.sampled_chain
+
+    def early_roots(self: Int8DraftLM, first: object, roots: object, starts: list[int], *rest: object) -> object:
+        return sampled_chain(self, first, roots, [s - (roots is not None) for s in starts], *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DraftLMLevels, "feeds_roots", real)
+    monkeypatch.setattr(DraftLMLevels, "_roots_fed", lambda self: [p - 1 for p in fed_at(self)])  # greedy chains
+    monkeypatch.setattr(Int8DraftLM, "sampled_chain", early_roots)  # sampled chains
+    early = llm_engine.generate(engine, [toy_sampling.PROMPT] * n, params, "sd", config)
+    assert [r.num_accepted for r in early] != [r.num_accepted for r in plain]
