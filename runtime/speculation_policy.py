@@ -140,13 +140,14 @@ HORIZON_EMA = 0.2
 PLAIN_SAMPLES = 3
 """Timings of a request count's auto-regressive step (forward residual and host overhead)
 below which a batch that drafts spends its exploration credit on plain steps (`_plain_probe`)."""
-PLAIN_EVERY = 32
-"""Steps after which a batch that drafts re-times its plain step (`_plain_probe`, paid from
-the exploration credit like the first `PLAIN_SAMPLES`), as trees are re-probed
-(`PROBE_EVERY`): a plain price set by a slow burst (a neighbour's load, a CPU slowed by
-heavy GEMMs) is otherwise never corrected by a choice that then never picks it. One run
-of load-aware Lyanna at batch 8, T=0 drafted 3-node trees in ~20% of its request-steps
-and ran 0.83x auto-regression, where four reruns drafted none and ran 0.96-0.98x."""
+PLAIN_EVERY = 64
+"""Steps after which a batch that drafts re-times its plain step (`_plain_probe`: a run of
+plain steps, paid from the exploration credit like the first `PLAIN_SAMPLES`), as trees
+are re-probed (`PROBE_EVERY`): a plain price set by a slow burst (a neighbour's load, a
+CPU slowed by heavy GEMMs) is otherwise never corrected by a choice that then never picks
+it. One run of load-aware Lyanna at batch 8, T=0 drafted 3-node trees in ~20% of its
+request-steps and ran 0.83x auto-regression, where four reruns drafted none and ran
+0.96-0.98x. Twice `PROBE_EVERY`: a run costs `AFTER_PREFILL` + 1 steps."""
 DINKELBACH_ROUNDS = 3
 RECHOOSE_EVERY = 16
 """Steps a settled all-auto-regressive decision stands while nothing is drafted (at 8, its
@@ -169,18 +170,21 @@ CALIBRATION_SIZES = (1, 2, 3, 5, 8, 12, 17, 24, 33, 48, 64, 128)
 CALIBRATION_ROUNDS = 4
 """Timed forwards of each calibration size in a row (the fastest is kept)."""
 AFTER_PREFILL = 4
-"""Decoding steps after a step that prefilled in which a plain step (one token a request)
-of several requests teaches the auto-regressive tables nothing (`observe`) and is not
-probed (`_plain_probe`). After a stretch of heavy GEMMs a CPU runs the next forwards up to
-~2x slower (2-core Sapphire Rapids, 8 one-token requests after their prompts' two 40 ms
-chunks: 4.6, 4.3, 3.6, 3.1, 2.9 ms, then ~2.3-2.5). Every choice pays that alike, but
-auto-regression, chosen only where drafting does not pay, was timed in nothing but those
-steps at batch 8 and priced ~1.6x its steady cost (4.1 ms), so batches drafted at a loss.
-Steps with trees still teach theirs (a choice to draft times its own steps every step;
-dropping the slow ones left the tree residual, one per request count whatever the tree's
-size, to the first steady tree a batch drafted: at one request rsd-c at T=1 priced every
-chain by a 15-node probe and stopped drafting for good), and so do plain steps of one
-request (never probed: their forward is the calibration's own)."""
+"""Decoding steps after a heavy step (one that prefilled, or drafted trees) in which a
+plain step (one token a request) of several requests teaches the auto-regressive tables
+nothing (`observe`). After a stretch of heavy GEMMs a CPU runs the next steps up to ~2x
+slower, host work included (2-core Sapphire Rapids, 8 one-token requests after their
+prompts' two 40 ms chunks: 4.6, 4.3, 3.6, 3.1, 2.9 ms, then ~2.3-2.5). Every choice pays
+that alike after a prefill, but auto-regression, chosen only where drafting does not pay,
+was timed in nothing but those steps at batch 8 and priced ~1.6x its steady cost (4.1 ms),
+so batches drafted at a loss. The same after tree steps: a plain step amid drafting (a
+plain probe, one step) took 3.3-3.5 ms for 8 one-token ReDrafter requests where a run of
+them takes ~2.5, and priced so, auto-regression lost to 4-node chains that ran 0.84x it
+(load-aware 0.88-0.92x at batch 8 in 3 of 4 sweeps). So a plain probe is a run of
+`AFTER_PREFILL` + 1 plain steps whose last one is timed (`_plain_probe`). Steps with trees
+still teach theirs (a choice to draft times its own steps every step, in the state its
+own run of them leaves the CPU in), and so do plain steps of one request (never probed:
+their forward is the calibration's own)."""
 
 
 @dataclass(slots=True)
@@ -607,12 +611,16 @@ class SpeculationPolicy:
     credit: float = 0.0
     """Seconds of exploration earned and not spent."""
     steps: int = 0
-    since_prefill: int = AFTER_PREFILL + 1
-    """Decoding steps since the last step that prefilled (`AFTER_PREFILL`)."""
+    since_heavy: int = AFTER_PREFILL + 1
+    """Plain decoding steps since the last step that prefilled or drafted trees (`AFTER_PREFILL`)."""
+    _plain_left: int = 0
+    """Steps of a plain probe's run still to come (`_plain_probe`)."""
+    _plain_loss: float = 0.0
+    """The expected loss of each step of that run, charged as it comes."""
     _plain_timed: dict[int, int] = field(default_factory=dict)
     """request count -> step its plain step was last learned (`PLAIN_EVERY`)."""
     _plain_probing: bool = False
-    """The coming step is a plain probe (`_plain_probe`; its timing counts as `ByRequests.add` says)."""
+    """The coming step ends a plain probe's run (`_plain_probe`; its timing counts as `ByRequests.add` says)."""
     _measured: dict[Hashable, int] = field(default_factory=dict)
     """request (and kind of request) -> step its largest size was last measured or probed."""
     horizons: dict[str, float] = field(default_factory=dict)
@@ -744,6 +752,11 @@ class SpeculationPolicy:
         probed, plain = None, False
         if not self.adaptive:
             chosen = {o.key: o.sizes[-1] for o in offers}
+        elif self._plain_left > 0:  # a plain probe's run goes on (`_plain_probe`)
+            self._plain_left -= 1
+            self.credit -= self._plain_loss
+            self._plain_probing = self._plain_left == 0
+            chosen, plain = {o.key: 1 for o in offers}, True
         elif (standing := self._standing(offers, others)) is not None:
             chosen = {o.key: standing.sizes[o.key] for o in offers}
         else:
@@ -843,35 +856,36 @@ class SpeculationPolicy:
         return offer, size
 
     def _plain_probe(self, batch: list[_Group], others: int, best: _Choice) -> bool:
-        """Whether this step goes auto-regressive instead of drafting `best`, to time the
-        plain step of this request count: while that price rests on fewer than
-        `PLAIN_SAMPLES` timings (`ByRequests.seen` of its forward residual; its host overhead
-        is timed in the same steps), and again once it was last timed `PLAIN_EVERY` steps
-        ago, paid from the exploration credit like any probe.
-        Until then it is extrapolated from other counts or from a batch's first, slow
-        steps, and a price set too high is never corrected by a choice that then never
-        picks it: on a 2-core Sapphire Rapids
-        a batch of 8 sd requests at T=1, warmed up at batch 1, priced its auto-regressive
-        step at 4.4 ms (the overhead's line through 1 and 2 requests) where it took ~2.6,
-        drafted 3-node chains at 2.25 tokens/ms for the whole run where auto-regression
-        makes ~3, and ran 0.74x auto-regression. Steps that prefill, and the `AFTER_PREFILL`
-        steps after one, teach it nothing (`observe`), so it probes only in later steps. Never for one request: its
-        plain forward is the engine-start table's own (timed on one request)."""
+        """Whether this step starts a plain probe instead of drafting `best`: a run of
+        `AFTER_PREFILL` + 1 plain steps whose last one times the plain step of this request
+        count (after a tree step the next ones run slow: `AFTER_PREFILL`), paid from the
+        exploration credit like any probe (a step's expected loss to start, each later
+        step's as it comes: the credit may go below zero, and the probes after wait), while
+        that price rests on fewer than `PLAIN_SAMPLES` timings (`ByRequests.seen` of its
+        forward residual; its host overhead is timed in the same steps), and again once it
+        was last timed `PLAIN_EVERY` steps ago. Until then it is extrapolated from other
+        counts or from a batch's first, slow steps, and a price set too high is never
+        corrected by a choice that then never picks it: on a 2-core Sapphire Rapids a batch
+        of 8 sd requests at T=1, warmed up at batch 1, priced its auto-regressive step at
+        4.4 ms (the overhead's line through 1 and 2 requests) where it took ~2.6, drafted
+        3-node chains at 2.25 tokens/ms for the whole run where auto-regression makes ~3,
+        and ran 0.74x auto-regression. Never for one request: its plain forward is the
+        engine-start table's own (timed on one request)."""
         requests = others + sum(g.count for g in batch)
         if requests == 1 or max(best.sizes) == 1:
             return False
         timed = self.forward_cost.extra.seen[requests] >= PLAIN_SAMPLES
         if timed and self.steps - self._plain_timed.get(requests, self.steps) < PLAIN_EVERY:
             return False
-        if not self._learns_plain(self.since_prefill + 1, requests):  # the coming step
-            return False
         plain = self._evaluate(batch, [1] * len(batch), others)
-        loss = plain.seconds - plain.tokens / max(best.rate, 1e-12)
+        loss = plain.seconds - plain.tokens / max(best.rate, 1e-12)  # a step's
         if loss > self.credit:
             return False
+        run = AFTER_PREFILL + 1 - min(self.since_heavy, AFTER_PREFILL)  # steps until one is timed
         self.credit -= max(loss, 0.0)
         self.plain_probes += 1
-        self._plain_probing = True
+        self._plain_left, self._plain_loss = run - 1, max(loss, 0.0)
+        self._plain_probing = run == 1
         return True
 
     def _probe(
@@ -967,10 +981,10 @@ class SpeculationPolicy:
         return min(self.credit + PROBE_SHARE * seconds, cap)
 
     @staticmethod
-    def _learns_plain(since_prefill: int, requests: int) -> bool:
-        """Whether a plain step of `requests` requests, `since_prefill` decoding steps after
-        the last step that prefilled, teaches the auto-regressive tables (`AFTER_PREFILL`)."""
-        return since_prefill > AFTER_PREFILL or requests == 1
+    def _learns_plain(since_heavy: int, requests: int) -> bool:
+        """Whether a plain step of `requests` requests, the `since_heavy`-th plain step after
+        the last that prefilled or drafted trees, teaches the auto-regressive tables (`AFTER_PREFILL`)."""
+        return since_heavy > AFTER_PREFILL or requests == 1
 
     def _evaluate(self, batch: list[_Group], sizes: list[int], others: int) -> _Choice:
         tokens, nodes, requests = 0.0, float(others), others
@@ -1089,10 +1103,10 @@ class SpeculationPolicy:
         settled = self._settled
         if settled is not None and any(o.size != settled.sizes.get(o.key) for o in stats.outcomes):
             self._settled = None  # a tree it did not choose (a probe): decide afresh
-        self.since_prefill = 0 if stats.prefill else self.since_prefill + 1
         trees = stats.num_tokens > stats.num_requests
+        self.since_heavy = 0 if stats.prefill or trees else self.since_heavy + 1
         probe, self._plain_probing = self._plain_probing and not trees, False
-        if not stats.prefill and (trees or self._learns_plain(self.since_prefill, stats.num_requests)):
+        if not stats.prefill and (trees or self._learns_plain(self.since_heavy, stats.num_requests)):
             if not trees:
                 self._plain_timed[stats.num_requests] = self.steps
             if self.forward_cost.observe(stats.num_tokens, stats.num_requests, stats.forward_seconds, probe):
