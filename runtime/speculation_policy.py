@@ -13,7 +13,8 @@ with bounded exploration so it never settles on a stale estimate for good.
   estimate of its kind (method x greedy/sampled, `GROUP_EMA`) by how many trees it has
   seen (`REQUEST_PRIOR`, `REQUEST_NOISE`); the kind's estimate is itself optimistic
   while it rests on few trees (`KIND_PRIOR` trees' worth of the `ceiling`, every level
-  accepted; only the ceiling for a size never measured), so that unseen sizes get tried
+  accepted; a size never measured: one token more than the next smaller, within its
+  ceiling), so that unseen sizes get tried
   and a few unlucky first trees do not pass for the truth; a size above the smallest is
   also priced as the next smaller one plus the gain over it measured in the same trees
   (`kind_taus`). One verified tree measures every
@@ -255,9 +256,10 @@ class StepStats:
     per-request residual of decoding steps models, so it is not learned from."""
     overhead_seconds: float | None = None
     """The step's seconds beyond the target forward and the drafting calls (their share of
-    verification included): choosing, scheduling, packing the batch, verifying the roots,
-    committing. Paid once a step whatever is drafted (`SpeculationPolicy.overhead`). None:
-    not measured (a step that also calibrated the policy)."""
+    verification included): scheduling, packing the batch, verifying the roots,
+    committing; not the policy's own choice, paid whatever it chooses. Paid once a step
+    whatever is drafted (`SpeculationPolicy.overhead`). None: not measured (a step that
+    also calibrated the policy)."""
 
 
 class TokenCost:
@@ -692,7 +694,8 @@ class SpeculationPolicy:
         (optimism: a size priced too high is drafted and measured at once, one priced too
         low only when probed). Each estimate is optimistic while it rests on few trees
         (`KIND_PRIOR` trees' worth of the `ceiling`; for a gain, of one more token, within
-        the ceiling); a size never measured is its ceiling."""
+        the ceiling); a size never measured is the next smaller size's estimate plus one
+        token, within its ceiling (the smallest drafted size: its ceiling)."""
         out: list[float] = []
         below: float | None = None  # the estimate of the next smaller drafted size
         for size in offer.sizes:
@@ -701,8 +704,12 @@ class SpeculationPolicy:
                 continue
             most = ceiling(offer, size)
             measured = self.kinds.get((offer.kind, size))
-            if measured is None and below is not None and offer.exact:
-                most = min(most, below + 1.0)  # never measured, but a cut of it was: one more token
+            if measured is None and below is not None:
+                # never measured, but a smaller size was: one more token. So also where sizes
+                # are not cuts (beam widths): at the ceiling (every level accepted), a whole
+                # batch of 18 ReDrafter requests drafted its first 11-node trees (~30 ms a step
+                # where auto-regression takes ~6) where one probe would have measured them
+                most = min(most, below + 1.0)
             value = _optimistic(measured, most)
             gain = self.gains.get((offer.kind, size)) if below is not None and offer.exact else None
             if below is not None and gain is not None:
