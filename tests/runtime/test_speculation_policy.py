@@ -1158,3 +1158,18 @@ def test_plain_steps_amid_drafting_are_timed_after_a_run_of_them(monkeypatch: py
     monkeypatch.setattr(speculation_policy, "AFTER_PREFILL", 0)
     one_step, _ = run(calibrated(world), world, batch=8, steps=1000, slow_after_trees=2.0)
     assert rate >= 0.85 * best and one_step < 0.8 * best, (rate, one_step, best)
+
+
+def test_a_size_never_measured_is_priced_one_token_above_the_next_smaller() -> None:
+    """Optimism for a size never measured: one token more than the next smaller size's
+    estimate (within its ceiling), also where sizes are beam widths and not cuts of each
+    other. At the ceiling (every level accepted), a batch of 18 ReDrafter requests drafted
+    its first 11-node trees all at once at ~5x an auto-regressive step's cost, where one
+    probe would have measured them."""
+    p = SpeculationPolicy()
+    for i in range(30):  # 1-beam trees accept 2: 3 tokens a step, measured; wider beams never
+        p.observe(StepStats(5, 0.01, outcomes=[Outcome(f"a{i}", KIND, 5, BEAMS, 2, [], [0, 1, 2], 5)]))
+    widths = p.taus(Offer("r", KIND, "redrafter", BEAMS, LEVELS, exact=False))
+    assert widths[1] == pytest.approx(3.0, abs=0.1)
+    assert widths[2] == pytest.approx(widths[1] + 1.0) < L + 1  # under its ceiling (the old price)
+    assert widths[3] == pytest.approx(min(widths[2] + 1.0, L + 1))
