@@ -1171,5 +1171,5 @@ def test_a_size_never_measured_is_priced_one_token_above_the_next_smaller() -> N
         p.observe(StepStats(5, 0.01, outcomes=[Outcome(f"a{i}", KIND, 5, BEAMS, 2, [], [0, 1, 2], 5)]))
     widths = p.taus(Offer("r", KIND, "redrafter", BEAMS, LEVELS, exact=False))
     assert widths[1] == pytest.approx(3.0, abs=0.1)
-    assert widths[2] == pytest.approx(widths[1] + 1.0) < L + 1  # under its ceiling (the old price)
+    assert widths[2] == pytest.approx(widths[1] + 1.0) and widths[2] < L + 1  # under its ceiling (the old price)
     assert widths[3] == pytest.approx(min(widths[2] + 1.0, L + 1))
