@@ -415,16 +415,19 @@ def _sampled_chains(
     same laws and draws, in the same order, as the level loop of `draft_rsd_trees` takes
     for these trees, so the same trees (`tests/runtime/test_rsd_batched_levels.py`).
 
-    A request's uniforms, one a level, are drawn up front (`torch.rand` of `lengths[i]`
-    from its generator: the numbers `draw_rows` drew one a level, in the same order).
+    A request's uniforms, one a level, are drawn up front from its generator, one call a
+    level as `draw_rows` draws them (the same numbers in the same order on any device: a
+    GPU generator's one call of n is another stream than n calls of one).
     Where every warp is a temperature alone, the whole loop is one drafter call
     (`LevelDrafter.sampled_chain`, the draft LM's C++ op: the same softmax, the same
     inverse-CDF draw, so the same trees and laws bit for bit), where the loop paid ~0.1 ms
     of Python a level (sd at T=1, batch 1: ~0.4 ms of a ~3.4 ms step)."""
     device = generators[0].device
     uniforms = torch.zeros((len(roots), max(lengths)), dtype=torch.float64, device=device)
-    for i, (gen, n) in enumerate(zip(generators, lengths, strict=True)):
-        uniforms[i, :n] = torch.rand(n, dtype=torch.float64, generator=gen, device=device)
+    for i, (gen, n) in enumerate(zip(generators, lengths, strict=True)):  # one draw a level, as `draw_rows`
+        uniforms[i, :n] = torch.cat(
+            [torch.rand(1, dtype=torch.float64, generator=gen, device=device) for _ in range(n)]
+        )
     if all(not prm.top_k and prm.top_p >= 1.0 for prm in params):
         fused = drafter.sampled_chain(logits, lengths, [prm.temperature for prm in params], uniforms)
         if fused is not None:
