@@ -150,9 +150,8 @@ def accept_sampled_batch(
     done = _chains_in_one_call(trees, logits, params, generators)
     tables = _tree_laws(trees, logits, params, skip=done)
     walked = [i for i in range(len(trees)) if i not in done]
-    walks: dict[
-        int, tuple[list[int], torch.Tensor]
-    ] = {}  # per tree: its accepted path, the law its bonus is drawn from
+    # per tree walked here: its accepted path, the law its bonus is drawn from
+    walks: dict[int, tuple[list[int], torch.Tensor]] = {}
     draws = []
     for i in walked:
         tree, rows, prm, gen = trees[i], logits[i], params[i], generators[i]
