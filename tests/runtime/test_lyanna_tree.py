@@ -199,3 +199,29 @@ def _cut(tree: DraftTree, size: int) -> tuple[list[int], list[int]]:
     keep = [n for n, b in enumerate(tree.node_budget) if b <= size]
     index = {n: i for i, n in enumerate(keep)}
     return [tree.tokens[n] for n in keep], [index.get(tree.parents[n], -1) for n in keep]
+
+
+def test_the_resampled_subtree_is_worked_out_when_first_read() -> None:
+    """`LyannaState.resampled`: the proposer's `on_accept` leaves Algorithm 2's re-sampling
+    pending; it runs when the next step first reads it (a step of the whole size), once,
+    and gives what running it at once gave; setting the state (a step that moves past the
+    token) drops it unrun."""
+    from runtime.proposers.lyanna import LyannaState
+
+    rows = torch.randn(4, V, generator=torch.Generator().manual_seed(3))
+    params = LyannaParams(depth=4, width=2, resample_budget=3)
+    runs: list[int] = []
+
+    def pending() -> DraftTree | None:
+        runs.append(1)
+        return resample_subtree(7, rows, 1, None, params)
+
+    state = LyannaState(_resample=pending)
+    assert not runs
+    tree, again = state.resampled, state.resampled
+    eager = resample_subtree(7, rows, 1, None, params)
+    assert runs == [1] and tree is again and tree is not None and eager is not None
+    assert (tree.tokens, tree.parents) == (eager.tokens, eager.parents)
+    dropped = LyannaState(_resample=pending)
+    dropped.resampled = None
+    assert dropped.resampled is None and runs == [1]
