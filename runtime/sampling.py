@@ -96,6 +96,13 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def temperature_alone(self) -> bool:
+        """Whether the warp (`target_probs`) is softmax(logits / temperature) alone: no top-k
+        or top-p (no sort of the row), what the C++ chain ops compute (`draft_lm_sampled_chain`,
+        `verify_sampled_chains`)."""
+        return not self.top_k and self.top_p >= 1.0
+
+    @property
     def processes_logits(self) -> bool:
         """Whether the target's logits depend on the tokens so far (penalties, min_tokens,
         bad_words): then every tree node gets its own, along its own path

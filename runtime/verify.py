@@ -165,11 +165,6 @@ def accept_sampled_batch(
     return [done[i] for i in range(len(trees))]
 
 
-def _temperature_alone(params: SamplingParams) -> bool:
-    """Whether the warp is a temperature alone (no top-k or top-p: no sort of the row)."""
-    return not params.top_k and params.top_p >= 1.0
-
-
 def _is_chain(tree: DraftTree) -> bool:
     """A tree of one node a depth (packed: node c's parent is c - 1), more than the root."""
     return len(tree.tokens) > 1 and len(tree.tokens) == max(tree.depths) + 1
@@ -182,7 +177,7 @@ def _chains_in_one_call(
     (`plugins/chain_verify.py`: the walk's laws, tests and draw, bit for bit, without its
     Python), by tree index; none where the kernel does not apply. Each request's uniforms
     are drawn as its walk draws them: one a draft, then the bonus's."""
-    chosen = [i for i, t in enumerate(trees) if _is_chain(t) and _temperature_alone(params[i])]
+    chosen = [i for i, t in enumerate(trees) if _is_chain(t) and params[i].temperature_alone]
     if not chosen or not chain_kernel_applies([logits[i] for i in chosen]):
         return {}
     uniforms, bonus_uniforms = [], []
@@ -238,7 +233,7 @@ def _tree_laws(
     chosen = [
         i
         for i, t in enumerate(trees)
-        if i not in skip and len(t.tokens) > 1 and (_is_chain(t) or not chains_only) and _temperature_alone(params[i])
+        if i not in skip and len(t.tokens) > 1 and (_is_chain(t) or not chains_only) and params[i].temperature_alone
     ]
     if not chosen:
         return {}

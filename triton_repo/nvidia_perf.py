@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.engine_dir import EngineConfig
-from triton_repo.repository import PROJECT_ROOT, STREAM_INTERVAL_MS, ServingConfig
+from triton_repo.repository import PROJECT_ROOT, ServingConfig, add_stream_interval_arg
 
 PERF_VENV = Path(os.environ.get("SPECPIPE_PERF_VENV", PROJECT_ROOT / ".venv-perf"))
 """Where `make perf-tools` installs the NVIDIA clients."""
@@ -338,13 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("tool", choices=["genai-perf", "perf-analyzer"])
     ap.add_argument("--engine", type=Path, default=PROJECT_ROOT / "engines" / "demo-redrafter")
     ap.add_argument("--url", help="gRPC host:port of a running server (default: start one for --engine)")
-    ap.add_argument(
-        "--stream-interval-ms",
-        type=float,
-        default=STREAM_INTERVAL_MS,
-        help="the started server's least ms between a request's streamed responses; 0: one per engine step "
-        "(default: %(default)s)",
-    )
+    add_stream_interval_arg(ap)  # for the server it starts
     ap.add_argument("--out", type=Path, help="artifact directory (default: benchmarks/results/<tool>/)")
     ap.add_argument("--requests", type=int, default=24, help="requests measured (default: %(default)s)")
     ap.add_argument("--concurrency", type=int, default=2, help="genai-perf: requests in flight (default: %(default)s)")

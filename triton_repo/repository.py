@@ -122,6 +122,13 @@ def add_serving_args(ap: argparse.ArgumentParser) -> None:
         default=ServingConfig.torch_threads,
         help="intra-op threads of the served engine; 0 = torch's default, every core (default: %(default)s)",
     )
+    add_stream_interval_arg(ap)
+    add_runtime_args(ap)
+
+
+def add_stream_interval_arg(ap: argparse.ArgumentParser) -> None:
+    """`--stream-interval-ms` (`ServingConfig.stream_interval_ms`), for `add_serving_args`
+    and the NVIDIA client runners' servers (`triton_repo/nvidia_perf.py`)."""
     ap.add_argument(
         "--stream-interval-ms",
         type=float,
@@ -130,7 +137,6 @@ def add_serving_args(ap: argparse.ArgumentParser) -> None:
         "between go out together (fewer, larger responses: each costs the server CPU the engine would use). "
         "0: one response per engine step (default: %(default)s)",
     )
-    add_runtime_args(ap)
 
 
 INFER_SUFFIX = "_infer"

@@ -428,7 +428,7 @@ def _sampled_chains(
         uniforms[i, :n] = torch.cat(
             [torch.rand(1, dtype=torch.float64, generator=gen, device=device) for _ in range(n)]
         )
-    if all(not prm.top_k and prm.top_p >= 1.0 for prm in params):
+    if all(prm.temperature_alone for prm in params):
         fused = drafter.sampled_chain(logits, lengths, [prm.temperature for prm in params], uniforms)
         if fused is not None:
             drawn, tables = fused[0].tolist(), fused[1]
