@@ -149,6 +149,18 @@ CPU slowed by heavy GEMMs) is otherwise never corrected by a choice that then ne
 it. One run of load-aware Lyanna at batch 8, T=0 drafted 3-node trees in ~20% of its
 request-steps and ran 0.83x auto-regression, where four reruns drafted none and ran
 0.96-0.98x. Twice `PROBE_EVERY`: a run costs `AFTER_PREFILL` + 1 steps."""
+EXPLORERS = 1
+"""Requests of a kind per step whose choice is priced optimistically (`kind_taus`: a size
+measured by few trees counts `KIND_PRIOR` trees' worth of its ceiling, a size never measured
+one token above the next smaller); the kind's other requests are priced by the measured
+means. Optimism gets a size tried, and one request's tree measures it for every request of
+its kind; acted on by a whole batch, it drafted trees no measurement supported for every
+request at once. ReDrafter at batch 8, T=0 (2-core Sapphire Rapids): 8 requests drafted
+never-measured 11-node trees (6 tokens each expected, 26 in all made) in a 17.5 ms step
+where auto-regression takes ~2.5, and after a one-request warm-up whose few trees kept
+every draft, 6-node chains (48 tokens expected, 17 made): load-aware ran ~0.95x
+auto-regression at batch 8, where drafting never pays. At batch 1 the one request is the
+explorer: the choice there is what it was."""
 DINKELBACH_ROUNDS = 3
 RECHOOSE_EVERY = 16
 """Steps a settled all-auto-regressive decision stands while nothing is drafted (at 8, its
@@ -623,6 +635,13 @@ class SpeculationPolicy:
     """request count -> step its plain step was last learned (`PLAIN_EVERY`)."""
     _plain_probing: bool = False
     """The coming step ends a plain probe's run (`_plain_probe`; its timing counts as `ByRequests.add` says)."""
+    _expected: float | None = None
+    """Predicted seconds of the coming step (its choice's; None where nothing was chosen)."""
+    _bill: tuple[float, float, int] | None = None
+    """The coming step's probe, to settle at what it cost (`_settle_probe`): (its expected
+    loss, charged; the rate it was weighed against; decoding requests in the step)."""
+    _aftermath: int = 0
+    """Plain steps after a probe still to settle (`_settle_probe`)."""
     _measured: dict[Hashable, int] = field(default_factory=dict)
     """request (and kind of request) -> step its largest size was last measured or probed."""
     horizons: dict[str, float] = field(default_factory=dict)
@@ -657,18 +676,20 @@ class SpeculationPolicy:
 
     # ---- estimates ----------------------------------------------------------------------
 
-    def taus(self, offer: Offer, kinds: dict[tuple[object, ...], list[float]] | None = None) -> list[float]:
+    def taus(
+        self, offer: Offer, kinds: dict[tuple[object, ...], list[float]] | None = None, optimistic: bool = True
+    ) -> list[float]:
         """Expected tokens per step of `offer`'s request at each of its sizes: its kind's
-        estimates (`kind_taus`) shifted by what its own trees show beyond chance (`_shift`),
-        never less at a larger size than at a smaller one where smaller trees are cuts of
-        larger ones (`Offer.exact`: the larger holds the smaller's accepted path). `kinds`:
-        the kind estimates already worked out this step (a batch is mostly one kind)."""
+        estimates (`kind_taus`, `optimistic` or not) shifted by what its own trees show beyond
+        chance (`_shift`), never less at a larger size than at a smaller one where smaller
+        trees are cuts of larger ones (`Offer.exact`: the larger holds the smaller's accepted
+        path). `kinds`: the kind estimates already worked out this step (a batch is mostly one kind)."""
         if kinds is None:
-            shared_taus = self.kind_taus(offer)
+            shared_taus = self.kind_taus(offer, optimistic)
         else:
-            key = (offer.kind, tuple(offer.sizes), tuple(offer.levels), offer.exact)
+            key = (offer.kind, tuple(offer.sizes), tuple(offer.levels), offer.exact, optimistic)
             if key not in kinds:
-                kinds[key] = self.kind_taus(offer)
+                kinds[key] = self.kind_taus(offer, optimistic)
             shared_taus = kinds[key]
         out: list[float] = []
         floor = 1.0
@@ -682,7 +703,7 @@ class SpeculationPolicy:
             out.append(value)
         return out
 
-    def kind_taus(self, offer: Offer) -> list[float]:
+    def kind_taus(self, offer: Offer, optimistic: bool = True) -> list[float]:
         """The estimates of `offer`'s kind at each of its sizes. The smallest drafted size:
         its measured mean; each larger one: the next smaller one's estimate plus the mean gain
         over it measured in the same trees (`gains`), so that sizes drafted more rarely
@@ -695,7 +716,10 @@ class SpeculationPolicy:
         low only when probed). Each estimate is optimistic while it rests on few trees
         (`KIND_PRIOR` trees' worth of the `ceiling`; for a gain, of one more token, within
         the ceiling); a size never measured is the next smaller size's estimate plus one
-        token, within its ceiling (the smallest drafted size: its ceiling)."""
+        token, within its ceiling (the smallest drafted size: its ceiling). Not `optimistic`
+        (`EXPLORERS`): pessimistic the same way, `KIND_PRIOR` trees' worth of the next smaller
+        size's estimate (a gain: of none; the smallest drafted size: its mean, 1 token before
+        any), so that a size never measured is worth no more than the next smaller one."""
         out: list[float] = []
         below: float | None = None  # the estimate of the next smaller drafted size
         for size in offer.sizes:
@@ -710,10 +734,18 @@ class SpeculationPolicy:
                 # batch of 18 ReDrafter requests drafted its first 11-node trees (~30 ms a step
                 # where auto-regression takes ~6) where one probe would have measured them
                 most = min(most, below + 1.0)
-            value = _optimistic(measured, most)
+            if optimistic:
+                value = _optimistic(measured, most)
+            elif below is None:  # the smallest drafted size: every tree measures it
+                value = measured.tau if measured is not None else 1.0
+            else:
+                value = _pessimistic(measured, below)
             gain = self.gains.get((offer.kind, size)) if below is not None and offer.exact else None
             if below is not None and gain is not None:
-                value = max(value, below + _optimistic(gain, min(most - below, 1.0)))
+                value = max(
+                    value,
+                    below + (_optimistic(gain, min(most - below, 1.0)) if optimistic else _pessimistic(gain, 0.0)),
+                )
             out.append(value)
             below = value
         return out
@@ -757,6 +789,7 @@ class SpeculationPolicy:
         prefilling = others
         others += len(fixed)  # their one token each is in the forward
         probed, plain = None, False
+        self._expected = None
         if not self.adaptive:
             chosen = {o.key: o.sizes[-1] for o in offers}
         elif self._plain_left > 0:  # a plain probe's run goes on (`_plain_probe`)
@@ -766,6 +799,7 @@ class SpeculationPolicy:
             chosen, plain = {o.key: 1 for o in offers}, True
         elif (standing := self._standing(offers, others)) is not None:
             chosen = {o.key: standing.sizes[o.key] for o in offers}
+            self._expected = standing.seconds
         else:
             # requests with the same options and beliefs (most of a batch) are decided together
             groups: dict[tuple[str, Row], list[Offer]] = {}
@@ -773,18 +807,31 @@ class SpeculationPolicy:
             # a request with no trees of its own has its kind's row: worked out once a step
             # for them all (per request, the rows were ~60% of a full solve at batch 32)
             shared: dict[tuple[object, ...], Row] = {}
+            explorers: Counter[Hashable] = Counter()  # requests of each kind priced optimistically so far
             for o in offers:
+                optimistic = explorers[o.kind] < EXPLORERS
+                explorers[o.kind] += optimistic
                 key = (
                     None
                     if self.requests.get(o.key)
-                    else (o.method, o.kind, tuple(o.sizes), tuple(o.levels), o.exact, tuple(o.costs), _bound(o))
+                    else (
+                        o.method,
+                        o.kind,
+                        tuple(o.sizes),
+                        tuple(o.levels),
+                        o.exact,
+                        tuple(o.costs),
+                        _bound(o),
+                        optimistic,
+                    )
                 )
                 row = shared.get(key) if key is not None else None
                 if row is None:
                     most = float("inf") if o.left is None else o.left
+                    taus = self.taus(o, kinds, optimistic)
                     row = tuple(
                         (s, min(tau, most), self.nodes(o, s), lv, cost)
-                        for s, tau, lv, cost in zip(o.sizes, self.taus(o, kinds), o.levels, costs(o), strict=True)
+                        for s, tau, lv, cost in zip(o.sizes, taus, o.levels, costs(o), strict=True)
                     )
                     if key is not None:
                         shared[key] = row
@@ -794,10 +841,12 @@ class SpeculationPolicy:
             chosen = {
                 o.key: size for (_, members), size in zip(groups.items(), best.sizes, strict=True) for o in members
             }
+            self._expected = best.seconds
             probe = self._explore(list(groups.values()), batch, others, best)
             if probe is not None:
-                offer, size = probe
+                offer, size, loss = probe
                 chosen[offer.key], probed = size, offer.key
+                self._bill = (loss, best.rate, len(offers) + len(fixed))
             elif not prefilling and self._plain_probe(batch, others, best):
                 chosen, plain = dict.fromkeys(chosen, 1), True  # a probe too: no run ends, nothing settles
             self._settled = None
@@ -846,9 +895,9 @@ class SpeculationPolicy:
 
     def _explore(
         self, members: list[list[Offer]], batch: list[_Group], others: int, best: _Choice
-    ) -> tuple[Offer, int] | None:
+    ) -> tuple[Offer, int, float] | None:
         """Spend the exploration credit on one request's probe when it covers the expected
-        loss; returns the request to probe and the size it drafts (or None)."""
+        loss; returns the request to probe, the size it drafts and the loss charged (or None)."""
         candidate = self._probe(members, batch, others, best)
         if candidate is None:
             self.credit = self._earned(best.seconds, None)
@@ -860,7 +909,7 @@ class SpeculationPolicy:
         self._measured[offer.kind] = self.steps
         self.credit -= max(loss, 0.0)
         self.probes += 1
-        return offer, size
+        return offer, size, max(loss, 0.0)
 
     def _plain_probe(self, batch: list[_Group], others: int, best: _Choice) -> bool:
         """Whether this step starts a plain probe instead of drafting `best`: a run of
@@ -1111,6 +1160,7 @@ class SpeculationPolicy:
         if settled is not None and any(o.size != settled.sizes.get(o.key) for o in stats.outcomes):
             self._settled = None  # a tree it did not choose (a probe): decide afresh
         trees = stats.num_tokens > stats.num_requests
+        self._settle_probe(stats, trees)
         self.since_heavy = 0 if stats.prefill or trees else self.since_heavy + 1
         probe, self._plain_probing = self._plain_probing and not trees, False
         if not stats.prefill and (trees or self._learns_plain(self.since_heavy, stats.num_requests)):
@@ -1164,6 +1214,33 @@ class SpeculationPolicy:
                 e.tau += w * (tau - e.tau)
                 e.nodes += w * (nodes - e.nodes)
 
+    def _settle_probe(self, stats: StepStats, trees: bool) -> None:
+        """Charge a probe what it cost (`PROBE_SHARE` is of throughput, not of predictions):
+        its step's loss against the rate it was weighed against, less the expected loss
+        charged when it was chosen (down to no loss: a probe that paid does not earn
+        credit), and the plain steps after it, up to `AFTER_PREFILL` of them, what they took
+        beyond their predicted time (a CPU runs them slow after a tree step; the next step
+        that prefills or drafts trees ends that). Charged its prediction alone, exploration
+        spent ~2x its share: ReDrafter at batch 8, T=0, a probe of one request's 21-node
+        tree cost 2.6-3.2 ms in its step, and the 4 plain steps after it 2 ms more than
+        their ~2.5 ms each (2-core Sapphire Rapids)."""
+        bill, self._bill = self._bill, None
+        if stats.overhead_seconds is None or stats.prefill:
+            self._aftermath = 0
+            return
+        seconds = stats.forward_seconds + stats.overhead_seconds + sum(call[-1] for call in stats.drafting.values())
+        if bill is not None:
+            charged, rate, decoding = bill
+            tokens = decoding + sum(o.accepted for o in stats.outcomes)
+            self.credit -= max(seconds - tokens / max(rate, 1e-12), 0.0) - charged
+            self._aftermath = AFTER_PREFILL
+        elif self._aftermath:
+            if trees or self._expected is None:
+                self._aftermath = 0
+            else:
+                self.credit -= seconds - self._expected
+                self._aftermath -= 1
+
     def forget(self, key: str) -> None:
         """A request left: drop its own estimates (its run of drafting ends, and a settled
         decision that counted it: another request may come under its id)."""
@@ -1215,6 +1292,19 @@ def _optimistic(estimate: Estimate | None, most: float) -> float:
     if most <= estimate.tau:
         return estimate.tau
     return (estimate.trees * estimate.tau + KIND_PRIOR * most) / (estimate.trees + KIND_PRIOR)
+
+
+def _pessimistic(estimate: Estimate | None, least: float) -> float:
+    """`estimate`'s mean with `KIND_PRIOR` trees' worth of `least` (`least` alone without one;
+    the mean alone where `least` is no less than it). One 11-node ReDrafter tree that kept
+    every draft read 6 tokens a step, where 6-node chains made 3.3; taken at its mean by
+    every request of a batch of 32, they drafted 11-node trees (a 47 ms step where
+    auto-regression takes ~8)."""
+    if estimate is None:
+        return least
+    if least >= estimate.tau:
+        return estimate.tau
+    return (estimate.trees * estimate.tau + KIND_PRIOR * least) / (estimate.trees + KIND_PRIOR)
 
 
 def ceiling(offer: Offer, size: int) -> float:

@@ -21,6 +21,7 @@ from runtime.speculation_policy import (
     CALIBRATION_SIZES,
     PLAIN_SAMPLES,
     PROBE_SHARE,
+    Estimate,
     ForwardCost,
     LinearCost,
     Offer,
@@ -358,7 +359,16 @@ def test_a_settled_decision_is_reused_and_changes_no_choice(monkeypatch: pytest.
     assert history == solved and p.probes == q.probes > 0
     monkeypatch.setattr(speculation_policy, "RECHOOSE_EVERY", 8)
     r = calibrated(POOR)
-    run(r, POOR, batch=2, steps=90)  # its probes come every 32 steps (35, 67, 99): none at the last
+    run(r, POOR, batch=2, steps=80)
+    for _ in range(40):  # up to a step after which the decision stands one more step, no probe due
+        s = r._settled
+        if (
+            s is not None
+            and r.steps + 1 - s.step < 8
+            and r.steps + 1 - r._measured[KIND] < speculation_policy.PROBE_EVERY
+        ):
+            break
+        run(r, POOR, batch=2, steps=1)
     assert r._settled is not None
     reused = r.reused
     ending = [dataclasses.replace(o, left=2) for o in offers(2)]  # their last tokens: trees worth less
@@ -695,7 +705,9 @@ def test_a_size_drafted_rarely_is_priced_by_its_gain_over_the_next_smaller(monke
     apart = policy()  # each size's level alone, as the policy priced sizes before
     levels = [1.0] + [apart.kinds[(SD, s)].tau for s in CHAIN[1:]]
     assert levels[4] < levels[2]
-    monkeypatch.setattr(apart, "taus", lambda o, kinds=None: [1.0] + [apart.kinds[(SD, s)].tau for s in CHAIN[1:]])
+    monkeypatch.setattr(
+        apart, "taus", lambda o, kinds=None, optimistic=True: [1.0] + [apart.kinds[(SD, s)].tau for s in CHAIN[1:]]
+    )
     chosen = run_chain(apart, world, 300, np.random.default_rng(0))
     assert sum(s == 5 for s in chosen[32:]) < 0.5 * 268, Counter(chosen)
 
@@ -1150,7 +1162,10 @@ def test_plain_steps_amid_drafting_are_timed_after_a_run_of_them(monkeypatch: py
     batch finds auto-regression and keeps it (~0.88x of its rate here, where every tree
     probe also slows the 4 plain steps after it, which the policy does not price); timed
     after one step (the window at 0), it prices auto-regression ~7x high and drafts at
-    ~0.76x."""
+    ~0.76x. Every request is priced optimistically here (`EXPLORERS` at the batch), so that
+    the batch drafts and the plain price is what decides: with one optimistic request, it
+    did not draft in the first place whatever the plain price."""
+    monkeypatch.setattr(speculation_policy, "EXPLORERS", 8)
     world = World(a=5.0, b=0.12, c=2.0, d=0.1, alpha=0.55, h=0.8, k=2.0)
     best = max(fixed(world, 8, s, 1000) for s in BEAMS)
     assert fixed(world, 8, 1, 1000) == best
@@ -1173,3 +1188,49 @@ def test_a_size_never_measured_is_priced_one_token_above_the_next_smaller() -> N
     assert widths[1] == pytest.approx(3.0, abs=0.1)
     assert widths[2] == pytest.approx(widths[1] + 1.0) and widths[2] < L + 1  # under its ceiling (the old price)
     assert widths[3] == pytest.approx(min(widths[2] + 1.0, L + 1))
+
+
+def test_optimism_gets_a_size_tried_by_one_request_not_by_the_whole_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`EXPLORERS`: a size no tree measured (priced one token above the next smaller) or
+    measured by one lucky tree is drafted by one request of a batch, whose tree measures
+    it for all, while the others are priced by the measurements (`_pessimistic`). Acted on
+    by every request, 8 requests drafted trees no measurement supported (ReDrafter at batch
+    8 on the demo engine: 8 never-measured 11-node trees in a 17.5 ms step where
+    auto-regression takes ~2.5). Sizes are beam widths here (not cuts of each other)."""
+
+    def choose(world: World, lucky: bool) -> list[int]:
+        p = calibrated(world)
+        p.kinds[(KIND, 5)] = e = Estimate(1.1, 5.0)  # one beam: its drafts are rarely kept
+        e.trees = 100
+        if lucky:  # one 9-node tree kept every draft
+            p.kinds[(KIND, 9)] = e = Estimate(5.0, 9.0)
+            e.trees = 1
+        return sorted(
+            p.choose([Offer(f"r{i}", KIND, "redrafter", BEAMS, LEVELS, exact=False) for i in range(8)]).values()
+        )
+
+    cheap_tokens = World(a=8.0, b=0.05, c=1.0, d=0.02, alpha=0.1)  # never-measured sizes look worth drafting
+    costly_tokens = World(a=8.0, b=0.35, c=1.0, d=0.02, alpha=0.1)  # 5 tokens a tree would pay, 3 would not
+    assert sum(s > 5 for s in choose(cheap_tokens, lucky=False)) <= 1
+    assert choose(costly_tokens, lucky=True) == [1] * 7 + [9]
+    monkeypatch.setattr(speculation_policy, "EXPLORERS", 8)  # every request optimistic, as before
+    assert choose(cheap_tokens, lucky=False) == [17] * 8
+    monkeypatch.setattr(speculation_policy, "EXPLORERS", 1)
+    monkeypatch.setattr(speculation_policy, "_pessimistic", lambda e, least: least if e is None else e.tau)
+    assert choose(costly_tokens, lucky=True) == [9] * 8  # one tree's mean taken at its word
+
+
+def test_a_probe_is_charged_what_it_cost_slow_steps_after_it_included() -> None:
+    """`_settle_probe`: where the plain steps after a tree step run slow (a CPU after heavy
+    GEMMs: 4 steps at 1.5x here), a probe costs far more than its own step, which is all
+    the policy predicts; charged what it cost, exploration stays near `PROBE_SHARE` of
+    throughput at batch 8 where drafting never pays; charged its prediction, it probed
+    ~3.5x as often and ran ~0.92x auto-regression."""
+    ar = fixed(POOR, 8, 1, 600)
+    p = calibrated(POOR)
+    rate, _ = run(p, POOR, batch=8, steps=600, slow_after_trees=1.5)
+    assert rate >= (1 - 1.5 * PROBE_SHARE) * ar, rate / ar
+    q = calibrated(POOR)
+    q._settle_probe = lambda stats, trees: None  # type: ignore[method-assign]
+    unsettled, _ = run(q, POOR, batch=8, steps=600, slow_after_trees=1.5)
+    assert unsettled < 0.95 * ar and q.probes > 2 * p.probes, (unsettled / ar, q.probes, p.probes)
