@@ -121,6 +121,31 @@ def test_a_draft_lm_times_its_levels_and_a_catch_up_at_start_up(max_batch_size: 
         assert levels_seen == set(range(1, spec.length + 1))
 
 
+def test_redrafter_prices_its_chains_apart_from_its_wider_beams() -> None:
+    """ReDrafter's one-beam chains (the C++ search straight) and its wider beams (packed
+    trees) are two drafting paths (`ReDrafterProposer.cost_paths`), each seeded at start-up
+    with searches of its own shape and each priced by its own fit: fitted together, the
+    demo engine's batch-1 6-node chain was priced at 1.17 ms of drafting where it took
+    0.74, and load-aware ReDrafter drafted wider beams in ~22% of its batch-1 steps. A
+    live step's drafting timing goes to the fit of the path that drafted it."""
+    llm = llm_engine.LLMEngine(toy_sampling.toy_engine("redrafter", {"beam_width": 4, "beam_length": 3}))
+    proposer = llm.proposers["redrafter"]
+    params = proposer.params("redrafter", {"beam_width": 4, "beam_length": 3})
+    assert proposer.sizes(params) == [1, 2, 3, 4, 7, 13]
+    assert proposer.cost_paths(params) == ["", "chains", "chains", "chains", "", ""]
+    llm.prepare()
+    chains, beams = llm.policy.draft_cost["redrafter/chains"], llm.policy.draft_cost["redrafter"]
+    # (levels, nodes, caught up, request-levels): a chain drafts one node a level, wider beams more
+    assert all(nodes == rl for (_, nodes, _, rl), _ in chains.samples) and len(chains.samples) == 12
+    assert all(nodes > rl for (_, nodes, _, rl), _ in beams.samples) and len(beams.samples) == 6
+    fixed = llm_engine.LLMEngine(llm.engine, RuntimeConfig(speculation="fixed"))  # its largest tree, every step
+    request = ([[1, 3, 2]], [SamplingParams(max_tokens=8, ignore_eos=True)], "redrafter")
+    fixed.generate(*request, beam_width=1)
+    fixed.generate(*request, beam_width=4)
+    live = {fit: {nodes > rl for (_, nodes, _, rl), _ in cost.samples} for fit, cost in fixed.policy.draft_cost.items()}
+    assert live == {"redrafter/chains": {False}, "redrafter": {True}}
+
+
 def test_start_up_drafting_samples_carry_their_share_of_verification(monkeypatch: pytest.MonkeyPatch) -> None:
     """A start-up sample holds what a live one holds: the drafting call plus its drafted
     nodes' share of verifying the trees (`verify_seconds * drafted / nodes`), verified
