@@ -157,8 +157,8 @@ lyanna: setup work_dirs/lyanna-dense/model.safetensors  ## re-train the demo Lya
 bench-redrafter: engine  ## W x L x T sweep: tau, acceptance, compression, speedup -> benchmarks/results/
 	$(BIN)/python -m benchmarks.redrafter_sweep --engine $(SPEC_ENGINE)
 
-bench-batch: engine  ## throughput + tau vs batch size: AR, fixed and load-aware ReDrafter -> benchmarks/results/
-	$(BIN)/python -m benchmarks.batch_sweep --engine $(SPEC_ENGINE)
+bench-batch: engine  ## throughput + tau vs batch size: AR, fixed (W=4 and W=1) and load-aware ReDrafter -> benchmarks/results/
+	$(BIN)/python -m benchmarks.batch_sweep --engine $(SPEC_ENGINE) --fixed-also beam_width=1
 
 bench-batch-methods: engine  ## the same at batch 1 and 8, T=0 and T=1, for sd, rsd-c, rsd-s (draft LM) and lyanna (~10 min) -> benchmarks/results/batch_sweep_<method>[_t1].*
 	for m in sd rsd-c rsd-s; do for t in 0 1; do \

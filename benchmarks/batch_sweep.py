@@ -1,5 +1,6 @@
-"""Throughput vs batch size: auto-regressive, a method with a fixed tree (its largest), and
-the same method with load-aware speculation, on the in-flight batching engine.
+"""Throughput vs batch size: auto-regressive, a method with a fixed tree (its largest; with
+`--fixed-also`, a second fixed setting too, e.g. `beam_width=1`), and the same method with
+load-aware speculation, on the in-flight batching engine.
 
     python -m benchmarks.batch_sweep --engine engines/demo-redrafter
     python -m benchmarks.batch_sweep --engine engines/demo-draft-lm --method rsd-c --batch-sizes 1,8 \
@@ -13,7 +14,8 @@ rounds on the same engine so machine noise hits them alike (each round's request
 apart from the other rounds', the same for every configuration: `round_runs`). Reported per B:
 - output tokens/s of each configuration (prefill included, as a user sees it) and its
   ratio to auto-regressive decoding: the median over rounds of the ratio measured within
-  one round (robust to bursts of load on a shared machine);
+  one round (robust to bursts of load on a shared machine); load-aware's ratio over the
+  best of AR and the fixed configurations (what adaptive speculation must match within 3%);
 - tau: tokens emitted per decoding step per request (bonus included; 1 for AR);
 - the tree sizes (nodes, root included) load-aware speculation chose, as a histogram over request-steps;
 - no-draft step / AR step: the mean time of load-aware's decoding steps in which no request
@@ -49,10 +51,44 @@ from runtime.results import tokens_per_step
 from runtime.step_clock import StepClock
 from training.corpus import heldout_prompts
 
+Config = tuple[str, str, dict[str, Any]]
+"""(method, speculation mode, the method's settings over the engine's)."""
 
-def configs(method: str) -> dict[str, tuple[str, str]]:
-    """Configuration name -> (method, speculation mode): AR, `method` fixed, `method` load-aware."""
-    return {"ar": ("ar", "fixed"), f"{method}-fixed": (method, "fixed"), f"{method}-load-aware": (method, "load-aware")}
+
+def configs(method: str, also: dict[str, Any] | None = None) -> dict[str, Config]:
+    """Configuration name -> `Config`: AR, `method` fixed (its largest tree), `method` fixed
+    with the settings `also` (`--fixed-also`: e.g. one beam, the best fixed tree of a
+    batch-1 CPU), `method` load-aware."""
+    out: dict[str, Config] = {"ar": ("ar", "fixed", {}), f"{method}-fixed": (method, "fixed", {})}
+    if also:
+        out[fixed_name(method, also)] = (method, "fixed", also)
+    out[f"{method}-load-aware"] = (method, "load-aware", {})
+    return out
+
+
+def fixed_name(method: str, settings: dict[str, Any]) -> str:
+    return f"{method}-fixed[" + ",".join(f"{k}={v}" for k, v in settings.items()) + "]"
+
+
+def parse_settings(text: str) -> dict[str, Any]:
+    """`key=value[,key=value]` (ints, floats, true/false, else strings) -> dict."""
+    out: dict[str, Any] = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise argparse.ArgumentTypeError(f"expected key=value[,key=value], got {text!r}")
+        lowered = value.lower()
+        if lowered in ("true", "false"):
+            out[key] = lowered == "true"
+        else:
+            try:
+                out[key] = int(value)
+            except ValueError:
+                try:
+                    out[key] = float(value)
+                except ValueError:
+                    out[key] = value
+    return out
 
 
 @dataclass
@@ -60,6 +96,7 @@ class Row:
     batch_size: int
     tokens_per_s: dict[str, float]
     ratio_to_ar: dict[str, float]
+    """Every configuration's (AR's is 1)."""
     tau: dict[str, float]
     load_aware_budgets: dict[int, int] = field(default_factory=dict)
     plain_step_ratio: float | None = None
@@ -81,6 +118,7 @@ def phases(clock: StepClock) -> dict[str, dict[str, float]]:
 
 def run_batch(
     engines: dict[str, LLMEngine],
+    names: dict[str, Config],
     method: str,
     prompts: list[list[int]],
     max_tokens: int,
@@ -90,7 +128,6 @@ def run_batch(
     """tokens/s over all rounds, median per-round ratio to AR, tau, load-aware budget histogram."""
     for llm in engines.values():
         llm.clock.reset()
-    names = configs(method)
     timings = alternate([round_runs(engines, names, prompts, max_tokens, temperature, i) for i in range(rounds)], "ar")
     widths = Counter[int]()
     for (_, size), n in engines[f"{method}-load-aware"].policy.chosen.items():
@@ -106,7 +143,7 @@ def run_batch(
 
 def round_runs(
     engines: dict[str, LLMEngine],
-    names: dict[str, tuple[str, str]],
+    names: dict[str, Config],
     prompts: list[list[int]],
     max_tokens: int,
     temperature: float,
@@ -115,12 +152,17 @@ def round_runs(
     """Round `round_`'s runs: every configuration decodes the same requests, seeded apart
     from every other round's (`round_params` says why)."""
     params = round_params(len(prompts), max_tokens, temperature, round_)
-    return {name: functools.partial(timed, engine, prompts, params, names[name][0]) for name, engine in engines.items()}
+    return {
+        name: functools.partial(timed, engine, prompts, params, names[name][0], **names[name][2])
+        for name, engine in engines.items()
+    }
 
 
 def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
     method = meta["method"]
-    names = list(configs(method))
+    names = list(configs(method, meta.get("fixed_also")))
+    fixed = [n for n in names if n.startswith(f"{method}-fixed")]
+    aware = f"{method}-load-aware"
     lines = [
         "# Throughput vs batch size",
         "",
@@ -131,18 +173,25 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
         "the ratio to auto-regressive decoding within a round; tau = tokens per decoding step per request. "
         f"Command: `{meta['command']}`",
         "",
-        "| batch | " + " | ".join(f"{n} tok/s" for n in names) + " | fixed / AR | load-aware / AR | "
-        "tau fixed | tau load-aware | load-aware tree sizes (request-steps) | no-draft step / AR step (steps) |",
-        "|---|" + "---|" * (len(names) + 6),
+        "| batch | "
+        + " | ".join(f"{n} tok/s" for n in names)
+        + "".join(f" | {n} / AR" for n in fixed)
+        + " | load-aware / AR | load-aware / best of AR and fixed | "
+        + "".join(f"tau {n} | " for n in fixed)
+        + "tau load-aware | load-aware tree sizes (request-steps) | no-draft step / AR step (steps) |",
+        "|---|" + "---|" * (len(names) + 2 * len(fixed) + 5),
     ]
     for r in rows:
         widths = ", ".join(f"{b} nodes: {n}" for b, n in sorted(r.load_aware_budgets.items()))
         plain = f"{r.plain_step_ratio:.3f} ({r.plain_steps})" if r.plain_step_ratio is not None else "-"
+        best = max(1.0, *(r.ratio_to_ar[n] for n in fixed))
         lines.append(
             f"| {r.batch_size} | "
             + " | ".join(f"{r.tokens_per_s[n]:.0f}" for n in names)
-            + f" | {r.ratio_to_ar[names[1]]:.2f}x | {r.ratio_to_ar[names[2]]:.2f}x"
-            f" | {r.tau[names[1]]:.2f} | {r.tau[names[2]]:.2f} | {widths} | {plain} |"
+            + "".join(f" | {r.ratio_to_ar[n]:.2f}x" for n in fixed)
+            + f" | {r.ratio_to_ar[aware]:.2f}x | {r.ratio_to_ar[aware] / best:.2f}"
+            + "".join(f" | {r.tau[n]:.2f}" for n in fixed)
+            + f" | {r.tau[aware]:.2f} | {widths} | {plain} |"
         )
     lines += [
         "",
@@ -178,6 +227,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per batch size (default: %(default)s)")
     ap.add_argument("--min-prompts", type=int, default=8, help="prompts per batch size at least (default: %(default)s)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/batch_sweep"), help="output path stem")
+    ap.add_argument(
+        "--fixed-also",
+        type=parse_settings,
+        default=None,
+        metavar="KEY=VALUE[,KEY=VALUE]",
+        help="one more fixed configuration, the method's settings overridden (e.g. beam_width=1: ReDrafter's "
+        "one-beam chain); the report's 'best of AR and fixed' then includes it",
+    )
     args = ap.parse_args(argv)
 
     loaded = LoadedEngine.load(args.engine)
@@ -188,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
             f"error: --method {method} does not speculate on {args.engine}; choose one of "
             f"{[m for m in methods_for(kind) if m != 'ar']} or an engine built with its drafter"
         )
-    names = configs(method)
+    names = configs(method, args.fixed_also)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     if max(sizes) > loaded.config.build.max_batch_size:
         raise SystemExit(
@@ -201,13 +258,15 @@ def main(argv: list[str] | None = None) -> None:
         # one engine per configuration: each keeps its own cost and acceptance measurements
         engines = {
             name: LLMEngine(loaded, RuntimeConfig(max_batch_size=size, max_num_tokens=2048, speculation=mode))
-            for name, (_, mode) in names.items()
+            for name, (_, mode, _) in names.items()
         }
         prompts = [loaded.encode(t) for t in texts[: max(size, args.min_prompts)]]
         for name, llm in engines.items():  # warm-up (allocator growth, first-step measurements)
-            warm_up(llm, prompts[0], names[name][0], args.temperature)
+            warm_up(llm, prompts[0], names[name][0], args.temperature, **names[name][2])
         engines[f"{method}-load-aware"].policy.chosen.clear()
-        rate, ratio, taus, widths = run_batch(engines, method, prompts, args.max_tokens, args.rounds, args.temperature)
+        rate, ratio, taus, widths = run_batch(
+            engines, names, method, prompts, args.max_tokens, args.rounds, args.temperature
+        )
         plain, ar = engines[f"{method}-load-aware"].clock, engines["ar"].clock
         plain_ms, ar_ms = plain.plain_ms(), ar.plain_ms()
         plain_ratio = plain_ms / ar_ms if plain_ms and ar_ms else None
@@ -221,6 +280,7 @@ def main(argv: list[str] | None = None) -> None:
         "max_tokens": args.max_tokens,
         "rounds": args.rounds,
         "min_prompts": args.min_prompts,
+        "fixed_also": args.fixed_also,
         "command": command("benchmarks.batch_sweep", argv),
         "machine": machine(),
     }

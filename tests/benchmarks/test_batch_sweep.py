@@ -1,10 +1,12 @@
 """The batch sweep, run for real for a method other than ReDrafter (n-gram drafting on a
-target-only engine built from the bundled demo target, tiny settings): AR, fixed and
-load-aware rows per batch size, named after the method, with the command that reproduces
-them; a method the engine cannot run is refused with the fix."""
+target-only engine built from the bundled demo target, tiny settings): AR, fixed (and a
+second fixed setting, `--fixed-also`) and load-aware rows per batch size, named after the
+method, with the command that reproduces them and load-aware against the best of AR and
+the fixed ones; a method the engine cannot run is refused with the fix."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.batch_sweep import configs, main, round_runs
+from benchmarks.batch_sweep import configs, main, parse_settings, round_runs
 from benchmarks.device_sweep import run_cell
 from benchmarks.timing import Run, alternate, batch_rounds
 from build.engine import build_engine
@@ -28,13 +30,15 @@ def test_sweep_of_another_method_writes_its_report(tmp_path: Path) -> None:
     engine = build_engine(TARGET, tmp_path / "demo", BuildConfig(max_batch_size=2))
     out = tmp_path / "sweep"
     argv = ["--engine", str(engine), "--method", "ngram", "--batch-sizes", "1,2", "--max-tokens", "6"]
-    argv += ["--rounds", "1", "--min-prompts", "2", "--out", str(out)]
+    argv += ["--rounds", "1", "--min-prompts", "2", "--out", str(out), "--fixed-also", "num_draft_tokens=1"]
     main(argv)
     doc = json.loads(out.with_suffix(".json").read_text())
     assert [r["batch_size"] for r in doc["rows"]] == [1, 2]
+    also = "ngram-fixed[num_draft_tokens=1]"
     for row in doc["rows"]:
-        assert set(row["tokens_per_s"]) == {"ar", "ngram-fixed", "ngram-load-aware"}
+        assert set(row["tokens_per_s"]) == {"ar", "ngram-fixed", also, "ngram-load-aware"}
         assert row["tau"]["ar"] == 1.0 and row["tau"]["ngram-fixed"] >= 1.0
+        assert 1.0 <= row["tau"][also] <= 2.0  # one drafted token a step at most
         for split in row["phases"].values():  # where the time goes: both kinds of step, shares summing to 1
             assert set(split) == {"prefilling", "decoding"}
             assert sum(k["share"] for k in split.values()) == pytest.approx(1.0)
@@ -42,7 +46,19 @@ def test_sweep_of_another_method_writes_its_report(tmp_path: Path) -> None:
     assert doc["meta"]["method"] == "ngram"
     assert doc["meta"]["command"] == "python -m benchmarks.batch_sweep " + " ".join(argv)
     assert "method `ngram`" in out.with_suffix(".md").read_text()
-    assert "| 2 | ngram-load-aware |" in out.with_suffix(".md").read_text()
+    report = out.with_suffix(".md").read_text()
+    assert "| 2 | ngram-load-aware |" in report and f"| {also} / AR |" in report
+    best = max(1.0, *(doc["rows"][0]["ratio_to_ar"][n] for n in ("ngram-fixed", also)))
+    aware = doc["rows"][0]["ratio_to_ar"]["ngram-load-aware"]
+    assert "load-aware / best of AR and fixed" in report and f" | {aware / best:.2f} | " in report
+    assert parse_settings("beam_width=1,packing=false,x=0.5,y=a") == {
+        "beam_width": 1,
+        "packing": False,
+        "x": 0.5,
+        "y": "a",
+    }
+    with pytest.raises(argparse.ArgumentTypeError, match="key=value"):
+        parse_settings("beam_width")
     with pytest.raises(SystemExit, match="does not speculate"):
         main(["--engine", str(engine), "--method", "sd", "--out", str(out)])
 
