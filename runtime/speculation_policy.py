@@ -63,7 +63,11 @@ rsd-s's beams of each width, the size its kind measured longest ago: `_probe_siz
 most once per `PROBE_EVERY` steps per kind of request whose largest size is not measured
 anyway. So at batch 1 after a run of
 bad drafts it re-probes every few dozen steps, at batch 32 every few steps, and throughput
-lost to probing stays near 2% even when no probe pays.
+lost to probing stays near 2% even when no probe pays: a probe is charged what it cost once
+its step is timed, the slow plain steps after it included (`_settle_probe`). Optimism (an
+unmeasured size, `KIND_PRIOR`) prices the choice of one request of each kind per step
+(`EXPLORERS`); the others are priced by the measurements, pessimistic about sizes few trees
+measured (`_pessimistic`), so a batch does not draft what only optimism supports.
 
 A settled decision stands while the requests and their options are the same and no probe
 is due; exploration credit still accrues, and a probe that comes due ends it (`_Settled`):
@@ -787,6 +791,7 @@ class SpeculationPolicy:
         """Each decoding request's size this step; `others` (prefilling) requests add ~1
         token each to the forward."""
         self.steps += 1
+        self._expected = None
         fixed = {o.key: 1 for o in offers if len(o.sizes) == 1}  # auto-regressive requests: nothing to choose
         offers = [o for o in offers if len(o.sizes) > 1]
         if not offers:
@@ -794,7 +799,6 @@ class SpeculationPolicy:
         prefilling = others
         others += len(fixed)  # their one token each is in the forward
         probed, plain = None, False
-        self._expected = None
         if not self.adaptive:
             chosen = {o.key: o.sizes[-1] for o in offers}
         elif self._plain_left > 0:  # a plain probe's run goes on (`_plain_probe`)
