@@ -50,9 +50,9 @@ from runtime.verify import Acceptance, accept_batch
 
 log = logging.getLogger(__name__)
 
-Options = tuple[tuple[int, ...], tuple[int, ...], bool, tuple[str, ...], int]
+Options = tuple[tuple[int, ...], tuple[int, ...], bool, tuple[str, ...]]
 """What a request's proposer offers (`EngineCore._offered`): tree sizes, drafter levels,
-exact cuts, each size's drafting-cost fit, how many sizes are cuts where not all are."""
+exact cuts, each size's drafting-cost fit."""
 
 
 class EngineCore:
@@ -225,10 +225,10 @@ class EngineCore:
         for r in running:
             if not r.in_prefill:
                 lag = self.proposers[r.method].lag(r)
-                sizes, levels, exact, costs, cuts = self._offered(r)
+                sizes, levels, exact, costs = self._offered(r)
                 left = r.params.max_tokens - len(r.result.output_ids)  # (no step emits more)
                 kind = (r.method, r.params.greedy)
-                offers.append(Offer(r.request_id, kind, r.method, sizes, levels, lag, exact, left, costs, cuts))
+                offers.append(Offer(r.request_id, kind, r.method, sizes, levels, lag, exact, left, costs))
         if not self._calibrated and self.policy.adaptive and any(len(o.sizes) > 1 for o in offers):
             self._calibrate()
         start = time.perf_counter()
@@ -238,16 +238,15 @@ class EngineCore:
 
     def _offered(self, request: Request) -> Options:
         """(tree sizes, drafter levels, whether smaller sizes are exact cuts, each size's
-        drafting-cost fit, how many sizes are cuts where not all are) the request's proposer
-        offers; params are frozen, so each proposer is asked once per setting."""
+        drafting-cost fit) the request's proposer offers; params are frozen, so each
+        proposer is asked once per setting."""
         key = (request.method, request.draft_params)
         options = self._options.get(key)
         if options is None:
             proposer, params = self.proposers[request.method], request.draft_params
             # tuples: the policy's signature of a settled decision takes them as they are, every step
             fits = tuple(draft_fit(request.method, path) for path in proposer.cost_paths(params))
-            sizes, levels = tuple(proposer.sizes(params)), tuple(proposer.levels(params))
-            options = sizes, levels, proposer.exact_cuts(params), fits, proposer.cut_sizes(params)
+            options = tuple(proposer.sizes(params)), tuple(proposer.levels(params)), proposer.exact_cuts(params), fits
             self._options[key] = options
         return options
 
@@ -260,7 +259,7 @@ class EngineCore:
         groups: dict[str, list[ScheduledWork]] = {}
         levels_of: dict[Request, int] = {}  # drafter levels of each request's tree this step
         for item in work:
-            sizes, levels, _, fits, _ = self._offered(item.request)
+            sizes, levels, _, fits = self._offered(item.request)
             k = sizes.index(item.budget)
             groups.setdefault(fits[k], []).append(item)
             levels_of[item.request] = levels[k]

@@ -239,10 +239,6 @@ class Offer:
     """Per size, the drafting-cost fit that prices it (`SpeculationPolicy.draft_cost`'s
     key: the method's, or one of its drafting paths' where they cost differently per level,
     `Proposer.cost_paths`); empty: the method's for every size."""
-    cuts: int = 0
-    """Where not `exact`: how many of its sizes, from the smallest, are each the next one
-    cut (`Proposer.cut_sizes`; ReDrafter: the root and its one beam at every depth, not its
-    wider beams), so priced as `exact` sizes are."""
 
 
 @dataclass
@@ -700,19 +696,18 @@ class SpeculationPolicy:
         if kinds is None:
             shared_taus = self.kind_taus(offer, optimistic)
         else:
-            key = (offer.kind, tuple(offer.sizes), tuple(offer.levels), offer.exact, offer.cuts, optimistic)
+            key = (offer.kind, tuple(offer.sizes), tuple(offer.levels), offer.exact, optimistic)
             if key not in kinds:
                 kinds[key] = self.kind_taus(offer, optimistic)
             shared_taus = kinds[key]
         out: list[float] = []
         floor = 1.0
-        cut = _cuts(offer)
-        for i, (size, shared) in enumerate(zip(offer.sizes, shared_taus, strict=True)):
+        for size, shared in zip(offer.sizes, shared_taus, strict=True):
             if size == 1 or (offer.kind, size) not in self.kinds:  # never measured: its ceiling, no floor above
                 out.append(max(shared, floor) if size > 1 else 1.0)
                 continue
             value = shared + self._shift(offer.key, size, shared)
-            if i < cut:  # a cut of a larger tree: the larger accepts at least as much
+            if offer.exact:  # a cut of a larger tree: the larger accepts at least as much
                 value = floor = max(floor, value)
             out.append(value)
         return out
@@ -736,8 +731,7 @@ class SpeculationPolicy:
         any), so that a size never measured is worth no more than the next smaller one."""
         out: list[float] = []
         below: float | None = None  # the estimate of the next smaller drafted size
-        cut = _cuts(offer)
-        for i, size in enumerate(offer.sizes):
+        for size in offer.sizes:
             if size == 1:
                 out.append(1.0)
                 continue
@@ -755,7 +749,7 @@ class SpeculationPolicy:
                 value = measured.tau if measured is not None else 1.0
             else:
                 value = _pessimistic(measured, below)
-            gain = self.gains.get((offer.kind, size)) if below is not None and i < cut else None
+            gain = self.gains.get((offer.kind, size)) if below is not None and offer.exact else None
             if below is not None and gain is not None:
                 value = max(
                     value,
@@ -835,7 +829,6 @@ class SpeculationPolicy:
                         tuple(o.sizes),
                         tuple(o.levels),
                         o.exact,
-                        o.cuts,
                         tuple(o.costs),
                         _bound(o),
                         optimistic,
@@ -1308,11 +1301,6 @@ def _optimistic(estimate: Estimate | None, most: float) -> float:
     if most <= estimate.tau:
         return estimate.tau
     return (estimate.trees * estimate.tau + KIND_PRIOR * most) / (estimate.trees + KIND_PRIOR)
-
-
-def _cuts(offer: Offer) -> int:
-    """How many of `offer`'s sizes, from the smallest, are each the next one cut (`Offer.cuts`)."""
-    return len(offer.sizes) if offer.exact else offer.cuts
 
 
 def _pessimistic(estimate: Estimate | None, least: float) -> float:

@@ -83,12 +83,6 @@ class Proposer(ABC):
         each size's own measurements (`SpeculationPolicy.kind_taus`). Default: yes."""
         return True
 
-    def cut_sizes(self, params: Any) -> int:
-        """Where not every size is a cut (`exact_cuts`), how many of `sizes(params)`, from
-        the smallest, are each the next one cut: load-aware speculation prices those as it
-        prices exact cuts. Default: none."""
-        return 0
-
     def lag(self, request: Request) -> int:
         """Tokens of `request` its drafter must read before it can draft again (a draft LM's
         catch-up on what was decoded without it; load-aware speculation charges them to a

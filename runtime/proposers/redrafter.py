@@ -231,14 +231,6 @@ class ReDrafterProposer(Proposer):
     def exact_cuts(self, params: ReDrafterParams) -> bool:
         return False  # wider sizes are beam widths, and a wider search keeps a different top beam
 
-    def cut_sizes(self, params: ReDrafterParams) -> int:
-        """The root and the one beam at every depth: one beam is greedy drafting, so its
-        search of d drafts is its search of L cut at depth d. Priced each by its own trees,
-        the chains' estimates were no longer monotone in their length (6-node chains 3.58
-        tokens, 5-node 3.80, in one batch-1 run), and load-aware drafted 4- and 5-node
-        chains about as often as 6-node ones at batch 2-4."""
-        return params.beam_length + 1
-
     @staticmethod
     def shape(params: ReDrafterParams, size: int) -> tuple[int, int]:
         """(beams, drafts per beam) of the tree of `size` (one of `sizes`; 1: (0, 0), no drafting)."""

@@ -1235,24 +1235,3 @@ def test_a_probe_is_charged_what_it_cost_slow_steps_after_it_included() -> None:
     q._settle_probe = lambda stats, trees: None  # type: ignore[method-assign]
     unsettled, _ = run(q, POOR, batch=8, steps=600, slow_after_trees=1.5)
     assert unsettled < 0.95 * ar and q.probes > 2 * p.probes, (unsettled / ar, q.probes, p.probes)
-
-
-def test_the_chain_sizes_of_an_offer_with_wider_beams_are_priced_as_cuts() -> None:
-    """ReDrafter offers its one beam cut at every depth, then wider beams, which are not
-    cuts of it (`Offer.exact` False); its chain sizes are cuts of each other (`Offer.cuts`,
-    `ReDrafterProposer.cut_sizes`), so a chain size drafted rarely is priced by the next
-    shorter one plus the gain measured in the same trees, and never below it, as an exact
-    offer's sizes are. Priced each by its own trees (no cuts, as before), two unlucky
-    5-node chains put 5-node chains below 3-node ones, and load-aware ReDrafter drafted
-    4- and 5-node chains about as often as 6-node ones at batch 2-4."""
-    sizes, levels = [*CHAIN, 9], [0, 1, 2, 3, 4, 4]
-    p = SpeculationPolicy()
-    for size, kept in [(5, 1)] * 2 + [(3, 2)] * 40:
-        budgets, path = list(range(1, size + 1)), list(range(kept + 1))
-        p.observe(StepStats(size, 0.01, outcomes=[Outcome("r", SD, size, sizes, kept, budgets, path, size)]))
-    cuts = Offer("q", SD, "sd", sizes, levels, exact=False, cuts=5)
-    taus, cautious = p.taus(cuts), p.taus(cuts, optimistic=False)  # the explorer's, the others' (`EXPLORERS`)
-    assert taus[:5] == sorted(taus[:5]) and taus[4] > taus[2] > 2.9 and cautious[:5] == sorted(cautious[:5])
-    assert taus[5] == pytest.approx(taus[4] + 1.0)  # the wider size: never measured, one token above
-    apart = dataclasses.replace(cuts, cuts=0)
-    assert p.taus(apart)[3] < p.taus(apart)[2] and p.taus(apart, optimistic=False)[4] < cautious[2]
