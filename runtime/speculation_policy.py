@@ -147,6 +147,14 @@ batch drafted a step or two, paid its prompts' catch-up (~4% of a 64-token round
 back to auto-regression; runs that short make the next catch-up dear enough to stay."""
 HORIZON_EMA = 0.2
 """Weight of a finished run of drafting in its method's mean run length."""
+SPIKE = 1.5
+"""Most a live step's timing may exceed the price of its shape (forward, or host work) once
+that price rests on `PLAIN_SAMPLES` timings: a timing above counts as this much. A shared
+CPU has single slow steps: one plain forward of 8 requests at 6.0 ms where they take ~1.8
+(2-core Sapphire Rapids) took the plain price from 2.2 to 3.1 ms; the batch then drafted
+(rsd-s, 4-node chains at ~3.4 tokens/ms, where auto-regression makes ~3.5) and, drafting,
+never timed a plain step again that round: load-aware 0.91x auto-regression where other
+runs read 0.96-0.98x. A slowdown that lasts still moves the price (each step up to 10%)."""
 PLAIN_SAMPLES = 3
 """Timings of a request count's auto-regressive step (forward residual and host overhead)
 below which a batch that drafts spends its exploration credit on plain steps (`_plain_probe`)."""
@@ -370,14 +378,17 @@ class ForwardCost:
         self.tokens.add(n, seconds)
 
     def observe(self, n: int, requests: int, seconds: float, probe: bool = False) -> bool:
-        """Learn a live forward's timing (a plain `probe`'s: `ByRequests.add`); whether it is
-        the first of its shape (trees or one token per request) at this request count
-        (until then, `residual` extrapolated)."""
+        """Learn a live forward's timing (a plain `probe`'s: `ByRequests.add`; one over
+        `SPIKE` times the price of a shape timed `PLAIN_SAMPLES` times or more counts as that
+        much); whether it is the first of its shape (trees or one token per request) at this
+        request count (until then, `residual` extrapolated)."""
         table = self.extra_trees if n > requests else self.extra
         first = requests not in table
         if not self.tokens.points:  # never calibrated (a cost fit learning from live steps only)
             self.tokens.add(n, seconds)
             return first
+        if requests in table and table.seen[requests] >= PLAIN_SAMPLES:
+            seconds = min(seconds, SPIKE * self(n, requests))
         table.add(requests, seconds - self.tokens(n), probe)
         return first
 
@@ -1182,7 +1193,10 @@ class SpeculationPolicy:
                 # chains ran ~10% faster)
                 self._settled = None
             if stats.overhead_seconds is not None:
-                (self.overhead_trees if trees else self.overhead).add(stats.num_requests, stats.overhead_seconds, probe)
+                table, host = self.overhead_trees if trees else self.overhead, stats.overhead_seconds
+                if stats.num_requests in table and table.seen[stats.num_requests] >= PLAIN_SAMPLES:
+                    host = min(host, SPIKE * table[stats.num_requests])
+                table.add(stats.num_requests, host, probe)
         for method, (levels, drafted, caught_up, request_levels, seconds) in stats.drafting.items():
             if drafted:
                 self._add_draft_sample(method, (levels, drafted, caught_up, request_levels), seconds)
