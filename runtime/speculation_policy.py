@@ -342,7 +342,7 @@ class ForwardCost:
 
     def __init__(self) -> None:
         self.tokens = TokenCost()
-        self.extra = ByRequests()
+        self.extra = ByRequests(least_first=True)
         self.extra_trees = ByRequests()
 
     def __call__(self, n: float, requests: int = 1) -> float:
@@ -397,21 +397,34 @@ class ByRequests(dict[int, float]):
     """Seconds learned per request count (read by `by_requests`), with how many timings
     each count rests on (`seen`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, least_first: bool = False) -> None:
         super().__init__()
         self.seen: Counter[int] = Counter()
+        self.least_first = least_first
+        """Plain steps' tables: a count's first `PLAIN_SAMPLES` timings keep their least,
+        not their mean. Those are the first steps a batch runs plain, mostly right after its
+        prefill, and a CPU runs them slow for longer than `AFTER_PREFILL` (8 one-token
+        rsd-s requests: 4.9, 4.3, 3.5, 3.0, 2.8, 2.6, 2.7, then ~2.3-2.4 ms); their mean priced
+        auto-regression ~10% high, and the batch drafted chains no faster than it (rsd-s at
+        batch 8: 0.94x). Priced low, auto-regression only has drafting prove itself by more.
+        Steps with trees keep the mean: priced low, trees would look cheap."""
 
     def add(self, requests: int, seconds: float, probe: bool = False) -> None:
-        """A new timing for `requests`: the mean of its timings so far, then a decayed mean
-        (weight `FORWARD_EMA`); a `probe`'s (`_plain_probe`) below the value replaces it
+        """A new timing for `requests`: the mean of its timings so far (of the first
+        `PLAIN_SAMPLES`, their least where `least_first`), then a decayed mean (weight
+        `FORWARD_EMA`); a `probe`'s (`_plain_probe`) below the value replaces it
         (`PLAIN_EVERY`: taken at its decayed weight, four re-timings 32 steps apart brought
         a price doubled by a burst down to where auto-regression won, 130 steps of drafting
-        at a loss; one above it only adds like any other). Taken with that weight from the second timing on, a count's
-        first timing weighed ~80% for several more: the first steps after a batch's prefill
-        run slow (a 2-core Sapphire Rapids: 8 one-token requests 3.0, 2.9, 2.5, 2.2 ms, then
-        ~1.9), so the first auto-regressive timing of 8 requests stood ~50% high."""
+        at a loss; one above it only adds like any other). Taken with that weight from the
+        second timing on, a count's first timing weighed ~80% for several more: the first
+        steps after a batch's prefill run slow (a 2-core Sapphire Rapids: 8 one-token
+        requests 3.0, 2.9, 2.5, 2.2 ms, then ~1.9), so the first auto-regressive timing of 8
+        requests stood ~50% high."""
         self.seen[requests] += 1
         old = self.get(requests, 0.0)
+        if self.least_first and requests in self and self.seen[requests] <= PLAIN_SAMPLES:
+            self[requests] = min(old, seconds)
+            return
         if probe and requests in self and seconds < old:
             self[requests] = seconds
             return
@@ -676,8 +689,8 @@ class SpeculationPolicy:
     """Whether the last full solve chose to draft (`_settle`)."""
     reused: int = 0
     """Steps that reused a settled decision instead of solving again (for tests and reports)."""
-    overhead: ByRequests = field(default_factory=ByRequests)
-    """requests -> mean, then decayed mean (`ByRequests`), of a decoding step's host seconds
+    overhead: ByRequests = field(default_factory=lambda: ByRequests(least_first=True))
+    """requests -> least of its first timings, then decayed mean (`ByRequests`), of a decoding step's host seconds
     outside the forward and drafting (`StepStats.overhead_seconds`; `by_requests` between counts, and beyond them
     along the line through the nearest two). Every choice pays it once a step, so it is
     part of each choice's time: left out, goodput compared forwards alone, and at batch 8

@@ -996,6 +996,25 @@ def test_timings_of_a_request_count_are_their_mean_until_the_decay_takes_over() 
     assert t[8] == pytest.approx(0.0025 + speculation_policy.FORWARD_EMA * 0.0095)
 
 
+def test_a_plain_price_starts_from_the_least_of_its_first_timings() -> None:
+    """`ByRequests.least_first`: the first plain steps of a count are mostly a batch's first
+    after its prefill, which run slow for longer than `AFTER_PREFILL` (8 rsd-s requests: 2.8,
+    2.6, 2.7 ms, then ~2.3-2.4); their mean priced auto-regression ~10% high, and the batch
+    drafted chains no faster than it. Plain tables keep the least of the first
+    `PLAIN_SAMPLES`; tree tables keep the mean (priced low, trees would look cheap)."""
+    assert speculation_policy.PLAIN_SAMPLES == 3
+    plain, trees = speculation_policy.ByRequests(least_first=True), speculation_policy.ByRequests()
+    for seconds in (0.0028, 0.0026, 0.0027):
+        plain.add(8, seconds)
+        trees.add(8, seconds)
+    assert plain[8] == pytest.approx(0.0026) and trees[8] == pytest.approx(0.0027)
+    plain.add(8, 0.0023)  # then the mean of what follows, as before
+    assert plain[8] == pytest.approx(0.0026 + 0.25 * (0.0023 - 0.0026))
+    p = SpeculationPolicy()
+    assert p.forward_cost.extra.least_first and p.overhead.least_first
+    assert not p.forward_cost.extra_trees.least_first and not p.overhead_trees.least_first
+
+
 def test_no_tree_is_expected_to_yield_more_tokens_than_its_request_may_still_emit() -> None:
     """`Offer.left`: near its `max_tokens` a request gains nothing from a tree deeper than
     it may still emit. Where the whole tree pays (light load), a request 2 tokens from its
