@@ -387,7 +387,7 @@ class ForwardCost:
         if not self.tokens.points:  # never calibrated (a cost fit learning from live steps only)
             self.tokens.add(n, seconds)
             return first
-        if requests in table and table.seen[requests] >= PLAIN_SAMPLES:
+        if table.timed(requests):
             seconds = min(seconds, SPIKE * self(n, requests))
         table.add(requests, seconds - self.tokens(n), probe)
         return first
@@ -408,6 +408,11 @@ class ByRequests(dict[int, float]):
         auto-regression ~10% high, and the batch drafted chains no faster than it (rsd-s at
         batch 8: 0.94x). Priced low, auto-regression only has drafting prove itself by more.
         Steps with trees keep the mean: priced low, trees would look cheap."""
+
+    def timed(self, requests: int) -> bool:
+        """Whether there is a value at `requests` and it rests on `PLAIN_SAMPLES` timings or
+        more (what `SPIKE` caps a new timing against)."""
+        return requests in self and self.seen[requests] >= PLAIN_SAMPLES
 
     def add(self, requests: int, seconds: float, probe: bool = False) -> None:
         """A new timing for `requests`: the mean of its timings so far (of the first
@@ -1207,7 +1212,7 @@ class SpeculationPolicy:
                 self._settled = None
             if stats.overhead_seconds is not None:
                 table, host = self.overhead_trees if trees else self.overhead, stats.overhead_seconds
-                if stats.num_requests in table and table.seen[stats.num_requests] >= PLAIN_SAMPLES:
+                if table.timed(stats.num_requests):
                     host = min(host, SPIKE * table[stats.num_requests])
                 table.add(stats.num_requests, host, probe)
         for method, (levels, drafted, caught_up, request_levels, seconds) in stats.drafting.items():

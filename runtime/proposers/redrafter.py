@@ -247,7 +247,12 @@ class ReDrafterProposer(Proposer):
         at 0.94 where it took 0.66 (2-core Sapphire Rapids), and load-aware ReDrafter drafted
         11- and 21-node beams in ~22% of its batch-1 steps, at 1.65x auto-regression where
         6-node chains throughout ran 1.98x."""
-        return ["", *(["chains"] * params.beam_length), *([""] * (len(beam_widths(params.beam_width)) - 1))]
+        return [self._path(self.shape(params, size)[0]) for size in self.sizes(params)]
+
+    @staticmethod
+    def _path(width: int) -> str:
+        """The drafting path (`cost_paths`) of a search of `width` beams (0: no drafting)."""
+        return "chains" if width == 1 else ""
 
     def draft_cost_samples(self, method: str) -> dict[str, list[DraftCall]]:
         """Beam searches from zero states, twice each, per drafting path (`cost_paths`).
@@ -258,20 +263,19 @@ class ReDrafterProposer(Proposer):
         spec = self.engine.config.drafter
         settings = spec.settings if spec else {}
         length = settings.get("beam_length", ReDrafterParams.beam_length)
-        widths = beam_widths(settings.get("beam_width", ReDrafterParams.beam_width))[1:]
-        paths = {
-            "chains": [(1, 1, length), (8, 1, length), (32, 1, length), (1, 1, 1), (8, 1, 2), (32, 1, 2)],
-            "": [(1, w, length) for w in widths] + [(8, widths[-1], length)] if widths else [],
-        }
+        wider = beam_widths(settings.get("beam_width", ReDrafterParams.beam_width))[1:]
+        shapes = [(1, 1, length), (8, 1, length), (32, 1, length), (1, 1, 1), (8, 1, 2), (32, 1, 2)]
+        shapes += [(1, w, length) for w in wider] + [(8, w, length) for w in wider[-1:]]
         samples: dict[str, list[DraftCall]] = {}
-        for path, shapes in paths.items():
-            for rows, width, depth in shapes:
-                hidden = self._zeros(rows)
-                for _ in range(2):
-                    start = time.perf_counter()
-                    self._draft([0] * rows, hidden, width, depth, True)
-                    elapsed = time.perf_counter() - start
-                    samples.setdefault(path, []).append((depth, rows * width * depth, 0, rows * depth, elapsed))
+        for rows, width, depth in shapes:  # (requests, beams, drafts per beam)
+            hidden = self._zeros(rows)
+            for _ in range(2):
+                start = time.perf_counter()
+                self._draft([0] * rows, hidden, width, depth, True)
+                elapsed = time.perf_counter() - start
+                samples.setdefault(self._path(width), []).append(
+                    (depth, rows * width * depth, 0, rows * depth, elapsed)
+                )
         return samples
 
     def propose(self, requests: list[Request], budgets: list[int]) -> list[DraftTree]:
