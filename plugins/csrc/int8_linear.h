@@ -72,31 +72,42 @@ inline int32_t dot_i8(const int8_t* q, const int8_t* w, int64_t I) {
 
 #ifdef SPECPIPE_VNNI
 // NB blocks of 16 output rows (from b) for R rows of x (from m0): NB x R independent
-// accumulators, so consecutive `vpdpbusd`s do not wait on each other.
+// accumulators, so consecutive `vpdpbusd`s do not wait on each other. The loops over them are
+// unrolled by pragma: left to itself GCC 12 kept the accumulators on the stack, a store and
+// a reload around every `vpdpbusd` (perf annotate), and a one-row product with the demo
+// drafter's 8192 x 384 head took 26.9 us where it takes 20.3 (384 x 384: 4.4 -> 3.6 us).
 template <int NB, int R>
 inline void int8_tile(const uint8_t* qu, const float* s, int64_t Ip, const int8_t* blocked, const float* w_scale,
                       const int32_t* w_sum, float* y, int64_t O, int64_t b, int64_t m0) {
   const int64_t J = Ip / 4;
   __m512i acc[NB][R];
-  for (int n = 0; n < NB; ++n)
+  #pragma GCC unroll 16
+  for (int n = 0; n < NB; ++n) {
+    #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) acc[n][r] = _mm512_setzero_si512();
+  }
   for (int64_t j = 0; j < J; ++j) {
     __m512i xv[R];
+    #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       int32_t four;
       std::memcpy(&four, qu + (m0 + r) * Ip + 4 * j, 4);
       xv[r] = _mm512_set1_epi32(four);
     }
+    #pragma GCC unroll 16
     for (int n = 0; n < NB; ++n) {
       const __m512i wv = _mm512_loadu_si512(blocked + ((b + n) * J + j) * 64);
+      #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) acc[n][r] = _mm512_dpbusd_epi32(acc[n][r], xv[r], wv);
     }
   }
+  #pragma GCC unroll 16
   for (int n = 0; n < NB; ++n) {
     const int64_t o = 16 * (b + n), lanes_n = std::min<int64_t>(16, O - o);
     const __mmask16 lanes = static_cast<__mmask16>((1u << lanes_n) - 1u);
     const __m512i sums = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(lanes, w_sum + o), 7);  // 128 w_sum
     const __m512 scales = _mm512_maskz_loadu_ps(lanes, w_scale + o);
+    #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const __m512 exact = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[n][r], sums));
       _mm512_mask_storeu_ps(y + (m0 + r) * O + o, lanes, _mm512_mul_ps(exact, _mm512_mul_ps(_mm512_set1_ps(s[m0 + r]), scales)));
@@ -127,28 +138,36 @@ inline void int8_tile_avx2(const int8_t* q, const float* s, int64_t Ip, const in
   const int64_t J = Ip / 4;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i acc[2 * NB][R];
-  for (int h = 0; h < 2 * NB; ++h)
+  #pragma GCC unroll 16
+  for (int h = 0; h < 2 * NB; ++h) {
+    #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) acc[h][r] = _mm256_setzero_si256();
+  }
   for (int64_t j = 0; j < J; ++j) {
     __m256i xs[R], xa[R];
+    #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       int32_t four;
       std::memcpy(&four, q + (m0 + r) * Ip + 4 * j, 4);
       xs[r] = _mm256_set1_epi32(four);
       xa[r] = _mm256_abs_epi8(xs[r]);
     }
+    #pragma GCC unroll 16
     for (int h = 0; h < 2 * NB; ++h) {  // half h of block b + h / 2
       const __m256i wv =
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blocked + ((b + h / 2) * J + j) * 64 + 32 * (h % 2)));
+      #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
         const __m256i pairs = _mm256_maddubs_epi16(xa[r], _mm256_sign_epi8(wv, xs[r]));
         acc[h][r] = _mm256_add_epi32(acc[h][r], _mm256_madd_epi16(pairs, ones));
       }
     }
   }
+  #pragma GCC unroll 16
   for (int h = 0; h < 2 * NB; ++h) {
     const int64_t o = 16 * b + 8 * h, lanes = std::min<int64_t>(8, O - o);
     if (lanes <= 0) break;
+    #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       float* out = y + (m0 + r) * O + o;
       const __m256 exact = _mm256_cvtepi32_ps(acc[h][r]);

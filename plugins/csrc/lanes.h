@@ -53,4 +53,39 @@ inline VF exp_nonpositive(VF x) {
   return y * two_n;
 }
 
+inline bool any_lane(iw mask) {
+  uint64_t w[kWide / 2];
+  __builtin_memcpy(w, &mask, sizeof(w));
+  uint64_t seen = 0;
+  for (int j = 0; j < kWide / 2; ++j) seen |= w[j];
+  return seen != 0;
+}
+
+// The k largest of x[0, n), best first, ties in index order: vals[k], idx[k] (k <= n).
+// Keeps the best k so far sorted (an entry goes after those it equals); past the first k a
+// vector of lanes costs one compare with the k-th unless one of them beats it, so a row of
+// logits costs ~n / kWide compares plus ~k log(n / k) inserts. `at::topk` agrees up to the
+// order of tied values. A NaN never enters (it beats nothing).
+inline void top_k(const float* x, int64_t n, int64_t k, float* vals, int64_t* idx) {
+  int64_t filled = 0;
+  auto offer = [&](float v, int64_t i) {
+    if (filled == k && !(v > vals[k - 1])) return;
+    int64_t p = filled < k ? filled++ : k - 1;  // the slot it takes before moving up
+    for (; p > 0 && vals[p - 1] < v; --p) {
+      vals[p] = vals[p - 1];
+      idx[p] = idx[p - 1];
+    }
+    vals[p] = v;
+    idx[p] = i;
+  };
+  int64_t i = 0;
+  for (; i < n && filled < k; ++i) offer(x[i], i);
+  for (; i + kWide <= n; i += kWide) {
+    const vw v = load_w(x + i);
+    if (!any_lane(v > splat_w(vals[k - 1]))) continue;
+    for (int l = 0; l < kWide; ++l) offer(v[l], i + l);
+  }
+  for (; i < n; ++i) offer(x[i], i);
+}
+
 }  // namespace specpipe_lanes

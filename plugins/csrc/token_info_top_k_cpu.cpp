@@ -32,43 +32,11 @@ using specpipe_lanes::vw;
 
 constexpr int64_t kMaxK = 16;  // plugins/token_info_top_k.py MAX_K
 
-bool any(iw mask) {
-  uint64_t w[kWide / 2];
-  std::memcpy(w, &mask, sizeof(w));
-  uint64_t seen = 0;
-  for (int j = 0; j < kWide / 2; ++j) seen |= w[j];
-  return seen != 0;
-}
-
-// Keeps the k largest values seen, descending; a value equal to a kept one goes after it
-// (the smaller index first, as the values arrive in index order).
-struct Best {
-  int64_t k, count = 0;
-  float value[kMaxK];
-  int64_t index[kMaxK];
-
-  void offer(float v, int64_t i) {
-    if (count == k && !(v > value[k - 1])) return;
-    int64_t at = count < k ? count++ : k - 1;
-    while (at > 0 && v > value[at - 1]) {
-      value[at] = value[at - 1], index[at] = index[at - 1];
-      --at;
-    }
-    value[at] = v, index[at] = i;
-  }
-};
-
 void node(const float* x, int64_t V, int64_t k, float* values, int64_t* indices) {
-  Best best{k};
-  int64_t i = 0;
-  for (; i < V && best.count < k; ++i) best.offer(x[i], i);
-  for (; i + kWide <= V; i += kWide) {
-    const vw v = specpipe_lanes::load_w(x + i);
-    if (!any(v > specpipe_lanes::splat_w(best.value[k - 1]))) continue;
-    for (int l = 0; l < kWide; ++l) best.offer(v[l], i + l);
-  }
-  for (; i < V; ++i) best.offer(x[i], i);
-  const float top = best.value[0];
+  float best[kMaxK];
+  int64_t at[kMaxK];
+  specpipe_lanes::top_k(x, V, k, best, at);
+  const float top = best[0];
   const int64_t body = V / kWide * kWide;
   vw acc{};
   for (int64_t j = 0; j < body; j += kWide)
@@ -77,7 +45,7 @@ void node(const float* x, int64_t V, int64_t k, float* values, int64_t* indices)
   for (int l = 0; l < kWide; ++l) sum += acc[l];
   for (int64_t j = body; j < V; ++j) sum += std::exp(x[j] - top);
   const float log_sum = static_cast<float>(std::log(sum));
-  for (int64_t j = 0; j < k; ++j) values[j] = (best.value[j] - top) - log_sum, indices[j] = best.index[j];
+  for (int64_t j = 0; j < k; ++j) values[j] = (best[j] - top) - log_sum, indices[j] = at[j];
 }
 
 std::tuple<at::Tensor, at::Tensor> token_info_top_k(const at::Tensor& rows, const at::Tensor& owners,
