@@ -65,7 +65,7 @@ def test_one_beam_trees_are_the_packed_searches_trees() -> None:
     drafter, embed = setup(vocab=40)
     h, _ = inputs(len(ROOTS), ROOTS)
     for length in (1, 4):
-        fields, masks = search_trees(drafter, embed, h, torch.tensor(ROOTS), 1, length)
+        fields, masks = search_trees(drafter, embed, h, torch.tensor(ROOTS, device=h.device), 1, length)
         tokens, parents, depths, budgets, counts = fields.tolist()
         for b, tree in enumerate(draft_trees(drafter, embed, h, ROOTS, 1, length, False)):
             n = counts[b][0]
