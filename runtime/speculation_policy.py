@@ -59,7 +59,8 @@ credit covers a probe's expected loss (its time, its drafter's catch-up included
 the time its tokens would take at the chosen rate), one request not at its largest size
 drafts its largest tree (the one with the least to catch up, then the one measured
 longest ago: nested sizes are all measured by it; where sizes are not cuts of each other,
-rsd-s's beams of each width, the size its kind measured longest ago: `_probe_size`), at
+rsd-s's beams of each width, the size its kind measured longest ago: `_probe_size`; while
+it drafts nothing, nested sizes' best: `PROBE_BEST_WHILE_PLAIN`), at
 most once per `PROBE_EVERY` steps per kind of request whose largest size is not measured
 anyway. So at batch 1 after a run of
 bad drafts it re-probes every few dozen steps, at batch 32 every few steps, and throughput
@@ -131,6 +132,17 @@ FORWARD_EMA = 0.2
 """Weight of a new timing of a forward size."""
 PROBE_SHARE = 0.02
 """Share of step time that exploration may spend."""
+PROBE_BEST_WHILE_PLAIN = True
+"""While a request whose sizes are cuts of each other (`Offer.exact`) drafts nothing, its
+probe drafts its best drafting size (by the rate its estimates give), not its largest: the
+question then is whether drafting pays at all. Its largest (rsd-c's 15-node tree at T=1:
+~4.5 ms of drafting where a 5-node chain takes ~1.5-2) cost so much that the credit covered
+a probe once every ~100-270 steps, and its tree steps' host work priced the chains too:
+load-aware rsd-c at T=1, batch 1 stayed auto-regressive after an unlucky first tree for
+~1500 steps in one sweep of six, and for a whole sweep once (1.01-1.05x where the others
+read 1.16-1.22x). Five alternating A/B processes of that cell, largest -> best: medians
+1.17 / 1.19 / 0.96 / 1.23 / 1.23x -> 1.29 / 1.27 / 1.24 / 1.33 / 1.32x (the rest of the
+A/B is in issue 16's notes). Drafting, it probes its largest as before (does more pay?)."""
 PROBE_EVERY = 32
 """Fewest steps between probes of one kind of request (while its largest size is measured
 no more often than this)."""
@@ -1003,13 +1015,21 @@ class SpeculationPolicy:
         g = batch[i]
         probing = [*batch, _Group(g.method, g.row, 1)]  # its catch-up is charged in full below
         probing[i] = _Group(g.method, g.row, g.count - 1, g.lag - offer.lag)
-        probe = self._evaluate(probing, [*best.sizes, size], others)
+
+        def trial(s: int) -> _Choice:
+            return self._evaluate(probing, [*best.sizes, s], others)
+
+        if offer.exact and best.sizes[i] == 1 and PROBE_BEST_WHILE_PLAIN:
+            # drafting nothing, does drafting pay at all? (`PROBE_BEST_WHILE_PLAIN`)
+            size = max((s for s in offer.sizes if s > 1), key=lambda s: (trial(s).rate, s))
+        probe = trial(size)
         catch_up = self._draft_slopes(costs(offer)[list(offer.sizes).index(size)], 1)[2] * offer.lag
         return offer, size, probe.seconds + catch_up - probe.tokens / max(best.rate, 1e-12)
 
     def _probe_size(self, offer: Offer, chosen: int) -> int | None:
         """The size a probe of `offer` drafts instead of `chosen`: its largest, which
-        measures every smaller size where they are cuts of it (`Offer.exact`); else the
+        measures every smaller size where they are cuts of it (`Offer.exact`; while the
+        batch drafts nothing, `_probe` drafts its best size instead: `PROBE_BEST_WHILE_PLAIN`); else the
         size its kind measured longest ago (the larger of a tie: a chain measures the
         shorter chains in it), so that every size is measured in turn. Measured only when
         drafted, rsd-s's chains kept the estimate of a few unlucky first chains (2.3 tokens

@@ -69,7 +69,7 @@ def test_one_beam_trees_are_the_packed_searches_trees() -> None:
         tokens, parents, depths, budgets, counts = fields.tolist()
         for b, tree in enumerate(draft_trees(drafter, embed, h, ROOTS, 1, length, False)):
             n = counts[b][0]
-            assert n == length + 1 and tree.mask is not None and torch.equal(tree.mask, masks[b, :n, :n])
+            assert n == length + 1 and tree.mask is not None and torch.equal(tree.mask, masks[b, :n, :n].cpu())
             assert (tree.tokens, tree.parents, tree.depths, tree.node_budget) == (
                 tokens[b][:n], parents[b][:n], depths[b][:n], budgets[b][:n],
             )  # fmt: skip

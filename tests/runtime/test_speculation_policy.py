@@ -1281,3 +1281,78 @@ def test_one_slow_step_moves_a_price_timed_often_by_little(trees: bool) -> None:
     for _ in range(10):  # a slowdown that lasts
         p.observe(step(3 * usual, 0.0015))
     assert p.forward_cost(n, 8) > 2 * plain and p.overhead_of(8, trees) > 2 * host
+
+
+RSD_SIZES, RSD_LEVELS = [1, 2, 3, 4, 5, 9, 15], [0, 1, 2, 3, 4, 4, 4]
+"""An rsd-c request's sizes: its chain cut at every depth (2-5 nodes), then wider trees of
+the same 4 levels (9 and 15 nodes), each a cut of the next (`Offer.exact`)."""
+RSD_C = ("rsd-c", False)
+
+
+def rsd_tree(size: int, accepted: int) -> Outcome:
+    """A verified tree of `size` whose chain kept its first `accepted` drafts; the wider trees'
+    extra branches (budgets 9 and 15) are never on the accepted path."""
+    chain = min(size, 5)
+    budgets = [*range(1, chain + 1), *[9] * (min(size, 9) - chain), *[15] * (size - max(chain, min(size, 9)))]
+    accepted = min(accepted, chain - 1)
+    return Outcome("r", RSD_C, size, RSD_SIZES, accepted, budgets, list(range(accepted + 1)), size)
+
+
+def run_rsd(world: World, steps: int, seed: int) -> tuple[float, list[int], list[int]]:
+    """Batch 1: tokens per second, the size chosen at each step and the steps that probed.
+    The first tree keeps nothing."""
+    p = SpeculationPolicy()
+    p.calibrate(lambda n: None, 256)
+    for n in list(p.forward_cost.tokens.points):
+        p.forward_cost.tokens.points[n] = world.forward(n)
+    shapes = zip(RSD_SIZES[1:], RSD_LEVELS[1:], strict=True)
+    p.add_draft_samples("rsd-c", [(lv, s - 1, 0, lv, world.draft(s - 1)) for s, lv in shapes])
+    rng = np.random.default_rng(seed)
+    tokens = seconds = 0.0
+    chosen: list[int] = []
+    probed: list[int] = []
+    for step in range(steps):
+        probes = p.probes
+        size = p.choose([Offer("r", RSD_C, "rsd-c", RSD_SIZES, RSD_LEVELS)])["r"]
+        if p.probes > probes:
+            probed.append(step)
+        stats = StepStats(size, world.forward(size), overhead_seconds=world.host(size > 1))
+        seconds += stats.forward_seconds + world.host(size > 1)
+        tokens += 1
+        if size > 1:
+            level = RSD_LEVELS[RSD_SIZES.index(size)]
+            tree = rsd_tree(size, int(rng.geometric(1 - world.alpha)) - 1 if chosen and max(chosen) > 1 else 0)
+            stats.outcomes.append(tree)
+            stats.drafting["rsd-c"] = (level, size - 1, 0, level, world.draft(size - 1))
+            seconds += world.draft(size - 1)
+            tokens += tree.accepted
+        p.observe(stats)
+        chosen.append(size)
+    return tokens / seconds, chosen, probed
+
+
+def test_while_it_drafts_nothing_a_probe_drafts_its_best_size_not_its_largest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`PROBE_BEST_WHILE_PLAIN`. rsd-c at T=1, batch 1 (demo engine, 2-core Sapphire Rapids):
+    after a first tree that kept 2 drafts of 4, load-aware turned auto-regressive; its probes
+    drafted its largest tree (15 nodes, ~4.5 ms of drafting where a 5-node chain takes
+    ~1.5-2), whose expected loss the exploration credit covered once every ~100-270 steps,
+    and whose cost (host work of a 15-node tree step) priced the chains too: in one sweep of
+    six it stayed auto-regressive for ~1500 steps (1.05x, where the others read 1.16-1.22x;
+    once, a whole sweep: 1.01x). While a request of exact cuts drafts nothing, its probe now
+    drafts its best drafting size: the question then is whether drafting pays at all. Here
+    chains pay ~1.1x, the wider trees lose and the first tree keeps nothing: probing the
+    best size, every seed runs at least as fast and the runs spend ~35% fewer of their first
+    300 steps auto-regressive; probing the largest (as before), the probes after an unlucky
+    start keep drafting 15-node trees."""
+    world = World(a=1.5, b=0.05, c=0.2, d=0.35, alpha=0.6, h=0.5, k=0.6)
+
+    def runs(best_while_plain: bool) -> list[tuple[float, list[int], list[int]]]:
+        monkeypatch.setattr(speculation_policy, "PROBE_BEST_WHILE_PLAIN", best_while_plain)
+        return [run_rsd(world, 600, seed) for seed in range(6)]
+
+    best, largest = runs(True), runs(False)
+    assert all(new[0] >= old[0] for new, old in zip(best, largest, strict=True))
+    plain, plain_before = (sum(r[1][:300].count(1) for r in results) for results in (best, largest))
+    assert plain < 0.7 * plain_before, (plain, plain_before)
+    # seed 2: auto-regressive after the unlucky first tree; its probes then draft chains, not 15 nodes
+    assert all(best[2][1][i] <= 5 for i in best[2][2][:4]) and all(largest[2][1][i] == 15 for i in largest[2][2][:4])
