@@ -166,7 +166,9 @@ CPU has single slow steps: one plain forward of 8 requests at 6.0 ms where they 
 (2-core Sapphire Rapids) took the plain price from 2.2 to 3.1 ms; the batch then drafted
 (rsd-s, 4-node chains at ~3.4 tokens/ms, where auto-regression makes ~3.5) and, drafting,
 never timed a plain step again that round: load-aware 0.91x auto-regression where other
-runs read 0.96-0.98x. A slowdown that lasts still moves the price (each step up to 10%)."""
+runs read 0.96-0.98x. A slowdown that lasts still moves the price (each step up to 10%).
+The first tree step at a request count is capped the same way against its extrapolated
+price (`ForwardCost.observe`)."""
 PLAIN_SAMPLES = 3
 """Timings of a request count's auto-regressive step (forward residual and host overhead)
 below which a batch that drafts spends its exploration credit on plain steps (`_plain_probe`)."""
@@ -392,14 +394,22 @@ class ForwardCost:
     def observe(self, n: int, requests: int, seconds: float, probe: bool = False) -> bool:
         """Learn a live forward's timing (a plain `probe`'s: `ByRequests.add`; one over
         `SPIKE` times the price of a shape timed `PLAIN_SAMPLES` times or more counts as that
-        much); whether it is the first of its shape (trees or one token per request) at this
-        request count (until then, `residual` extrapolated)."""
+        much, and so does the first tree step at a request count, against its extrapolated
+        price); whether it is the first of its shape (trees or one token per request) at this
+        request count (until then, `residual` extrapolated). The first tree step of a batch
+        after a warm-up runs slow at times: rsd-c at T=0, batch 1 (2-core Sapphire Rapids),
+        a 5-node tree's forward of 21.7 ms where they take ~1.8 set the tree residual at 20
+        ms; trees looked ~10x dearer than they are, the batch went auto-regressive and only
+        probes timed trees again (tree steps after long plain runs, slow themselves: still
+        5.7 ms after three). 3 sweeps of 7 ran 0.94-0.97x, where the others read 1.34-1.44x;
+        with the cap, 5 of 5 read 1.49-1.56x. Priced above it, the second and third timings
+        (a mean until `PLAIN_SAMPLES`) show it."""
         table = self.extra_trees if n > requests else self.extra
         first = requests not in table
         if not self.tokens.points:  # never calibrated (a cost fit learning from live steps only)
             self.tokens.add(n, seconds)
             return first
-        if table.timed(requests):
+        if table.timed(requests) or (first and n > requests):  # the first tree timing: against the extrapolation
             seconds = min(seconds, SPIKE * self(n, requests))
         table.add(requests, seconds - self.tokens(n), probe)
         return first
