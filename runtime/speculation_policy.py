@@ -1039,7 +1039,7 @@ class SpeculationPolicy:
     def _probe_size(self, offer: Offer, chosen: int) -> int | None:
         """The size a probe of `offer` drafts instead of `chosen`: its largest, which
         measures every smaller size where they are cuts of it (`Offer.exact`; while the
-        batch drafts nothing, `_probe` drafts its best size instead: `PROBE_BEST_WHILE_PLAIN`); else the
+        request drafts nothing, `_probe` drafts its best size: `PROBE_BEST_WHILE_PLAIN`); else the
         size its kind measured longest ago (the larger of a tie: a chain measures the
         shorter chains in it), so that every size is measured in turn. Measured only when
         drafted, rsd-s's chains kept the estimate of a few unlucky first chains (2.3 tokens

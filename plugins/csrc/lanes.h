@@ -65,7 +65,7 @@ inline bool any_lane(iw mask) {
 // Keeps the best k so far sorted (an entry goes after those it equals); past the first k a
 // vector of lanes costs one compare with the k-th unless one of them beats it, so a row of
 // logits costs ~n / kWide compares plus ~k log(n / k) inserts. `at::topk` agrees up to the
-// order of tied values. A NaN never enters (it beats nothing).
+// order of tied values. Past the first k entries a NaN never enters (it beats nothing).
 inline void top_k(const float* x, int64_t n, int64_t k, float* vals, int64_t* idx) {
   int64_t filled = 0;
   auto offer = [&](float v, int64_t i) {
