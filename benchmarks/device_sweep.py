@@ -8,7 +8,8 @@ batch sizes and temperatures, on one device (a GPU by default when there is one)
 For each engine, the methods are those of `runtime.proposers.registry.METHODS` the engine accepts
 (a method whose request the engine refuses, e.g. lyanna on a ReDrafter engine, is listed
 as skipped with the engine's reason). One `LLMEngine` per engine serves every cell (its KV
-cache and, on a GPU, its CUDA graphs are made once), after a warm-up request per method.
+cache and, on a GPU, its CUDA graphs are made once), after a warm-up request per method
+and, before each batch size's cells, one short untimed auto-regressive batch of that size.
 For each batch size B and temperature T, B held-out prompts (never trained on) are decoded
 together, fixed output length, EOS ignored, prompt i seeded with i, by AR and by each
 method in alternating rounds, so machine noise hits them alike. Reported per cell:
@@ -36,7 +37,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.report import machine, torch_threads, write_report
-from benchmarks.timing import Timings, alternate, round_params, timed, warm_up
+from benchmarks.timing import WARMUP_TOKENS, Timings, alternate, round_params, sampling_params, timed, warm_up
 from runtime.config import RuntimeConfig
 from runtime.engine_dir import DTYPES
 from runtime.llm_engine import LLMEngine
@@ -304,6 +305,9 @@ def run(args: argparse.Namespace) -> None:
             engines_meta[str(path)] = {"drafter": drafter, "methods": methods, "skipped": skipped}
             for batch in sizes:
                 batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
+                # a batch's first steps pay its set-up (allocator growth; on an H100 the first
+                # batch-8 AR cell of a one-round sweep read 206 tok/s where the others read ~2000-3000)
+                llm.generate(batch_prompts, sampling_params(batch, WARMUP_TOKENS, 0.0), "ar")
                 for temperature in temperatures:
                     bar.set_postfix_str(f"{path.name} B={batch} T={temperature:g}")
                     measured = run_cell(llm, methods, batch_prompts, temperature, args.max_tokens, args.rounds)
