@@ -1031,8 +1031,9 @@ class SpeculationPolicy:
 
         if offer.exact and best.sizes[i] == 1 and PROBE_BEST_WHILE_PLAIN:
             # drafting nothing, does drafting pay at all? (`PROBE_BEST_WHILE_PLAIN`)
-            size = max((s for s in offer.sizes if s > 1), key=lambda s: (trial(s).rate, s))
-        probe = trial(size)
+            probe, size = max(((trial(s), s) for s in offer.sizes if s > 1), key=lambda t: (t[0].rate, t[1]))
+        else:
+            probe = trial(size)
         catch_up = self._draft_slopes(costs(offer)[list(offer.sizes).index(size)], 1)[2] * offer.lag
         return offer, size, probe.seconds + catch_up - probe.tokens / max(best.rate, 1e-12)
 

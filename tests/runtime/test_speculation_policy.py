@@ -78,11 +78,17 @@ def offers(batch: int) -> list[Offer]:
     return [Offer(f"r{i}", KIND, "redrafter", BEAMS, LEVELS) for i in range(batch)]
 
 
-def calibrated(world: World, adaptive: bool = True) -> SpeculationPolicy:
+def forward_calibrated(world: World, adaptive: bool = True) -> SpeculationPolicy:
+    """A policy whose engine-start forward table is `world`'s (no drafting samples)."""
     p = SpeculationPolicy(adaptive=adaptive)
     p.calibrate(lambda n: None, 256)  # sizes only; replace the (instant) timings with the world's
     for n in list(p.forward_cost.tokens.points):
         p.forward_cost.tokens.points[n] = world.forward(n)
+    return p
+
+
+def calibrated(world: World, adaptive: bool = True) -> SpeculationPolicy:
+    p = forward_calibrated(world, adaptive)
     p.add_draft_samples("redrafter", [(L, rows * L, 0, rows * L, world.draft(rows * L)) for rows in (1, 8, 32)])
     return p
 
@@ -683,10 +689,7 @@ def test_a_size_drafted_rarely_is_priced_by_its_gain_over_the_next_smaller(monke
     assert max(rates, key=rates.__getitem__) == 5 and rates[5] > 1.05 * rates[4]
 
     def policy() -> SpeculationPolicy:
-        p = SpeculationPolicy()
-        p.calibrate(lambda n: None, 256)
-        for n in list(p.forward_cost.tokens.points):
-            p.forward_cost.tokens.points[n] = world.forward(n)
+        p = forward_calibrated(world)
         p.add_draft_samples("sd", [(k, k, 0, k, world.draft(k)) for k in range(1, 5)])
         for size, kept in [(5, 1)] * 2 + [(3, 2)] * 40:
             p.choose([Offer("r", SD, "sd", CHAIN, list(range(5)))])
@@ -1302,10 +1305,7 @@ def rsd_tree(size: int, accepted: int) -> Outcome:
 def run_rsd(world: World, steps: int, seed: int) -> tuple[float, list[int], list[int]]:
     """Batch 1: tokens per second, the size chosen at each step and the steps that probed.
     The first tree keeps nothing."""
-    p = SpeculationPolicy()
-    p.calibrate(lambda n: None, 256)
-    for n in list(p.forward_cost.tokens.points):
-        p.forward_cost.tokens.points[n] = world.forward(n)
+    p = forward_calibrated(world)
     shapes = zip(RSD_SIZES[1:], RSD_LEVELS[1:], strict=True)
     p.add_draft_samples("rsd-c", [(lv, s - 1, 0, lv, world.draft(s - 1)) for s, lv in shapes])
     rng = np.random.default_rng(seed)
