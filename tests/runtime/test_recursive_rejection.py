@@ -59,6 +59,11 @@ def generator(seed: int) -> torch.Generator:
     return torch.Generator(TEST_DEVICE).manual_seed(seed)
 
 
+def cpu_generator(seed: int) -> torch.Generator:
+    """For noise the test itself draws on the CPU (a CUDA generator cannot draw there)."""
+    return torch.Generator().manual_seed(seed)
+
+
 def on_device(*log_probs: torch.Tensor) -> list[torch.Tensor]:
     return [law.to(TEST_DEVICE) for law in log_probs]
 
@@ -194,9 +199,9 @@ def test_top_down_gumbel_top_k_has_the_law_of_v_perturbations() -> None:
     pairs.index_put_((tokens[:, 0], tokens[:, 1]), torch.ones(n, dtype=torch.float64), accumulate=True)
     assert passes_chi_square(pairs, law)
     wrong = values.clone()  # the second value untruncated: Gumbel(log p(rest)) alone
-    wrong[:, 1] = (1 - pf[tokens[:, 0]]).log() + gumbel_noise((n,), generator(13), "cpu")
+    wrong[:, 1] = (1 - pf[tokens[:, 0]]).log() + gumbel_noise((n,), cpu_generator(13), "cpu")
     assert not passes_chi_square(_uniform_bins(pit(wrong, tokens)[1]), uniform)
-    perturbed = log_p.cpu().double() + gumbel_noise((n, 5), generator(14), "cpu")  # the V-perturbation process
+    perturbed = log_p.cpu().double() + gumbel_noise((n, 5), cpu_generator(14), "cpu")  # the V-perturbation process
     ref_values, ref_tokens = torch.topk(perturbed, k, dim=-1)
     assert all(passes_chi_square(_uniform_bins(u), uniform) for u in pit(ref_values, ref_tokens))
 
@@ -212,7 +217,7 @@ def test_one_draw_follows_the_law_like_the_gumbel_argmax() -> None:
     drawn, from_p, argmax, wrong = torch.zeros(5), torch.zeros(5), torch.zeros(5), torch.zeros(5)
     gen = generator(3)
     for _ in range(4000):
-        drawn[gumbel_top_k(log_p, 1, gen)] += 1
+        drawn[int(gumbel_top_k(log_p, 1, gen))] += 1
         from_p[int(draw_rows(p.to(TEST_DEVICE)[None], [gen])[0])] += 1
         argmax[int((log_p.double() + gumbel_noise((5,), gen, TEST_DEVICE)).argmax())] += 1
         wrong[int(draw_one((log_p / 2)[None], [gen])[0])] += 1
