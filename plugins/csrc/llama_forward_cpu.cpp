@@ -168,22 +168,32 @@ struct ChainModel {
     const int64_t n = static_cast<int64_t>(active.size());
     int64_t width = 0;
     for (int64_t i = 0; i < n; ++i) width = std::max(width, pos[i] + 1);
-    const at::TensorOptions i64 = embed.options().dtype(at::kLong);
-    at::Tensor tokens = at::empty({n}, i64), positions = at::empty({n}, i64), written = at::empty({n}, i64);
-    at::Tensor query_index = at::arange(n, i64).reshape({n, 1}), key_slots = at::zeros({n, width}, i64);
-    at::Tensor mask = at::zeros({n, 1, width}, i64.dtype(at::kBool)), valid = at::ones({n, 1}, i64.dtype(at::kBool));
-    int64_t* keys = key_slots.data_ptr<int64_t>();
-    bool* seen = mask.data_ptr<bool>();
+    // The metadata in this call's own buffers, wrapped (`from_blob`: no allocation and no
+    // dispatched op each, where eight ATen ops made them): a greedy level of the demo draft
+    // LM 0.191-0.199 -> 0.170-0.175 ms after a flush (`benchmarks.floor`, alternating builds).
+    // The tensors live until `layers` returns.
+    std::vector<int64_t> ints(4 * n + n * width, 0);  // tokens, positions, written, rows, key slots
+    std::vector<uint8_t> seen(n * width + n, 0);      // mask, then valid
+    int64_t* keys = ints.data() + 4 * n;
     for (int64_t i = 0; i < n; ++i) {
       const int64_t p = pos[i];
       const int64_t* table = slots[active[i]].data_ptr<int64_t>();
-      tokens.data_ptr<int64_t>()[i] = fed[i];
-      positions.data_ptr<int64_t>()[i] = p;
-      written.data_ptr<int64_t>()[i] = table[p];
+      ints[i] = fed[i];
+      ints[n + i] = p;
+      ints[2 * n + i] = table[p];
+      ints[3 * n + i] = i;
       std::copy(table, table + p + 1, keys + i * width);
-      std::fill(seen + i * width, seen + i * width + p + 1, true);
+      std::fill(seen.begin() + i * width, seen.begin() + i * width + p + 1, 1);
+      seen[n * width + i] = 1;
     }
-    const at::Tensor rows = query_index.reshape({n});
+    const at::TensorOptions i64 = embed.options().dtype(at::kLong), flags = embed.options().dtype(at::kBool);
+    const at::Tensor tokens = at::from_blob(ints.data(), {n}, i64), positions = at::from_blob(ints.data() + n, {n}, i64);
+    const at::Tensor written = at::from_blob(ints.data() + 2 * n, {n}, i64);
+    const at::Tensor query_index = at::from_blob(ints.data() + 3 * n, {n, 1}, i64);
+    const at::Tensor rows = at::from_blob(ints.data() + 3 * n, {n}, i64);
+    const at::Tensor key_slots = at::from_blob(keys, {n, width}, i64);
+    const at::Tensor mask = at::from_blob(seen.data(), {n, 1, width}, flags);
+    const at::Tensor valid = at::from_blob(seen.data() + n * width, {n, 1}, flags);
     const at::Tensor x = layers(linear, tokens, positions, written, {query_index}, {key_slots}, {mask}, {valid}, {rows},
                                 embed, inv_freq, rope_scale, norms, k_cache, v_cache, num_heads, eps);
     const int64_t head = static_cast<int64_t>(linear.weight.size()) - 1;
@@ -277,11 +287,11 @@ at::Tensor draft_lm_chain_level(const at::Tensor& tokens, const at::Tensor& posi
 
 // A draft LM's sampled chains (SD at temperature > 0, RSD-C's and RSD-S's chains), every
 // level in one call. Level j of request b: its law q = softmax(logits / temperatures[b]) (the
-// warp `runtime.sampling.target_probs` makes of a temperature alone: the same ATen ops, so
-// the same bits), a draw from q at the uniform uniforms[b][j] (`specpipe::draw_row`, what
-// `runtime.gumbel.draw_rows` draws), and, while j + 1 < levels[b], the draw fed at position
-// starts[b] + j for the next level's logits. Level 0's logits are `first` (the roots', rows
-// in request order), or, given `roots`, those of the roots fed at starts[b] - 1 (a chain
+// warp `runtime.sampling.target_probs` makes of a temperature alone: the same ATen kernels,
+// written straight into the law's row, so the same bits), a draw from q at the uniform
+// uniforms[b][j] (`specpipe::draw_row`, what `runtime.gumbel.draw_rows` draws), and, while
+// j + 1 < levels[b], the draw fed at position starts[b] + j for the next level's logits.
+// Level 0's logits are `first` (the roots', rows in request order), or, given `roots`, those of the roots fed at starts[b] - 1 (a chain
 // level, as `draft_lm_chain_level` feeds them). Returns the draws [B, max(levels)] (-1 past a request's levels) and
 // the laws [B, max(levels) + 1, V]: row j + 1 the law draw j came from, row 0 (the root,
 // not drawn) zeros, so request b's first levels[b] + 1 rows are its tree's `draft_probs`.
@@ -333,12 +343,14 @@ std::tuple<at::Tensor, at::Tensor> draft_lm_sampled_chain(
   at::Tensor laws = at::zeros({B, most + 1, V}, logits.options());
   const double* u = uniforms.data_ptr<double>();
   std::vector<double> cdf(V);
+  at::Tensor scaled = at::empty({V}, logits.options());
   for (int64_t j = 0; j < most; ++j) {
     std::vector<int64_t> going, fed, pos;
     for (size_t i = 0; i < active.size(); ++i) {
       const int64_t b = active[i];
-      const at::Tensor q = at::softmax(logits[static_cast<int64_t>(i)].div(temperatures[b]), -1);  // [V]
-      laws[b][j + 1].copy_(q);
+      at::Tensor q = laws[b][j + 1];  // [V]: the law written in place (the same ATen kernels, no copy)
+      at::div_out(scaled, logits[static_cast<int64_t>(i)], temperatures[b]);
+      at::_softmax_out(q, scaled, 0, false);
       const int64_t token = specpipe::draw_row(q.data_ptr<float>(), u[b * uniforms.size(1) + j], V, cdf);
       drawn.data_ptr<int64_t>()[b * most + j] = token;
       if (j + 1 < levels[b]) {
