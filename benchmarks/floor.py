@@ -96,8 +96,11 @@ def forward_call(model: LlamaForCausalLM, fused: FusedTarget, n: int, context: i
 
 def measure(path: Path, context: int, repeats: int, flush: torch.Tensor) -> dict[str, Any]:
     """One engine's row: target bytes and forward times, drafter bytes and level times."""
-    engine = LoadedEngine.load(path)
-    torch.set_grad_enabled(False)
+    with torch.inference_mode():  # as the engine runs them (the ops stand aside under autograd)
+        return _measure(LoadedEngine.load(path), path, context, repeats, flush)
+
+
+def _measure(engine: LoadedEngine, path: Path, context: int, repeats: int, flush: torch.Tensor) -> dict[str, Any]:
     fused = FusedTarget.of(engine.model)
     if fused is None:
         raise SystemExit(f"error: {path}: the target's C++ forward does not apply (see plugins/llama_forward.py)")

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks.floor import TOKENS, line, main
 from plugins.llama_forward import FusedTarget, Int8DraftLM
@@ -34,6 +35,7 @@ def test_floor_of_every_drafter_kind(engines: dict[str, Path], tmp_path: Path) -
     out = tmp_path / "floor"
     argv = [a for path in engines.values() for a in ("--engine", str(path))]
     main([*argv, "--context", "20", "--repeats", "2", "--out", str(out)])
+    assert torch.is_grad_enabled()  # measured under inference mode, not with autograd switched off for its caller
     doc = json.loads(out.with_suffix(".json").read_text())
     rows = {r["engine"]: r for r in doc["rows"]}
     assert doc["meta"]["command"].startswith("python -m benchmarks.floor --engine")
