@@ -19,8 +19,8 @@ the draft LM's chain op), one request at `--context` positions:
   chain, the same cold and hot) and per call (the line's intercept: the op's arguments,
   its set-up, the Python around it);
 - the floor of a speculative step drafting a chain of L tokens: forward(L + 1 tokens) +
-  a drafter call of L levels, as a multiple of forward(1 token) (AR's step less its host work), and the
-  tokens per step (tau) it needs to run 2x auto-regression at that floor.
+  a drafter call of L levels, as a multiple of forward(1 token) (AR's step less its host
+  work), and the tokens per step (tau) it needs to run 2x auto-regression at that floor.
 Host work (scheduling, metadata, verification, the policy) comes on top of every step,
 AR's included: `make profile` times it. Writes `<out>.json` and `<out>.md`.
 """
@@ -140,8 +140,9 @@ def _measure(engine: LoadedEngine, path: Path, context: int, repeats: int, flush
 
 def floors(row: dict[str, Any]) -> list[dict[str, float]]:
     """The cold floor of a step drafting a chain of L = 1, 5 and 15 tokens: forward(L + 1)
-    (interpolated in the timed sizes) + one drafter call of L levels, over forward(1); and
-    2x that, the tau it needs to run 2x AR at its floor."""
+    (interpolated in the timed sizes) + one drafter call of L levels (the fitted line, past
+    `LEVELS` extrapolated), over forward(1); and 2x that, the tau it needs to run 2x AR at
+    its floor."""
     fwd = row["forward_ms_cold"]
     sizes = sorted(fwd)
     out = []
