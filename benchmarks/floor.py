@@ -69,13 +69,6 @@ def timing(fn: Callable[[], object], repeats: int, cold: bool, flush: torch.Tens
     return statistics.median(times)
 
 
-def line(xs: list[int], ys: list[float]) -> tuple[float, float]:
-    """Least-squares (slope, intercept) of ys over xs."""
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
-    return slope, my - slope * mx
-
-
 def forward_call(model: LlamaForCausalLM, fused: FusedTarget, n: int, context: int) -> Callable[[], object]:
     """A target forward of `n` new tokens after `context` cached ones (one request, causal)."""
     cache = model.new_kv_cache((context + n) // 16 + 2, 16)
@@ -105,11 +98,9 @@ def _measure(engine: LoadedEngine, path: Path, context: int, repeats: int, flush
     if fused is None:
         raise SystemExit(f"error: {path}: the target's C++ forward does not apply (see plugins/llama_forward.py)")
     row: dict[str, Any] = {"engine": str(path), "target_mb": sum(w.nbytes for w in fused.small) / 1e6}
+    calls = {n: forward_call(engine.model, fused, n, context) for n in TOKENS}  # one cache and step each
     for mode in ("cold", "hot"):
-        cold = mode == "cold"
-        row[f"forward_ms_{mode}"] = {
-            n: 1e3 * timing(forward_call(engine.model, fused, n, context), repeats, cold, flush) for n in TOKENS
-        }
+        row[f"forward_ms_{mode}"] = {n: 1e3 * timing(call, repeats, mode == "cold", flush) for n, call in calls.items()}
     drafter = engine.config.drafter.kind if engine.config.drafter else None
     row["drafter"] = drafter
     level: Callable[[int], Callable[[], object]] | None = None
@@ -134,7 +125,7 @@ def _measure(engine: LoadedEngine, path: Path, context: int, repeats: int, flush
         levels = list(range(1, LEVELS + 1))
         for mode in ("cold", "hot"):
             times = [1e3 * timing(level(n), repeats, mode == "cold", flush) for n in levels]
-            row[f"level_ms_{mode}"], row[f"call_ms_{mode}"] = line(levels, times)
+            row[f"level_ms_{mode}"], row[f"call_ms_{mode}"] = statistics.linear_regression(levels, times)
     return row
 
 

@@ -291,10 +291,11 @@ at::Tensor draft_lm_chain_level(const at::Tensor& tokens, const at::Tensor& posi
 // written straight into the law's row, so the same bits), a draw from q at the uniform
 // uniforms[b][j] (`specpipe::draw_row`, what `runtime.gumbel.draw_rows` draws), and, while
 // j + 1 < levels[b], the draw fed at position starts[b] + j for the next level's logits.
-// Level 0's logits are `first` (the roots', rows in request order), or, given `roots`, those of the roots fed at starts[b] - 1 (a chain
-// level, as `draft_lm_chain_level` feeds them). Returns the draws [B, max(levels)] (-1 past a request's levels) and
-// the laws [B, max(levels) + 1, V]: row j + 1 the law draw j came from, row 0 (the root,
-// not drawn) zeros, so request b's first levels[b] + 1 rows are its tree's `draft_probs`.
+// Level 0's logits are `first` (the roots', rows in request order), or, given `roots`, those
+// of the roots fed at starts[b] - 1 (a chain level, as `draft_lm_chain_level` feeds them).
+// Returns the draws [B, max(levels)] (-1 past a request's levels) and the laws
+// [B, max(levels) + 1, V]: row j + 1 the law draw j came from, row 0 (the root, not drawn)
+// zeros, so request b's first levels[b] + 1 rows are its tree's `draft_probs`.
 // What it saves is the Python of the level loop it replaces (`rsd._sampled_chains`): per
 // level the metadata, the warp, the draw and the device-to-host read.
 std::tuple<at::Tensor, at::Tensor> draft_lm_sampled_chain(
