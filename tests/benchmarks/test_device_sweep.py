@@ -8,26 +8,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 import torch
 
 from benchmarks.device_sweep import cast, main
-from runtime.engine_dir import BuildConfig
 from runtime.loaded_engine import LoadedEngine
 from runtime.proposers.registry import METHODS
-from tests.demo_engines import demo_engines
 
-BUILD = BuildConfig(max_batch_size=2, max_input_len=512, max_seq_len=1024)
 EXPECTED = {  # drafter kind -> methods its engine runs (ngram needs no drafter: every engine)
     "redrafter": {"ar", "redrafter", "rsd-c", "rsd-s", "sd", "ngram"},
     "draft-lm": {"ar", "redrafter", "rsd-c", "rsd-s", "sd", "ngram"},
     "lyanna": {"ar", "lyanna", "ngram"},
 }
-
-
-@pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return demo_engines(tmp_path_factory, BUILD)
 
 
 def test_greedy_sweep_every_engine(engines: dict[str, Path], tmp_path: Path) -> None:

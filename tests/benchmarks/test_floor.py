@@ -12,16 +12,7 @@ import torch
 
 from benchmarks.floor import TOKENS, main
 from plugins.llama_forward import FusedTarget, Int8DraftLM
-from runtime.engine_dir import BuildConfig
 from runtime.loaded_engine import LoadedEngine
-from tests.demo_engines import demo_engines
-
-BUILD = BuildConfig(max_batch_size=2, max_input_len=512, max_seq_len=1024)
-
-
-@pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return demo_engines(tmp_path_factory, BUILD)
 
 
 def test_floor_of_every_drafter_kind(engines: dict[str, Path], tmp_path: Path) -> None:

@@ -13,15 +13,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import lyanna_throughput, redrafter_grid, redrafter_kd
-from runtime.engine_dir import BuildConfig
-from tests.demo_engines import MODELS, demo_engines
-
-BUILD = BuildConfig(max_batch_size=2, max_input_len=512, max_seq_len=1024)
-
-
-@pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return demo_engines(tmp_path_factory, BUILD)
+from tests.demo_engines import MODELS
 
 
 def test_redrafter_grid(engines: dict[str, Path], tmp_path: Path) -> None:
