@@ -95,9 +95,12 @@ $(ENGINE)/config.json: $(STAMP) $(BUILDER) $(MODEL)/config.json $(MODEL)/model.s
 # costs ~1.2 ms at batch 1 and L=5 beats L=4 (held-out prompts, load-aware: batch 1 1.89x vs
 # 1.78x AR, batch 8 1.21x vs 1.18x, batch 32 the same); load-aware picks the width.
 SPEC_BEAMS := --beam-width 4 --beam-length 5
+# the RNN drafter's head in 4 bits: its acceptance as in int8, half the bytes of its largest
+# product a level (benchmarks/results/floor.md); the draft LM's keeps int8 (tau 3.27 -> 3.14)
+SPEC_HEAD := --drafter-head int4
 
 $(SPEC_ENGINE)/config.json: $(STAMP) $(BUILDER) $(MODEL)/model.safetensors $(DRAFTER)/config.json $(DRAFTER)/model.safetensors Makefile
-	$(BIN)/python -m build.engine --checkpoint $(MODEL) --drafter $(DRAFTER) --output $(SPEC_ENGINE) --max-batch-size 32 $(SPEC_BEAMS) --force
+	$(BIN)/python -m build.engine --checkpoint $(MODEL) --drafter $(DRAFTER) --output $(SPEC_ENGINE) --max-batch-size 32 $(SPEC_BEAMS) $(SPEC_HEAD) --force
 
 $(DRAFT_ENGINE)/config.json: $(STAMP) $(BUILDER) $(MODEL)/model.safetensors $(DRAFT_LM)/config.json $(DRAFT_LM)/model.safetensors
 	$(BIN)/python -m build.engine --checkpoint $(MODEL) --draft-model $(DRAFT_LM) --output $(DRAFT_ENGINE) --max-batch-size 32 --force

@@ -280,11 +280,12 @@ class Linear(nn.Linear):
         self.packed = pack_cpu_weight(self.weight.detach())
         self.small = None if self.packed is None else fp32_linear.block16(self.weight)
 
-    def quantize_int8(self) -> bool:
-        """Keep an int8 copy of the weight for inference (a drafter's: `plugins/cpu_linear.py`);
-        False where it does not apply (not fp32 on the CPU). The
-        int8 copy serves every input the blocked copy would, so that one is dropped."""
-        self.int8 = quantize_int8(self.weight)
+    def quantize_int8(self, bits: int = 8) -> bool:
+        """Keep an int8 copy of the weight for inference (a drafter's: `plugins/cpu_linear.py`;
+        `bits=4`: values in [-7, 7], two a byte in the kernel's copy); False where it does not
+        apply (not fp32 on the CPU). The int8 copy serves every input the blocked copy would,
+        so that one is dropped."""
+        self.int8 = quantize_int8(self.weight, bits)
         if self.int8 is not None:
             self.packed = self.small = None
         return self.int8 is not None

@@ -91,20 +91,24 @@ class Int8Copy(NamedTuple):
     this CPU (decided once, at quantization); else None."""
 
 
-def quantize_int8(weight: torch.Tensor) -> Int8Copy | None:
+def quantize_int8(weight: torch.Tensor, bits: int = 8) -> Int8Copy | None:
     """The int8 copy of an fp32 CPU weight `[out, in]` (symmetric, one scale per output row,
-    values in [-127, 127]), for `int8_linear`; None where it does not apply (another dtype or
-    device, a torch without fbgemm)."""
+    values in [-127, 127]; `bits=4`: in [-7, 7], stored two a byte where the kernel takes that,
+    `plugins/int8_linear.py`), for `int8_linear`; None where it does not apply (another dtype
+    or device, a torch without fbgemm)."""
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
     if weight.dtype != torch.float32 or weight.device.type != "cpu" or not int8_available():
         return None
     w = weight.detach().contiguous()
-    scales = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny).double()
+    top = 127 if bits == 8 else 7
+    scales = (w.abs().amax(dim=1) / top).clamp_min(torch.finfo(torch.float32).tiny).double()
     zero_points = torch.zeros(w.shape[0], dtype=torch.long)
     with warnings.catch_warnings():  # quantized-tensor creation is deprecated, the fbgemm kernels are not
         warnings.simplefilter("ignore")
         qweight = torch.quantize_per_channel(w, scales, zero_points, 0, torch.qint8)
     packed = torch.ops.quantized.linear_prepack(qweight, None)
-    return Int8Copy(packed, Int8Weight.of(packed) if vectorized() else None)
+    return Int8Copy(packed, Int8Weight.of(packed, bits) if vectorized() else None)
 
 
 def int8_linear(x: torch.Tensor, copy: Int8Copy, bias: torch.Tensor | None) -> torch.Tensor:

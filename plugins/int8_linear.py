@@ -7,7 +7,13 @@ it, else AVX2) that the draft LM's one-call forward uses (`plugins/llama_forward
     y[m, o] = float(q_m . w_o) * (s_m * w_scale[o])
 
 The integer dot products are exact, so the kernel equals the plain-torch reference
-(`int8_linear_reference`) bit for bit. Weights are those of fbgemm's packed copies
+(`int8_linear_reference`) bit for bit.
+
+4-bit weights (`BuildConfig.drafter_head = "int4"`) are int8 weights in [-7, 7], scale
+max|w| / 7 per row (`plugins.cpu_linear.quantize_int8(bits=4)`): the same formula, the same
+reference. Only their blocked copy differs: two weights a byte (`block_weight4`) where the
+kernel has AVX-512 VNNI (`nibbles`), so a product that streams its weights reads half the
+bytes; elsewhere the int8 layout, with the same bits out. Weights are those of fbgemm's packed copies
 (`plugins.cpu_linear.quantize_int8`, read back with `Int8Weight.of`), the activations are
 quantized per row to 8 bits (fbgemm's dynamic linear: per call, 7 bits), and nothing is
 allocated or packed per call: on the demo draft LM's products (256-768 wide) fbgemm's call
@@ -29,19 +35,25 @@ class Int8Weight(NamedTuple):
     """One linear's int8 weight, as the op takes it."""
 
     weight: Tensor  # [O, I] int8
-    blocked: Tensor  # [ceil(O / 16), ceil(I / 4), 16, 4] int8: the kernel's layout (`block_weight`)
+    blocked: Tensor
+    """The kernel's layout: `block_weight` ([ceil(O / 16), ceil(I / 4), 16, 4] int8), or for
+    4-bit weights under VNNI `block_weight4` ([ceil(O / 16), ceil(I / 8), 16, 4] uint8)."""
     scale: Tensor  # [O] fp32, one per output row
     sum: Tensor  # [O] int32 = weight.sum(1): what the kernel's unsigned products take back off
 
     @classmethod
-    def of(cls, packed: Any) -> Int8Weight:
-        """From fbgemm's packed copy (`quantize_int8`): the same int8 weights and scales."""
+    def of(cls, packed: Any, bits: int = 8) -> Int8Weight:
+        """From fbgemm's packed copy (`quantize_int8`): the same int8 weights and scales;
+        `bits=4`: weights in [-8, 7], blocked two a byte where the kernel takes that (`nibbles`)."""
         qweight, _ = packed.unpack()
         weight = qweight.int_repr().contiguous()
         if weight.numel() and int(weight.min()) == -128:  # AVX2's vpsignb cannot negate -128
             raise ValueError("int8 weights must lie in [-127, 127]: quantize with scale max|w| / 127 (quantize_int8)")
+        if bits == 4 and weight.numel() and (int(weight.min()) < -8 or int(weight.max()) > 7):
+            raise ValueError("4-bit weights must lie in [-8, 7]: quantize with quantize_int8(weight, bits=4)")
         scale = qweight.q_per_channel_scales().float().contiguous()
-        return cls(weight, block_weight(weight), scale, weight.sum(1, dtype=torch.int32))
+        blocked = block_weight4(weight) if bits == 4 and nibbles() else block_weight(weight)
+        return cls(weight, blocked, scale, weight.sum(1, dtype=torch.int32))
 
 
 def block_weight(weight: Tensor) -> Tensor:
@@ -51,6 +63,15 @@ def block_weight(weight: Tensor) -> Tensor:
     o, i = weight.shape
     padded = torch.nn.functional.pad(weight, (0, -i % 4, 0, -o % 16))
     return padded.view(padded.shape[0] // 16, 16, padded.shape[1] // 4, 4).transpose(1, 2).contiguous()
+
+
+def block_weight4(weight: Tensor) -> Tensor:
+    """4-bit `[O, I]` (values in [-8, 7]) -> `[ceil(O/16), ceil(I/8), 16, 4]` uint8: byte [b, j, r, c]
+    holds w + 8 of `block_weight`'s line 2j (element [b, 2j, r, c]) in its low nibble and of
+    line 2j + 1 in its high one (the padding's zeros too: 8 and 8)."""
+    lines = block_weight(torch.nn.functional.pad(weight, (0, -weight.shape[1] % 8)))  # [B, 2J, 16, 4]
+    biased = (lines.to(torch.int16) + 8).to(torch.uint8)
+    return (biased[:, 0::2] | (biased[:, 1::2] << 4)).contiguous()
 
 
 def int8_linear_reference(x: Tensor, weight: Tensor, blocked: Tensor, scale: Tensor, total: Tensor) -> Tensor:
@@ -70,6 +91,11 @@ def vectorized() -> bool:
     """Whether the kernel is built with its AVX-512 VNNI or AVX2 tiles on this CPU; without
     them it is a scalar loop, slower than fbgemm, and the ops that would call it stand aside."""
     return _kernel_built() and bool(torch.ops.specpipe_cpu.int8_linear_vectorized())
+
+
+def nibbles() -> bool:
+    """Whether the kernel takes 4-bit blocked copies (`block_weight4`: built with AVX-512 VNNI)."""
+    return _kernel_built() and bool(torch.ops.specpipe_cpu.int8_linear_nibbles())
 
 
 @torch.library.custom_op("specpipe::int8_linear", mutates_args=())

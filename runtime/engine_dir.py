@@ -31,8 +31,8 @@ def rank_file(rank: int) -> str:
     return f"rank{rank}.safetensors"
 
 
-DRAFTER_HEADS = ("int8", "drafter-dtype")
-DRAFTER_LAYERS = DRAFTER_HEADS
+DRAFTER_HEADS = ("int8", "int4", "drafter-dtype")
+DRAFTER_LAYERS = ("int8", "drafter-dtype")
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,10 @@ class BuildConfig:
     drafter_head: str = "int8"
     """The drafter's vocabulary projection (ReDrafter's head, a draft LM's LM head) on the
     CPU: "int8" (fbgemm int8 weights, ~5x faster for the few rows of a draft level; the
-    demo ReDrafter went from 1.55x to 1.73x AR at batch 1, tau 3.37 either way) or
+    demo ReDrafter went from 1.55x to 1.73x AR at batch 1, tau 3.37 either way), "int4"
+    (4-bit weights, one scale per row: half the bytes of a level's largest product where the
+    CPU has AVX-512 VNNI, `plugins/int8_linear.py`; the demo ReDrafter's tau on 32 held-out
+    prompts 3.50 vs 3.51, the demo draft LM's 3.27 -> 3.14, so its engine keeps int8) or
     "drafter-dtype" (as the rest of the drafter). Like `drafter_dtype` it changes only the
     proposals, never the output; the weights are stored unquantized either way, and on a
     GPU or with a non-fp32 drafter the head stays in the drafter dtype."""

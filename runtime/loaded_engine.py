@@ -78,10 +78,10 @@ class LoadedEngine:
             if isinstance(module, torch.nn.Module):
                 pack_cpu_weights(module)  # fp32 on the CPU only: plugins/cpu_linear.py
         heads = drafter_heads(drafter)
-        if config.build.drafter_head == "int8":
+        if (bits := HEAD_BITS.get(config.build.drafter_head)) is not None:
             for head in heads:
-                head.quantize_int8()  # fp32 on the CPU only; proposals change, never the output
-            if "lyanna_drafter" in drafter and (copy := int8_copy(model.lm_head)) is not None:
+                head.quantize_int8(bits)  # fp32 on the CPU only; proposals change, never the output
+            if "lyanna_drafter" in drafter and (copy := int8_copy(model.lm_head, bits)) is not None:
                 drafter["lyanna_head"] = copy  # verification keeps the target's own head
         if config.build.drafter_layers == "int8":
             for module in drafter.values():
@@ -113,12 +113,16 @@ def _validate(tensors: dict[str, torch.Tensor], path: Path, shapes: dict[str, to
     validate_tensors(tensors, dict.fromkeys(tensors, path), shapes)
 
 
-def int8_copy(head: Linear) -> Linear | None:
-    """A `Linear` reading an int8 copy of `head`'s weight (the fp32 weight shared, not
-    copied), or None where int8 does not apply (not fp32 on the CPU)."""
+HEAD_BITS = {"int8": 8, "int4": 4}
+"""`BuildConfig.drafter_head` -> the bits of its weights (absent: the drafter dtype)."""
+
+
+def int8_copy(head: Linear, bits: int = 8) -> Linear | None:
+    """A `Linear` reading an int8 (`bits=4`: 4-bit) copy of `head`'s weight (the fp32 weight
+    shared, not copied), or None where int8 does not apply (not fp32 on the CPU)."""
     copy = Linear(head.in_features, head.out_features, bias=False, device="meta")
     copy.weight = head.weight
-    return copy if copy.quantize_int8() else None
+    return copy if copy.quantize_int8(bits) else None
 
 
 def drafter_heads(drafter: dict[str, Any]) -> list[Linear]:

@@ -17,6 +17,14 @@
 // saturation, which vpdpbusd does not have) and nothing is allocated or packed per call:
 // fbgemm spends ~13 us a call before its first product, which on the demo draft LM's
 // 256-wide layers is most of the call.
+//
+// 4-bit weights (`--drafter-head int4`): w in [-8, 7] with the same per-row scales (max|w| / 7),
+// so the same formula and the same exact sums; only the blocked copy differs. Under VNNI it
+// holds two weights a byte ([ceil(O/16), ceil(I/8), 16, 4] uint8, `block_weight4`): the low
+// nibbles of a 64-byte line are int8 line 2j's w + 8, the high nibbles line 2j + 1's. A line
+// is unpacked with two ANDs and a shift, and `vpdpbusd` takes the nibbles as its unsigned
+// operand and q as its signed one: sum (w + 8) q, less 8 sum q. A draft level is a stream of
+// its weights, so half the head's bytes is what it is for.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -58,8 +66,17 @@ inline void check_int8_weight(const at::Tensor& w, const at::Tensor& blocked, co
   TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_sum.scalar_type() == at::kInt && w_scale.is_contiguous() &&
                   w_sum.is_contiguous() && w_scale.numel() == w.size(0) && w_sum.numel() == w.size(0),
               "w_scale [O] float32 and w_sum [O] int32");
+  const int64_t blocks = (w.size(0) + 15) / 16;
+  if (blocked.scalar_type() == at::kByte) {
+#ifndef SPECPIPE_VNNI
+    TORCH_CHECK(false, "4-bit blocked weights need AVX-512 VNNI; take the int8 layout (plugins.int8_linear.block_weight)");
+#endif
+    TORCH_CHECK(blocked.is_contiguous() && blocked.sizes() == at::IntArrayRef({blocks, (w.size(1) + 7) / 8, 16, 4}),
+                "a uint8 blocked copy must be w's [ceil(O/16), ceil(I/8), 16, 4] nibbles (plugins.int8_linear.block_weight4)");
+    return;
+  }
   TORCH_CHECK(blocked.scalar_type() == at::kChar && blocked.is_contiguous() &&
-                  blocked.sizes() == at::IntArrayRef({(w.size(0) + 15) / 16, (w.size(1) + 3) / 4, 16, 4}),
+                  blocked.sizes() == at::IntArrayRef({blocks, (w.size(1) + 3) / 4, 16, 4}),
               "blocked must be w's [ceil(O/16), ceil(I/4), 16, 4] int8 copy (plugins.int8_linear.block_weight)");
 }
 
@@ -123,6 +140,61 @@ inline void int8_tile_rows(int64_t R, const uint8_t* qu, const float* s, int64_t
     case 3: int8_tile<NB, 3>(qu, s, Ip, blocked, w_scale, w_sum, y, O, b, m0); break;
     case 2: int8_tile<NB, 2>(qu, s, Ip, blocked, w_scale, w_sum, y, O, b, m0); break;
     default: int8_tile<NB, 1>(qu, s, Ip, blocked, w_scale, w_sum, y, O, b, m0);
+  }
+}
+
+// The 4-bit tile: NB blocks x R rows as `int8_tile`, over nibble lines (q padded to 8 ceil(I/8)
+// with zeros, q_sum[m] = sum_i q[m, i]).
+template <int NB, int R>
+inline void int4_tile(const int8_t* q, const int32_t* q_sum, const float* s, int64_t Ip, const uint8_t* blocked,
+                      const float* w_scale, float* y, int64_t O, int64_t b, int64_t m0) {
+  const int64_t J = Ip / 8;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  __m512i acc[NB][R];
+  #pragma GCC unroll 16
+  for (int n = 0; n < NB; ++n) {
+    #pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) acc[n][r] = _mm512_setzero_si512();
+  }
+  for (int64_t j = 0; j < J; ++j) {
+    __m512i lo_x[R], hi_x[R];
+    #pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      int32_t four[2];
+      std::memcpy(four, q + (m0 + r) * Ip + 8 * j, 8);
+      lo_x[r] = _mm512_set1_epi32(four[0]);
+      hi_x[r] = _mm512_set1_epi32(four[1]);
+    }
+    #pragma GCC unroll 16
+    for (int n = 0; n < NB; ++n) {
+      const __m512i packed = _mm512_loadu_si512(blocked + ((b + n) * J + j) * 64);
+      const __m512i lo = _mm512_and_si512(packed, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+      #pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) acc[n][r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[n][r], lo, lo_x[r]), hi, hi_x[r]);
+    }
+  }
+  #pragma GCC unroll 16
+  for (int n = 0; n < NB; ++n) {
+    const int64_t o = 16 * (b + n), lanes_n = std::min<int64_t>(16, O - o);
+    const __mmask16 lanes = static_cast<__mmask16>((1u << lanes_n) - 1u);
+    const __m512 scales = _mm512_maskz_loadu_ps(lanes, w_scale + o);
+    #pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512i offset = _mm512_set1_epi32(8 * q_sum[m0 + r]);  // the +8 of every nibble
+      const __m512 exact = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[n][r], offset));
+      _mm512_mask_storeu_ps(y + (m0 + r) * O + o, lanes, _mm512_mul_ps(exact, _mm512_mul_ps(_mm512_set1_ps(s[m0 + r]), scales)));
+    }
+  }
+}
+
+template <int NB>
+inline void int4_tile_rows(int64_t R, const int8_t* q, const int32_t* q_sum, const float* s, int64_t Ip,
+                           const uint8_t* blocked, const float* w_scale, float* y, int64_t O, int64_t b, int64_t m0) {
+  switch (R) {
+    case 4: int4_tile<NB, 4>(q, q_sum, s, Ip, blocked, w_scale, y, O, b, m0); break;
+    case 3: int4_tile<NB, 3>(q, q_sum, s, Ip, blocked, w_scale, y, O, b, m0); break;
+    case 2: int4_tile<NB, 2>(q, q_sum, s, Ip, blocked, w_scale, y, O, b, m0); break;
+    default: int4_tile<NB, 1>(q, q_sum, s, Ip, blocked, w_scale, y, O, b, m0);
   }
 }
 #endif
@@ -233,10 +305,44 @@ inline void int8_blocks(const uint8_t* qu, const int8_t* q, const float* s, int6
 #endif
 }
 
+#ifdef SPECPIPE_VNNI
+// The product on 4-bit weights: `blocked` holds w's nibbles (`block_weight4`).
+inline at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& blocked,
+                              const at::Tensor& w_scale) {
+  const int64_t M = x.size(0), I = x.size(1), O = w.size(0), Ip = (I + 7) / 8 * 8;
+  at::Tensor y = at::empty({M, O}, x.options());
+  std::vector<int8_t> q(M * Ip, 0);
+  std::vector<int32_t> q_sum(M, 0);
+  std::vector<float> s(M);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    s[m] = quantize_row(xp + m * I, I, q.data() + m * Ip);
+    for (int64_t i = 0; i < I; ++i) q_sum[m] += q[m * Ip + i];
+  }
+  const uint8_t* bp = blocked.data_ptr<uint8_t>();
+  const float* sp = w_scale.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t blocks = (O + 15) / 16;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, 16 * M * Ip));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const int64_t R = std::min<int64_t>(4, M - m0);
+      int64_t b = b0;
+      for (; b + 4 <= b1; b += 4) int4_tile_rows<4>(R, q.data(), q_sum.data(), s.data(), Ip, bp, sp, yp, O, b, m0);
+      for (; b < b1; ++b) int4_tile_rows<1>(R, q.data(), q_sum.data(), s.data(), Ip, bp, sp, yp, O, b, m0);
+    }
+  });
+  return y;
+}
+#endif
+
 // The whole product: x [M, I] fp32 dense, w [O, I] int8 dense and its blocked copy,
 // w_scale [O] fp32, w_sum [O] int32.
 inline at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& blocked,
                               const at::Tensor& w_scale, const at::Tensor& w_sum) {
+#ifdef SPECPIPE_VNNI
+  if (blocked.scalar_type() == at::kByte) return int4_linear(x, w, blocked, w_scale);
+#endif
   const int64_t M = x.size(0), I = x.size(1), O = w.size(0), Ip = (I + 3) / 4 * 4;
   at::Tensor y = at::empty({M, O}, x.options());
   std::vector<int8_t> q(M * Ip, 0);

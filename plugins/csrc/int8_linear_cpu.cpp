@@ -24,11 +24,21 @@ bool int8_linear_vectorized() {
 #endif
 }
 
+// Whether the kernel takes 4-bit blocked copies (`block_weight4`): AVX-512 VNNI builds only.
+bool int8_linear_nibbles() {
+#ifdef SPECPIPE_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specpipe_cpu, m) {
   m.def("int8_linear(Tensor x, Tensor w, Tensor blocked, Tensor w_scale, Tensor w_sum) -> Tensor");
   m.def("int8_linear_vectorized() -> bool", &int8_linear_vectorized);
+  m.def("int8_linear_nibbles() -> bool", &int8_linear_nibbles);
 }
 
 TORCH_LIBRARY_IMPL(specpipe_cpu, CPU, m) { m.impl("int8_linear", &int8_linear); }

@@ -255,8 +255,8 @@ def test_draft_model_engine_round_trips(tiny_checkpoint: Path, tmp_path: Path) -
     kept_layer = layers_kept.model.layers[0]
     assert kept_layer.mlp.down_proj.int8 is None
     assert kept_layer.mlp.gate_up_stack is not None and not kept_layer.mlp.gate_up_stack.int8  # the blocked fp32 stack
-    with pytest.raises(ValueError, match="drafter_head 'int4' is not one of"):
-        BuildConfig(drafter_head="int4")
+    with pytest.raises(ValueError, match="drafter_head 'int2' is not one of"):
+        BuildConfig(drafter_head="int2")
     with pytest.raises(ValueError, match="drafter_layers 'int4' is not one of"):
         BuildConfig(drafter_layers="int4")
 

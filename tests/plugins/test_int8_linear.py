@@ -2,7 +2,9 @@
 C++ kernel equals the plain-torch reference bit for bit (its integer sums are exact) over
 awkward sizes and strided input; the weights are fbgemm's own; the result is the fp32 product
 to int8 rounding; a kernel that forgot to take back its unsigned offset (128 x the row sums)
-would fail; opcheck."""
+would fail; opcheck. 4-bit weights (`quantize_int8(bits=4)`): the kernel on their nibble
+copy equals the same reference bit for bit, a nibble copy with its halves swapped or the +8
+left in fails, and a tree search on them is the Python search on them."""
 
 from __future__ import annotations
 
@@ -12,7 +14,15 @@ import torch
 from plugins import cpu_kernels
 from plugins.cpu_linear import int8_available, quantize_int8
 from plugins.cpu_linear import int8_linear as cpu_int8_linear
-from plugins.int8_linear import Int8Weight, block_weight, int8_linear, int8_linear_reference, vectorized
+from plugins.int8_linear import (
+    Int8Weight,
+    block_weight,
+    block_weight4,
+    int8_linear,
+    int8_linear_reference,
+    nibbles,
+    vectorized,
+)
 
 pytestmark = [
     pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ CPU kernels are not built"),
@@ -114,3 +124,44 @@ def test_opcheck_and_bad_arguments() -> None:
         int8_linear(torch.randn(3, 41), *w)
     with pytest.raises(RuntimeError, match="blocked"):
         torch.ops.specpipe_cpu.int8_linear(torch.randn(3, 40), w.weight, w.weight, w.scale, w.sum)
+
+
+def weight4_of(o: int, i: int) -> Int8Weight:
+    torch.manual_seed(o * 5 + i)
+    copy = quantize_int8(torch.randn(o, i), bits=4)
+    assert copy is not None
+    return Int8Weight.of(copy.packed, bits=4)
+
+
+@pytest.mark.parametrize(("m", "i", "o"), [*SIZES, (4, 384, 8192), (2, 12, 17)])
+def test_4_bit_weights_are_the_reference_bit_for_bit(m: int, i: int, o: int) -> None:
+    """Weights in [-7, 7] at scale max|w| / 7; under VNNI blocked two a byte (half the bytes),
+    elsewhere the int8 layout: the same bits out either way."""
+    w = weight4_of(o, i)
+    assert w.weight.abs().max() <= 7 and w.weight.abs().max() == 7
+    assert w.blocked.dtype == (torch.uint8 if nibbles() else torch.int8)
+    if nibbles():
+        assert w.blocked.numel() == block_weight(torch.nn.functional.pad(w.weight, (0, -i % 8))).numel() // 2
+    x = torch.randn(m, i) * torch.logspace(-3, 1, m)[:, None]
+    assert torch.equal(torch.ops.specpipe_cpu.int8_linear(x, *w), int8_linear_reference(x, *w))
+
+
+def test_4_bit_layout_and_its_wrong_variants() -> None:
+    """Byte [b, j, r, c] holds w[16b + r, 8j + c] + 8 low and w[16b + r, 8j + 4 + c] + 8 high; a
+    copy with the halves swapped, or a product that keeps the +8 of each nibble, differs."""
+    if not nibbles():
+        pytest.skip("4-bit blocked copies need AVX-512 VNNI")
+    w = weight4_of(40, 24)
+    packed = block_weight4(w.weight)
+    assert int(packed[1, 2, 3, 1]) == (int(w.weight[19, 17]) + 8) | (int(w.weight[19, 21]) + 8) << 4
+    x = torch.randn(3, 24)
+    want = int8_linear_reference(x, *w)
+    swapped = (packed >> 4) | (packed << 4)
+    assert not torch.equal(torch.ops.specpipe_cpu.int8_linear(x, w.weight, swapped, w.scale, w.sum), want)
+    s = x.abs().amax(1, keepdim=True) / 127
+    kept = want + 8 * torch.round(x / s).sum(1, keepdim=True) * (s * w.scale)  # sum (w + 8) q, no 8 sum q back
+    assert not torch.allclose(kept, want, atol=1e-3)
+    with pytest.raises(ValueError, match=r"\[-8, 7\]"):
+        Int8Weight.of(quantize_int8(torch.randn(40, 24)).packed, bits=4)  # an int8 copy is not 4-bit
+    with pytest.raises(RuntimeError, match="nibbles"):
+        torch.ops.specpipe_cpu.int8_linear(x, w.weight, packed[:, :1].contiguous(), w.scale, w.sum)

@@ -1,14 +1,17 @@
 """Greedy ReDrafter on the bundled demo models is token-identical to the target's own
 greedy decoding, on 32 held-out prompts, for several (W, L), with in-flight batching
-(8 running at a time, requests joining as others finish) and one by one."""
+(8 running at a time, requests joining as others finish) and one by one; and so is it on a
+4-bit head (`--drafter-head int4`, the demo engine's)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
 
 from build.engine import build_engine
+from plugins.int8_linear import nibbles
 from runtime import llm_engine
 from runtime.config import RuntimeConfig
 from runtime.engine_dir import BuildConfig
@@ -83,3 +86,23 @@ def test_without_packing_greedy_equals_target_and_verifies_every_beam(
         assert b.output_ids == reference[i]
         assert b.accepted_per_step == a.accepted_per_step
         assert b.num_drafted == 16 * len(b.accepted_per_step) > a.num_drafted
+
+
+@pytest.mark.parametrize(("width", "length"), [(1, 5), (4, 4)])
+def test_a_4_bit_head_changes_proposals_not_output(
+    engine: LoadedEngine, prompts: list[list[int]], reference: list[list[int]], width: int, length: int, tmp_path: Path
+) -> None:
+    build = BuildConfig(max_batch_size=8, max_input_len=512, max_seq_len=1024, drafter_head="int4")
+    out = build_engine(MODELS / "demo-target", tmp_path / "int4", build, drafter=MODELS / "demo-redrafter")
+    four = LoadedEngine.load(out, device=TEST_DEVICE)
+    assert four.redrafter is not None
+    head = four.redrafter.lm_head[-1].int8
+    if TEST_DEVICE == "cpu" and head is not None and head.kernel is not None:
+        assert head.kernel.weight.abs().max() <= 7
+        assert nibbles() == (head.kernel.blocked.dtype == torch.uint8)  # two weights a byte under VNNI
+    results = llm_engine.generate(
+        four, prompts, [PARAMS] * len(prompts), "redrafter", FIXED, beam_width=width, beam_length=length
+    )
+    assert [r.output_ids for r in results] == reference
+    drafts = [a for r in results for a in r.accepted_per_step]
+    assert sum(drafts) / len(drafts) > 0.3
