@@ -83,6 +83,12 @@ class Proposer(ABC):
         each size's own measurements (`SpeculationPolicy.kind_taus`). Default: yes."""
         return True
 
+    def chain_cuts(self, params: Any) -> int:
+        """Where not every size is a cut (`exact_cuts` False): the largest size up to which
+        each smaller size is its cut (one-beam chains, before the beam widths), so that
+        load-aware speculation prices those as cuts (`Offer.cuts`). Default: none (0)."""
+        return 0
+
     def lag(self, request: Request) -> int:
         """Tokens of `request` its drafter must read before it can draft again (a draft LM's
         catch-up on what was decoded without it; load-aware speculation charges them to a

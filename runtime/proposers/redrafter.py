@@ -231,6 +231,10 @@ class ReDrafterProposer(Proposer):
     def exact_cuts(self, params: ReDrafterParams) -> bool:
         return False  # wider sizes are beam widths, and a wider search keeps a different top beam
 
+    def chain_cuts(self, params: ReDrafterParams) -> int:
+        """The one beam cut at every depth: its sizes up to L + 1 are cuts of each other."""
+        return params.beam_length + 1
+
     @staticmethod
     def shape(params: ReDrafterParams, size: int) -> tuple[int, int]:
         """(beams, drafts per beam) of the tree of `size` (one of `sizes`; 1: (0, 0), no drafting)."""

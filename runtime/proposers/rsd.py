@@ -725,6 +725,10 @@ class LevelTreeProposer(Proposer):
         """Beams of every width but one are not (`TreeSpec.ladder`)."""
         return not params.beamed or params.beam_width == 1
 
+    def chain_cuts(self, params: TreeSpec) -> int:
+        """The chains, the `ladder`'s first `length` trees, are cuts of each other."""
+        return params.sizes[params.length]
+
     def cost_paths(self, params: TreeSpec) -> list[str]:
         """Chains (the `ladder`'s first `length` trees) are drafted apart from the wider
         trees: on a draft LM every level of a batch's chains in one C++ call (greedy:

@@ -1376,3 +1376,54 @@ def test_a_slow_first_tree_step_does_not_switch_drafting_off(monkeypatch: pytest
     monkeypatch.setattr(speculation_policy, "SPIKE", float("inf"))
     uncapped, plain = run(calibrated(world), worlds, batch=1, steps=400)
     assert uncapped < 1.5 * ar and sum(h == [1] for h in plain) > 300, (uncapped / ar, sum(h == [1] for h in plain))
+
+
+RD_SIZES, RD_LEVELS = [1, 2, 3, 4, 5, 6, 11, 21], [0, 1, 2, 3, 4, 5, 5, 5]
+"""ReDrafter's offer (W=4, L=5): the one beam cut at every depth, then 2 and 4 beams."""
+
+
+def rd_chain(key: str, size: int, accepted: int) -> Outcome:
+    """A verified one-beam chain of `size` nodes, its first `accepted` drafts kept."""
+    return Outcome(key, KIND, size, RD_SIZES, accepted, list(range(1, size + 1)), list(range(accepted + 1)), size)
+
+
+def test_one_beam_chains_are_priced_as_cuts_where_wider_beams_are_not() -> None:
+    """ReDrafter's sizes are not all cuts (`Offer.exact` False: a wider search keeps another
+    top beam), but its one-beam chains are (`Offer.cuts`, `Proposer.chain_cuts`). Many
+    5-node chains kept 3 drafts; a few 6-node chains kept all 5 (a gain of 1 token over
+    their own 5-node cut). As cuts, the 6-node chain is worth its cut plus that gain; priced
+    apart by its few trees, as before, it read less than the 5-node chain (3.07-3.33 vs
+    3.19-3.34 tokens on held-out prompts, batch 1) and load-aware drafted the cheaper 5."""
+    p = SpeculationPolicy()
+    for i in range(40):
+        p.observe(StepStats(5, 0.01, outcomes=[rd_chain(f"a{i}", 5, 3)]))
+    for i in range(3):
+        p.observe(StepStats(6, 0.01, outcomes=[rd_chain(f"b{i}", 6, 5 if i else 1)]))
+    for i in range(40):
+        p.observe(StepStats(5, 0.01, outcomes=[rd_chain(f"c{i}", 5, 4)]))  # the 5-node estimate moves on
+    widths = p.taus(Offer("r", KIND, "redrafter", RD_SIZES, RD_LEVELS, exact=False), optimistic=False)
+    cuts = p.taus(Offer("r", KIND, "redrafter", RD_SIZES, RD_LEVELS, exact=False, cuts=6), optimistic=False)
+    assert widths[5] < widths[4]  # the wrong variant: a longer chain worth less than its own cut
+    assert cuts[4] == pytest.approx(widths[4]) and cuts[5] > cuts[4] + 0.4
+
+
+def test_a_request_hard_for_its_chains_is_hard_for_its_wider_beams() -> None:
+    """A request whose own 6-node chains make 1.5 tokens a step where its kind's make 3.1
+    has never drafted an 11-node tree (its kind has, at 3.6): its own shift applies to the
+    11 too. Unshifted, the 11 looked better than its chains and it drafted it (batch 1, the
+    demo ReDrafter engine: 5-step runs at ~4.2 ms a step where its chains took ~2.7)."""
+    p = SpeculationPolicy()
+    offer = Offer("r", KIND, "redrafter", RD_SIZES, RD_LEVELS, exact=False, cuts=6)
+    for i in range(40):
+        p.observe(StepStats(6, 0.01, outcomes=[rd_chain(f"a{i}", 6, 2 if i % 10 else 3)]))
+    wide = Outcome("w", KIND, 11, RD_SIZES, 3, [], [0, 1, 2, 3], 11)
+    for _ in range(5):
+        p.observe(StepStats(11, 0.01, outcomes=[dataclasses.replace(wide, key=f"w{_}")]))
+    before = p.taus(offer, optimistic=False)
+    others = [rd_chain(f"o{i}", 6, 2 if i % 10 else 3) for i in range(40)]  # its kind stays where it was
+    for _ in range(12):
+        p.observe(StepStats(6 * 41, 0.01, outcomes=[rd_chain("r", 6, 0), *others]))
+    after = p.taus(offer, optimistic=False)
+    shift = after[5] - before[5]
+    assert shift < -0.5  # its own chains: well below its kind's
+    assert after[6] < before[6] + 0.8 * shift  # and so its 11-node beams
