@@ -46,6 +46,8 @@ ENGINES = {
 @dataclass
 class Row:
     method: str
+    engine: str
+    """The engine it ran on (`ENGINES`): each method is compared with AR on its own engine."""
     batch: int
     temperature: float
     steps: int
@@ -63,7 +65,9 @@ class Row:
     plain_steps: int = 0
 
 
-def profile(llm: LLMEngine, method: str, prompts: list[list[int]], max_tokens: int, temperature: float) -> Row:
+def profile(
+    llm: LLMEngine, method: str, prompts: list[list[int]], max_tokens: int, temperature: float, engine: str
+) -> Row:
     best: Row | None = None
     for _ in range(2):
         llm.clock.reset()
@@ -80,6 +84,7 @@ def profile(llm: LLMEngine, method: str, prompts: list[list[int]], max_tokens: i
             sizes[size] = sizes.get(size, 0) + n
         row = Row(
             method=method,
+            engine=engine,
             batch=len(prompts),
             temperature=temperature,
             steps=steps,
@@ -104,23 +109,27 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
         f"Held-out prompts, {meta['max_tokens']} tokens per request (EOS ignored), default (load-aware) "
         f"speculation; the faster of two runs. Phases as in `runtime/step_clock.py` (prefill steps included). "
         f"No-draft step: the mean of the decoding steps in which no request drafted (for AR, every decoding "
-        f"step), and its ratio to AR's: what speculation costs while it is switched off. "
+        f"step), and its ratio to AR's: what speculation costs while it is switched off. Each method is "
+        f"compared with AR on its own engine, run just before it (the demo engines share the target's weights, "
+        f"but a cell run minutes apart on another engine read plain steps 1.14-1.33x AR's where the same engine "
+        f"read 1.01-1.04x). "
         f"Command: `{meta['command']}`",
         "",
         "| method | batch | T | ms/step | " + " | ".join(PHASES) + " | tokens/step/request | tok/s | vs AR "
         "| no-draft ms/step (steps) | no-draft / AR | sizes |",
         "|---|---|---|---|" + "---|" * len(PHASES) + "---|---|---|---|---|---|",
     ]
-    ar = {(r.batch, r.temperature): r for r in rows if r.method == "ar"}
+    ar = {(r.engine, r.batch, r.temperature): r for r in rows if r.method == "ar"}
     for r in rows:
-        base = ar.get((r.batch, r.temperature))
+        base = ar.get((r.engine, r.batch, r.temperature))
         ratio = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base else "-"
         plain = f"{r.plain_ms:.2f} ({r.plain_steps})" if r.plain_ms is not None else "-"
         plain_ratio = f"{r.plain_ms / base.plain_ms:.3f}" if base and base.plain_ms and r.plain_ms else "-"
         sizes = ", ".join(f"{s}: {n}" for s, n in r.sizes.items())
         phases = " | ".join(f"{r.phases_ms[p]:.2f}" for p in PHASES)
+        name = r.method if r.method != "ar" else f"ar ({Path(r.engine).name})"
         lines.append(
-            f"| {r.method} | {r.batch} | {r.temperature:g} | {r.ms_per_step:.2f} | {phases} | {r.tau:.2f} "
+            f"| {name} | {r.batch} | {r.temperature:g} | {r.ms_per_step:.2f} | {phases} | {r.tau:.2f} "
             f"| {r.tokens_per_s:.0f} | {ratio} | {plain} | {plain_ratio} | {sizes} |"
         )
     return "\n".join(lines) + "\n"
@@ -138,10 +147,14 @@ def main(argv: list[str] | None = None) -> None:
     prompts_text = heldout_prompts(max(args.batches))
     loaded: dict[str, LoadedEngine] = {}
     rows = []
-    settings = [(m, b, t) for m in args.methods for b in args.batches for t in args.temperatures]
+    # AR on each engine a method runs on, just before that engine's methods
+    order = list(dict.fromkeys(ENGINES[m] for m in args.methods))
+    methods = {path: ["ar", *(m for m in args.methods if m != "ar" and ENGINES[m] == path)] for path in order}
+    settings = [
+        (m, path, b, t) for path in order for b in args.batches for t in args.temperatures for m in methods[path]
+    ]
     engines: dict[tuple[str, int], LLMEngine] = {}
-    for method, batch, temperature in tqdm(settings, desc="step profile"):
-        path = ENGINES[method]
+    for method, path, batch, temperature in tqdm(settings, desc="step profile"):
         if path not in loaded:
             loaded[path] = LoadedEngine.load(path, device=args.device)
         engine = loaded[path]
@@ -150,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
         llm = engines[(path, batch)]
         prompts = [engine.encode(t) for t in prompts_text[:batch]]
         warm_up(llm, prompts[0], method, temperature)
-        rows.append(profile(llm, method, prompts, args.max_tokens, temperature))
+        rows.append(profile(llm, method, prompts, args.max_tokens, temperature, path))
         tqdm.write(f"{method} batch {batch} T={temperature:g}: {rows[-1].ms_per_step:.2f} ms/step {rows[-1].phases_ms}")
     meta = {
         "max_tokens": args.max_tokens,

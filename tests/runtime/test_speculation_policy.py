@@ -1427,3 +1427,27 @@ def test_a_request_hard_for_its_chains_is_hard_for_its_wider_beams() -> None:
     shift = after[5] - before[5]
     assert shift < -0.5  # its own chains: well below its kind's
     assert after[6] < before[6] + 0.8 * shift  # and so its 11-node beams
+
+
+def test_calibration_after_auto_regressive_steps_starts_the_forward_prices_afresh() -> None:
+    """An engine serves auto-regressive requests first (nothing to choose, no calibration):
+    its forward prices learn from those steps alone, a table seeded by the first step (one
+    request, one token) and residuals of larger batches against it. Then the first request
+    that may draft calibrates the table. The residuals learned against the old table go
+    with it: kept, they priced a step of 32 requests at -61 ms, and every choice had a
+    negative price (sd at batch 32 drafted 5-node chains at 0.8x auto-regression)."""
+    world = World(a=1.2, b=0.06, c=0.2, d=0.1, alpha=0.7, e=0.1)  # the demo engine's shape
+    p = SpeculationPolicy()
+    p.observe(StepStats(1, world.forward(1), num_requests=1, overhead_seconds=0.0004))
+    for _ in range(10):
+        for r in (32, 24, 16, 8):
+            p.observe(StepStats(r, world.forward(r, r), num_requests=r, overhead_seconds=0.001))
+    p.calibrate(lambda n: None, 256)  # sizes only; the world's timings below (`forward_calibrated`)
+    for n in list(p.forward_cost.tokens.points):
+        p.forward_cost.tokens.points[n] = world.forward(n)
+    for r in (1, 8, 32):  # the table alone, no residual yet (kept, 32 requests' read ~-31 ms here)
+        assert p.forward_cost(r, r) == pytest.approx(world.forward(r))
+    p.observe(StepStats(32, world.forward(32, 32), num_requests=32, overhead_seconds=0.001))
+    for _ in range(speculation_policy.AFTER_PREFILL):
+        p.observe(StepStats(32, world.forward(32, 32), num_requests=32, overhead_seconds=0.001))
+    assert p.forward_cost(32, 32) == pytest.approx(world.forward(32, 32), rel=0.05)
