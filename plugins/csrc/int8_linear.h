@@ -37,6 +37,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -93,62 +94,15 @@ inline int32_t dot_i8(const int8_t* q, const int8_t* w, int64_t I) {
 // unrolled by pragma: left to itself GCC 12 kept the accumulators on the stack, a store and
 // a reload around every `vpdpbusd` (perf annotate), and a one-row product with the demo
 // drafter's 8192 x 384 head took 26.9 us where it takes 20.3 (384 x 384: 4.4 -> 3.6 us).
-template <int NB, int R>
-inline void int8_tile(const uint8_t* qu, const float* s, int64_t Ip, const int8_t* blocked, const float* w_scale,
-                      const int32_t* w_sum, float* y, int64_t O, int64_t b, int64_t m0) {
-  const int64_t J = Ip / 4;
-  __m512i acc[NB][R];
-  #pragma GCC unroll 16
-  for (int n = 0; n < NB; ++n) {
-    #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) acc[n][r] = _mm512_setzero_si512();
-  }
-  for (int64_t j = 0; j < J; ++j) {
-    __m512i xv[R];
-    #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      int32_t four;
-      std::memcpy(&four, qu + (m0 + r) * Ip + 4 * j, 4);
-      xv[r] = _mm512_set1_epi32(four);
-    }
-    #pragma GCC unroll 16
-    for (int n = 0; n < NB; ++n) {
-      const __m512i wv = _mm512_loadu_si512(blocked + ((b + n) * J + j) * 64);
-      #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) acc[n][r] = _mm512_dpbusd_epi32(acc[n][r], xv[r], wv);
-    }
-  }
-  #pragma GCC unroll 16
-  for (int n = 0; n < NB; ++n) {
-    const int64_t o = 16 * (b + n), lanes_n = std::min<int64_t>(16, O - o);
-    const __mmask16 lanes = static_cast<__mmask16>((1u << lanes_n) - 1u);
-    const __m512i sums = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(lanes, w_sum + o), 7);  // 128 w_sum
-    const __m512 scales = _mm512_maskz_loadu_ps(lanes, w_scale + o);
-    #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const __m512 exact = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[n][r], sums));
-      _mm512_mask_storeu_ps(y + (m0 + r) * O + o, lanes, _mm512_mul_ps(exact, _mm512_mul_ps(_mm512_set1_ps(s[m0 + r]), scales)));
-    }
-  }
-}
-
-template <int NB>
-inline void int8_tile_rows(int64_t R, const uint8_t* qu, const float* s, int64_t Ip, const int8_t* blocked,
-                           const float* w_scale, const int32_t* w_sum, float* y, int64_t O, int64_t b, int64_t m0) {
-  switch (R) {
-    case 4: int8_tile<NB, 4>(qu, s, Ip, blocked, w_scale, w_sum, y, O, b, m0); break;
-    case 3: int8_tile<NB, 3>(qu, s, Ip, blocked, w_scale, w_sum, y, O, b, m0); break;
-    case 2: int8_tile<NB, 2>(qu, s, Ip, blocked, w_scale, w_sum, y, O, b, m0); break;
-    default: int8_tile<NB, 1>(qu, s, Ip, blocked, w_scale, w_sum, y, O, b, m0);
-  }
-}
-
-// The 4-bit tile: NB blocks x R rows as `int8_tile`, over nibble lines (q padded to 8 ceil(I/8)
-// with zeros, q_sum[m] = sum_i q[m, i]).
-template <int NB, int R>
-inline void int4_tile(const int8_t* q, const int32_t* q_sum, const float* s, int64_t Ip, const uint8_t* blocked,
+template <bool Nibbles, int NB, int R>
+inline void int8_tile(const uint8_t* x, const int32_t* sums, const float* s, int64_t Ip, const uint8_t* blocked,
                       const float* w_scale, float* y, int64_t O, int64_t b, int64_t m0) {
-  const int64_t J = Ip / 8;
+  // int8: x = q + 128, one line of 4 inputs a step, sums = w_sum (128 w_sum taken back per output).
+  // Nibbles (4-bit weights): x = q, a line of 8 inputs a step (low nibbles: inputs 0-3, high: 4-7,
+  // each w + 8), `vpdpbusd` takes the nibbles as its unsigned operand; sums = q_sum (8 q_sum
+  // taken back per row).
+  constexpr int64_t kInputs = Nibbles ? 8 : 4;
+  const int64_t J = Ip / kInputs;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512i acc[NB][R];
   #pragma GCC unroll 16
@@ -161,16 +115,21 @@ inline void int4_tile(const int8_t* q, const int32_t* q_sum, const float* s, int
     #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       int32_t four[2];
-      std::memcpy(four, q + (m0 + r) * Ip + 8 * j, 8);
+      std::memcpy(four, x + (m0 + r) * Ip + kInputs * j, kInputs);
       lo_x[r] = _mm512_set1_epi32(four[0]);
-      hi_x[r] = _mm512_set1_epi32(four[1]);
+      if constexpr (Nibbles) hi_x[r] = _mm512_set1_epi32(four[1]);
     }
     #pragma GCC unroll 16
     for (int n = 0; n < NB; ++n) {
-      const __m512i packed = _mm512_loadu_si512(blocked + ((b + n) * J + j) * 64);
-      const __m512i lo = _mm512_and_si512(packed, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
-      #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) acc[n][r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[n][r], lo, lo_x[r]), hi, hi_x[r]);
+      const __m512i line = _mm512_loadu_si512(blocked + ((b + n) * J + j) * 64);
+      if constexpr (Nibbles) {
+        const __m512i lo = _mm512_and_si512(line, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(line, 4), nibble);
+        #pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) acc[n][r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[n][r], lo, lo_x[r]), hi, hi_x[r]);
+      } else {
+        #pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) acc[n][r] = _mm512_dpbusd_epi32(acc[n][r], lo_x[r], line);
+      }
     }
   }
   #pragma GCC unroll 16
@@ -180,23 +139,25 @@ inline void int4_tile(const int8_t* q, const int32_t* q_sum, const float* s, int
     const __m512 scales = _mm512_maskz_loadu_ps(lanes, w_scale + o);
     #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      const __m512i offset = _mm512_set1_epi32(8 * q_sum[m0 + r]);  // the +8 of every nibble
+      const __m512i offset = Nibbles ? _mm512_set1_epi32(8 * sums[m0 + r])
+                                     : _mm512_slli_epi32(_mm512_maskz_loadu_epi32(lanes, sums + o), 7);
       const __m512 exact = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[n][r], offset));
       _mm512_mask_storeu_ps(y + (m0 + r) * O + o, lanes, _mm512_mul_ps(exact, _mm512_mul_ps(_mm512_set1_ps(s[m0 + r]), scales)));
     }
   }
 }
 
-template <int NB>
-inline void int4_tile_rows(int64_t R, const int8_t* q, const int32_t* q_sum, const float* s, int64_t Ip,
-                           const uint8_t* blocked, const float* w_scale, float* y, int64_t O, int64_t b, int64_t m0) {
-  switch (R) {
-    case 4: int4_tile<NB, 4>(q, q_sum, s, Ip, blocked, w_scale, y, O, b, m0); break;
-    case 3: int4_tile<NB, 3>(q, q_sum, s, Ip, blocked, w_scale, y, O, b, m0); break;
-    case 2: int4_tile<NB, 2>(q, q_sum, s, Ip, blocked, w_scale, y, O, b, m0); break;
-    default: int4_tile<NB, 1>(q, q_sum, s, Ip, blocked, w_scale, y, O, b, m0);
+// f(std::integral_constant<int, R>) for R = rows (1-4): a tile's rows as a template argument.
+template <typename F>
+inline void by_rows(int64_t rows, F&& f) {
+  switch (rows) {
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{});
   }
 }
+
 #endif
 
 #ifdef SPECPIPE_AVX2
@@ -260,21 +221,31 @@ inline void int8_tile_avx2(const int8_t* q, const float* s, int64_t Ip, const in
 // 4 j + c], zero past w's edges), so one `vpdpbusd` adds 4 inputs' products into 16 outputs'
 // lanes: no horizontal sums. Tiles of 4 blocks x 4 rows of x (padded to 4 ceil(I/4) with
 // q = 0). y [M, O] dense, output blocks [b0, b1).
-inline void int8_blocks(const uint8_t* qu, const int8_t* q, const float* s, int64_t M, int64_t I, int64_t Ip,
-                        const int8_t* blocked, const int8_t* w, const float* w_scale, const int32_t* w_sum, float* y,
-                        int64_t O, int64_t b0, int64_t b1) {
+inline void int8_blocks(const uint8_t* qu, const int8_t* q, const int32_t* q_sum, const float* s, int64_t M,
+                        int64_t I, int64_t Ip, const int8_t* blocked, bool nibbles, const int8_t* w,
+                        const float* w_scale, const int32_t* w_sum, float* y, int64_t O, int64_t b0, int64_t b1) {
 #ifdef SPECPIPE_VNNI
-  (void)q;
   (void)w;
   (void)I;
+  const auto* lines = reinterpret_cast<const uint8_t*>(blocked);
+  const auto* q_bytes = reinterpret_cast<const uint8_t*>(q);
   for (int64_t m0 = 0; m0 < M; m0 += 4) {
-    const int64_t R = std::min<int64_t>(4, M - m0);
-    int64_t b = b0;
-    for (; b + 4 <= b1; b += 4) int8_tile_rows<4>(R, qu, s, Ip, blocked, w_scale, w_sum, y, O, b, m0);
-    for (; b < b1; ++b) int8_tile_rows<1>(R, qu, s, Ip, blocked, w_scale, w_sum, y, O, b, m0);
+    by_rows(std::min<int64_t>(4, M - m0), [&](auto rows) {
+      constexpr int R = decltype(rows)::value;
+      int64_t b = b0;
+      if (nibbles) {
+        for (; b + 4 <= b1; b += 4) int8_tile<true, 4, R>(q_bytes, q_sum, s, Ip, lines, w_scale, y, O, b, m0);
+        for (; b < b1; ++b) int8_tile<true, 1, R>(q_bytes, q_sum, s, Ip, lines, w_scale, y, O, b, m0);
+        return;
+      }
+      for (; b + 4 <= b1; b += 4) int8_tile<false, 4, R>(qu, w_sum, s, Ip, lines, w_scale, y, O, b, m0);
+      for (; b < b1; ++b) int8_tile<false, 1, R>(qu, w_sum, s, Ip, lines, w_scale, y, O, b, m0);
+    });
   }
 #elif defined(SPECPIPE_AVX2)
   (void)qu;
+  (void)q_sum;
+  (void)nibbles;
   (void)w;
   (void)I;
   (void)w_sum;
@@ -298,6 +269,8 @@ inline void int8_blocks(const uint8_t* qu, const int8_t* q, const float* s, int6
   }
 #else
   (void)qu;
+  (void)q_sum;
+  (void)nibbles;
   (void)blocked;
   for (int64_t o = 16 * b0; o < std::min<int64_t>(16 * b1, O); ++o)
     for (int64_t m = 0; m < M; ++m)
@@ -305,55 +278,27 @@ inline void int8_blocks(const uint8_t* qu, const int8_t* q, const float* s, int6
 #endif
 }
 
-#ifdef SPECPIPE_VNNI
-// The product on 4-bit weights: `blocked` holds w's nibbles (`block_weight4`).
-inline at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& blocked,
-                              const at::Tensor& w_scale) {
-  const int64_t M = x.size(0), I = x.size(1), O = w.size(0), Ip = (I + 7) / 8 * 8;
-  at::Tensor y = at::empty({M, O}, x.options());
-  std::vector<int8_t> q(M * Ip, 0);
-  std::vector<int32_t> q_sum(M, 0);
-  std::vector<float> s(M);
-  const float* xp = x.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) {
-    s[m] = quantize_row(xp + m * I, I, q.data() + m * Ip);
-    for (int64_t i = 0; i < I; ++i) q_sum[m] += q[m * Ip + i];
-  }
-  const uint8_t* bp = blocked.data_ptr<uint8_t>();
-  const float* sp = w_scale.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t blocks = (O + 15) / 16;
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, 16 * M * Ip));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-      const int64_t R = std::min<int64_t>(4, M - m0);
-      int64_t b = b0;
-      for (; b + 4 <= b1; b += 4) int4_tile_rows<4>(R, q.data(), q_sum.data(), s.data(), Ip, bp, sp, yp, O, b, m0);
-      for (; b < b1; ++b) int4_tile_rows<1>(R, q.data(), q_sum.data(), s.data(), Ip, bp, sp, yp, O, b, m0);
-    }
-  });
-  return y;
-}
-#endif
-
 // The whole product: x [M, I] fp32 dense, w [O, I] int8 dense and its blocked copy,
 // w_scale [O] fp32, w_sum [O] int32.
 inline at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& blocked,
                               const at::Tensor& w_scale, const at::Tensor& w_sum) {
-#ifdef SPECPIPE_VNNI
-  if (blocked.scalar_type() == at::kByte) return int4_linear(x, w, blocked, w_scale);
-#endif
-  const int64_t M = x.size(0), I = x.size(1), O = w.size(0), Ip = (I + 3) / 4 * 4;
+  const bool nibbles = blocked.scalar_type() == at::kByte;  // 4-bit weights (VNNI only: check_int8_weight)
+  const int64_t M = x.size(0), I = x.size(1), O = w.size(0), Ip = nibbles ? (I + 7) / 8 * 8 : (I + 3) / 4 * 4;
   at::Tensor y = at::empty({M, O}, x.options());
   std::vector<int8_t> q(M * Ip, 0);
-  std::vector<uint8_t> qu(M * Ip, 128);
+  std::vector<uint8_t> qu(nibbles ? 0 : M * Ip, 128);
+  std::vector<int32_t> q_sum(M, 0);
   std::vector<float> s(M);
   const float* xp = x.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m) s[m] = quantize_row(xp + m * I, I, q.data() + m * Ip);
-#ifdef SPECPIPE_VNNI  // only vpdpbusd reads the unsigned copy
-  for (int64_t k = 0; k < M * Ip; ++k) qu[k] = static_cast<uint8_t>(static_cast<int32_t>(q[k]) + 128);
+#ifdef SPECPIPE_VNNI  // only vpdpbusd reads the unsigned copy (int8) or the row sums (4-bit)
+  if (nibbles) {
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t i = 0; i < I; ++i) q_sum[m] += q[m * Ip + i];
+  } else {
+    for (int64_t k = 0; k < M * Ip; ++k) qu[k] = static_cast<uint8_t>(static_cast<int32_t>(q[k]) + 128);
+  }
 #endif
-  const int8_t* bp = blocked.data_ptr<int8_t>();
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = w_scale.data_ptr<float>();
   const int32_t* sum = w_sum.data_ptr<int32_t>();
@@ -361,8 +306,9 @@ inline at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at
   // a thread only for products worth it (~1 us of work per 256k products)
   const int64_t blocks = (O + 15) / 16;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, 16 * M * Ip));
+  const auto* bp = static_cast<const int8_t*>(blocked.const_data_ptr());
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    int8_blocks(qu.data(), q.data(), s.data(), M, I, Ip, bp, wp, sp, sum, yp, O, b0, b1);
+    int8_blocks(qu.data(), q.data(), q_sum.data(), s.data(), M, I, Ip, bp, nibbles, wp, sp, sum, yp, O, b0, b1);
   });
   return y;
 }
