@@ -39,7 +39,8 @@ def test_floor_of_every_drafter_kind(engines: dict[str, Path], tmp_path: Path) -
             assert "level_ms_cold" not in row
             assert floors[5]["step_ms"] == pytest.approx(row["forward_ms_cold"]["6"])
             continue
-        assert row["level_ms_cold"] > 0 and row["level_ms_hot"] > 0
+        for mode in ("cold", "hot"):  # a line fitted through 2 timings a level: its slope can dip below 0 on a
+            assert 5 * row[f"level_ms_{mode}"] + row[f"call_ms_{mode}"] > 0  # busy machine, a 5-level call's time not
         if kind == "draft-lm":
             assert engine.draft_model is not None
             lm = Int8DraftLM.of(engine.draft_model)
