@@ -137,10 +137,11 @@ inline void int8_tile(const uint8_t* x, const int32_t* sums, const float* s, int
     const int64_t o = 16 * (b + n), lanes_n = std::min<int64_t>(16, O - o);
     const __mmask16 lanes = static_cast<__mmask16>((1u << lanes_n) - 1u);
     const __m512 scales = _mm512_maskz_loadu_ps(lanes, w_scale + o);
+    __m512i w_offset = _mm512_setzero_si512();  // int8: 128 w_sum of this block's outputs, once for all rows
+    if constexpr (!Nibbles) w_offset = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(lanes, sums + o), 7);
     #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      const __m512i offset = Nibbles ? _mm512_set1_epi32(8 * sums[m0 + r])
-                                     : _mm512_slli_epi32(_mm512_maskz_loadu_epi32(lanes, sums + o), 7);
+      const __m512i offset = Nibbles ? _mm512_set1_epi32(8 * sums[m0 + r]) : w_offset;
       const __m512 exact = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[n][r], offset));
       _mm512_mask_storeu_ps(y + (m0 + r) * O + o, lanes, _mm512_mul_ps(exact, _mm512_mul_ps(_mm512_set1_ps(s[m0 + r]), scales)));
     }
