@@ -99,6 +99,11 @@ class BuildConfig:
     def drafter_torch_dtype(self) -> torch.dtype:
         return DTYPES[self.drafter_dtype]
 
+    @property
+    def drafter_head_bits(self) -> int | None:
+        """The bits of the drafter head's weights (`drafter_head`; None: the drafter dtype)."""
+        return {"int8": 8, "int4": 4}.get(self.drafter_head)
+
 
 DRAFTER_KINDS = ("redrafter", "draft-lm", "lyanna")
 DRAFTER_PREFIX = "drafter."

@@ -78,7 +78,7 @@ class LoadedEngine:
             if isinstance(module, torch.nn.Module):
                 pack_cpu_weights(module)  # fp32 on the CPU only: plugins/cpu_linear.py
         heads = drafter_heads(drafter)
-        if (bits := HEAD_BITS.get(config.build.drafter_head)) is not None:
+        if (bits := config.build.drafter_head_bits) is not None:
             for head in heads:
                 head.quantize_int8(bits)  # fp32 on the CPU only; proposals change, never the output
             if "lyanna_drafter" in drafter and (copy := int8_copy(model.lm_head, bits)) is not None:
@@ -111,10 +111,6 @@ Validate = Callable[[dict[str, torch.Size]], None]
 
 def _validate(tensors: dict[str, torch.Tensor], path: Path, shapes: dict[str, torch.Size]) -> None:
     validate_tensors(tensors, dict.fromkeys(tensors, path), shapes)
-
-
-HEAD_BITS = {"int8": 8, "int4": 4}
-"""`BuildConfig.drafter_head` -> the bits of its weights (absent: the drafter dtype)."""
 
 
 def int8_copy(head: Linear, bits: int = 8) -> Linear | None:
