@@ -542,12 +542,28 @@ class LinearCost:
             self._start_up.discard(key)
             for sample in self._shapes.pop(key, ()):
                 self._account(*sample, -1.0)
-        kept = self._shapes.setdefault(key, deque(maxlen=PER_SHAPE))
-        if len(kept) == PER_SHAPE:
-            self._account(*kept[0], -1.0)  # the oldest of its shape leaves the fit
-        kept.append((tuple(x), seconds))
-        self._account(tuple(x), seconds, 1.0)
+        kept = self._shapes.get(key)
+        if kept is None:
+            kept = self._shapes[key] = deque(maxlen=PER_SHAPE)
+        x = tuple(x)
+        if len(kept) == PER_SHAPE:  # the oldest of its shape leaves the fit
+            old_x, old_seconds = kept[0]
+            if old_x == x:  # a steady choice's call: A^T A stays, only A^T t moves (~half the work)
+                kept.append((x, seconds))
+                self._account_seconds(x, seconds - old_seconds)
+                self._coef = None
+                return
+            self._account(old_x, old_seconds, -1.0)
+        kept.append((x, seconds))
+        self._account(x, seconds, 1.0)
         self._coef = None
+
+    def _account_seconds(self, x: tuple[float, ...], seconds: float) -> None:
+        """A^T t for a sample's seconds moved by `seconds` (its features the same)."""
+        moment = self._moment
+        moment[0] += seconds
+        for i, a in enumerate(x, 1):
+            moment[i] += seconds * a
 
     def _account(self, x: tuple[float, ...], seconds: float, sign: float) -> None:
         row = (1.0, *x)
@@ -562,8 +578,11 @@ class LinearCost:
     def __call__(self, *x: float) -> float:
         if not self._shapes:
             return 0.0
-        intercept, *slopes = self._fitted()
-        return intercept + sum(c * v for c, v in zip(slopes, x, strict=True))
+        coef = self._coef if self._coef is not None else self._fitted()
+        total = 0.0  # (the slopes' sum, then the intercept: `sum`'s order, without its generator)
+        for c, v in zip(coef[1:], x, strict=True):
+            total += c * v
+        return coef[0] + total
 
     def slopes(self) -> tuple[float, ...]:
         return self._fitted()[1:] if self._shapes else ()
@@ -624,7 +643,10 @@ class _Group:
     """Tokens its drafters must catch up on before they draft, all together (`Offer.lag`)."""
 
     def entry(self, size: int) -> tuple[int, float, float, int, str]:
-        return next(e for e in self.row if e[0] == size)
+        for e in self.row:
+            if e[0] == size:
+                return e
+        raise KeyError(size)
 
 
 @dataclass
@@ -729,6 +751,10 @@ class SpeculationPolicy:
     """Whether the last full solve chose to draft (`_settle`)."""
     reused: int = 0
     """Steps that reused a settled decision instead of solving again (for tests and reports)."""
+    _prices: dict[tuple[int, float, bool], float] | None = None
+    """While a full solve runs: (requests, nodes, whether trees) -> seconds of such a step's
+    host work and forward (`_evaluate`; the costs do not move within a solve, and its
+    uniform choices, probes and Dinkelbach rounds price the same steps again)."""
     overhead: ByRequests = field(default_factory=lambda: ByRequests(least_first=True))
     """requests -> least of its first timings, then decayed mean (`ByRequests`), of a decoding step's host seconds
     outside the forward and drafting (`StepStats.overhead_seconds`; `by_requests` between counts, and beyond them
@@ -889,58 +915,11 @@ class SpeculationPolicy:
             chosen = {o.key: standing.sizes[o.key] for o in offers}
             self._expected = standing.seconds
         else:
-            # requests with the same options and beliefs (most of a batch) are decided together
-            groups: dict[tuple[str, Row], list[Offer]] = {}
-            kinds: dict[tuple[object, ...], list[float]] = {}
-            # a request with no trees of its own has its kind's row: worked out once a step
-            # for them all (per request, the rows were ~60% of a full solve at batch 32)
-            shared: dict[tuple[object, ...], Row] = {}
-            explorers: Counter[Hashable] = Counter()  # requests of each kind priced optimistically so far
-            for o in offers:
-                optimistic = explorers[o.kind] < EXPLORERS
-                explorers[o.kind] += optimistic
-                key = (
-                    None
-                    if self.requests.get(o.key)
-                    else (
-                        o.method,
-                        o.kind,
-                        tuple(o.sizes),
-                        tuple(o.levels),
-                        o.exact,
-                        o.cuts,
-                        tuple(o.costs),
-                        _bound(o),
-                        optimistic,
-                    )
-                )
-                row = shared.get(key) if key is not None else None
-                if row is None:
-                    most = float("inf") if o.left is None else o.left
-                    taus = self.taus(o, kinds, optimistic)
-                    row = tuple(
-                        (s, min(tau, most), self.nodes(o, s), lv, cost)
-                        for s, tau, lv, cost in zip(o.sizes, taus, o.levels, costs(o), strict=True)
-                    )
-                    if key is not None:
-                        shared[key] = row
-                groups.setdefault((o.method, row), []).append(o)
-            batch = [_Group(m, row, len(members), sum(o.lag for o in members)) for (m, row), members in groups.items()]
-            best = self._best(batch, others)
-            chosen = {
-                o.key: size for (_, members), size in zip(groups.items(), best.sizes, strict=True) for o in members
-            }
-            self._expected = best.seconds
-            probe = self._explore(list(groups.values()), batch, others, best)
-            if probe is not None:
-                offer, size, loss = probe
-                chosen[offer.key], probed = size, offer.key
-                self._bill = (loss, best.rate, len(offers) + len(fixed))
-            elif not prefilling and self._plain_probe(batch, others, best):
-                chosen, plain = dict.fromkeys(chosen, 1), True  # a probe too: no run ends, nothing settles
-            self._settled = None
-            if probe is None and not plain:
-                self._settle(list(groups.values()), batch, others, best, offers, chosen)
+            self._prices = {}
+            try:
+                chosen, probed, plain = self._solve(offers, others, prefilling, fixed)
+            finally:
+                self._prices = None
         for o in offers:
             self.chosen[(o.method, chosen[o.key])] += 1
             if plain:
@@ -950,6 +929,64 @@ class SpeculationPolicy:
             elif o.key != probed or o.key in self._runs:  # a probe alone is no run
                 self._runs[o.key] = (o.method, self._runs.get(o.key, (o.method, 0))[1] + 1)
         return fixed | chosen
+
+    def _solve(
+        self, offers: list[Offer], others: int, prefilling: int, fixed: dict[str, int]
+    ) -> tuple[dict[str, int], str | None, bool]:
+        """A full solve (`choose`): each request's size, the request probed (if any), and
+        whether the step is a plain probe."""
+        probed, plain = None, False
+        # requests with the same options and beliefs (most of a batch) are decided together
+        groups: dict[tuple[str, Row], list[Offer]] = {}
+        kinds: dict[tuple[object, ...], list[float]] = {}
+        # a request with no trees of its own has its kind's row: worked out once a step
+        # for them all (per request, the rows were ~60% of a full solve at batch 32)
+        shared: dict[tuple[object, ...], Row] = {}
+        explorers: Counter[Hashable] = Counter()  # requests of each kind priced optimistically so far
+        for o in offers:
+            optimistic = explorers[o.kind] < EXPLORERS
+            explorers[o.kind] += optimistic
+            key = (
+                None
+                if self.requests.get(o.key)
+                else (
+                    o.method,
+                    o.kind,
+                    tuple(o.sizes),
+                    tuple(o.levels),
+                    o.exact,
+                    o.cuts,
+                    tuple(o.costs),
+                    _bound(o),
+                    optimistic,
+                )
+            )
+            row = shared.get(key) if key is not None else None
+            if row is None:
+                most = float("inf") if o.left is None else o.left
+                taus = self.taus(o, kinds, optimistic)
+                row = tuple(
+                    (s, min(tau, most), self.nodes(o, s), lv, cost)
+                    for s, tau, lv, cost in zip(o.sizes, taus, o.levels, costs(o), strict=True)
+                )
+                if key is not None:
+                    shared[key] = row
+            groups.setdefault((o.method, row), []).append(o)
+        batch = [_Group(m, row, len(members), sum(o.lag for o in members)) for (m, row), members in groups.items()]
+        best = self._best(batch, others)
+        chosen = {o.key: size for (_, members), size in zip(groups.items(), best.sizes, strict=True) for o in members}
+        self._expected = best.seconds
+        probe = self._explore(list(groups.values()), batch, others, best)
+        if probe is not None:
+            offer, size, loss = probe
+            chosen[offer.key], probed = size, offer.key
+            self._bill = (loss, best.rate, len(offers) + len(fixed))
+        elif not prefilling and self._plain_probe(batch, others, best):
+            chosen, plain = dict.fromkeys(chosen, 1), True  # a probe too: no run ends, nothing settles
+        self._settled = None
+        if probe is None and not plain:
+            self._settle(list(groups.values()), batch, others, best, offers, chosen)
+        return chosen, probed, plain
 
     def _best(self, batch: list[_Group], others: int) -> _Choice:
         """The best of every uniform choice and a few Dinkelbach rounds (none for one group:
@@ -1159,7 +1196,13 @@ class SpeculationPolicy:
                 acc[1] += g.count * (s - 1)
                 acc[2] += g.lag
                 acc[3] += g.count * levels
-        seconds = self.overhead_of(requests, bool(drafting)) + self.forward_cost(nodes, requests)
+        key = (requests, nodes, bool(drafting))
+        prices = self._prices
+        seconds = prices.get(key) if prices is not None else None
+        if seconds is None:
+            seconds = self.overhead_of(requests, key[2]) + self.forward_cost(nodes, requests)
+            if prices is not None:
+                prices[key] = seconds
         for fit, (most, drafted, lag, request_levels, horizon) in drafting.items():
             cost = self.draft_cost.get(fit)
             seconds += cost(most, drafted, lag / horizon, request_levels) if cost is not None else 0.0
@@ -1257,7 +1300,10 @@ class SpeculationPolicy:
         # start-up), rsd-s at batch 8, T=1 kept start-up samples ~35% cheaper than live ones
         # in its fit and priced its drafting ~1-1.5 ms low, drafting at ~0.9x auto-regression
         shape = (levels, drafted, 1 << caught_up.bit_length() if caught_up > drafted else 0, request_levels)
-        self.draft_cost.setdefault(key, LinearCost()).add(x, seconds, shape, start_up)
+        fit = self.draft_cost.get(key)
+        if fit is None:
+            fit = self.draft_cost[key] = LinearCost()
+        fit.add(x, seconds, shape, start_up)
 
     def observe(self, stats: StepStats) -> None:
         settled = self._settled
@@ -1300,10 +1346,10 @@ class SpeculationPolicy:
             measured.sort()  # every offered size up to the tree's: each pair is a size and the next smaller
             for (_, kept_below, _), (size, accepted, _) in itertools.pairwise(measured):
                 gains.setdefault((o.kind, size), []).append((float(accepted - kept_below), 0.0))
+            mine = self.requests.setdefault(o.key, {})
             for size, accepted, nodes in measured:
                 tau = 1.0 + accepted
                 step.setdefault((o.kind, size), []).append((tau, nodes))
-                mine = self.requests.setdefault(o.key, {})
                 own, n, _ = mine.get(size, (tau, 0, 0))
                 # a running mean over its first trees, decayed after (one lucky tree must not
                 # stand for five: started at the first tree, the decayed mean did)
@@ -1312,7 +1358,11 @@ class SpeculationPolicy:
         # one update per step, its trees' mean: weighed by its trees while they are few (`GROUP_EMA`)
         for estimates, observed in ((self.kinds, step), (self.gains, gains)):
             for key, values in observed.items():
-                tau, nodes = (sum(v) / len(values) for v in zip(*values, strict=True))  # (numpy's mean: ~0.1 ms a step)
+                # (numpy's mean: ~0.1 ms a step; batch 1's one value: no generator, ~2 us a key)
+                if len(values) == 1:
+                    tau, nodes = values[0]
+                else:
+                    tau, nodes = (sum(v) / len(values) for v in zip(*values, strict=True))
                 e = estimates.get(key)
                 if e is None:
                     estimates[key] = e = Estimate(tau, nodes)

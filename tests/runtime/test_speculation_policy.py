@@ -19,6 +19,7 @@ import pytest
 from runtime import speculation_policy
 from runtime.speculation_policy import (
     CALIBRATION_SIZES,
+    PER_SHAPE,
     PLAIN_SAMPLES,
     PROBE_SHARE,
     Estimate,
@@ -573,6 +574,29 @@ def test_draft_cost_fit_equals_a_refit_from_its_samples() -> None:
             free = np.linalg.lstsq(a, t, rcond=None)[0]
             if free.min() >= 0:
                 assert np.allclose(cost.slopes(), free[1:], atol=1e-6)
+
+
+def test_a_steady_choices_calls_move_the_fit_as_a_refit_does() -> None:
+    """A call with the features of the oldest sample of its shape, which it replaces (a
+    steady choice's, every step: `LinearCost.add` then moves A^T t alone), leaves the fit a
+    least-squares refit of the kept samples gives; so do calls of other features in the
+    same shape, which take the full update. Skipping A^T t's move, or moving it by the new
+    seconds without taking the old ones back, would fail."""
+    rng = np.random.default_rng(1)
+    cost = LinearCost()
+    for levels in (1.0, 2.0, 3.0):  # other shapes, so the fit is determined
+        for _ in range(4):
+            cost.add((levels, levels, 0.0, levels), 0.0002 + 0.00015 * levels * (1 + 0.1 * rng.random()))
+    steady, caught_up = (5.0, 5.0, 0.0, 5.0), (5.0, 5.0, 1.0, 5.0)
+    for k in range(5 * PER_SHAPE):
+        x = caught_up if k % 7 == 3 else steady
+        cost.add(x, 0.0009 * (1 + 0.3 * rng.random()) + 0.0001 * x[2], shape=(5.0, 5.0, 0.0, 5.0))
+        samples = cost.samples
+        refit = LinearCost()
+        for f, seconds in samples:
+            refit.add(f, seconds)
+        assert np.allclose(cost.slopes(), refit.slopes(), atol=1e-12)
+        assert cost(*steady) == pytest.approx(refit(*steady), rel=1e-9)
 
 
 def test_an_unlucky_warm_up_tree_does_not_switch_a_draft_lm_off_for_good(monkeypatch: pytest.MonkeyPatch) -> None:
