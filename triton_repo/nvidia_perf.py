@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.engine_dir import EngineConfig
+from training.corpus import heldout_prompts
 from triton_repo.repository import PROJECT_ROOT, ServingConfig, add_stream_interval_arg
 
 PERF_VENV = Path(os.environ.get("SPECPIPE_PERF_VENV", PROJECT_ROOT / ".venv-perf"))
@@ -174,6 +175,18 @@ def perf_analyzer_input(path: Path, prompts: Sequence[str], max_tokens: int, **i
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"data": data}, indent=1) + "\n")
     return path
+
+
+def benchmark_input(path: Path, prompts: str, count: int, max_tokens: int, method: str | None = None) -> Path:
+    """`perf_analyzer_input` for a benchmark: the first `count` held-out prompts (`prompts`
+    "heldout": the in-process benchmarks' set, never trained on; perf_analyzer sends them in
+    turn) or the one `DEFAULT_PROMPT` ("demo"), `max_tokens` tokens each with EOS ignored
+    (as in the in-process benchmarks, so every method makes the same tokens), and `method`
+    (e.g. "ar") as every request's `method` input where given. One short prompt measured
+    ReDrafter at 1.46-1.51x AR through Triton where the held-out set reads ~2x in-process."""
+    texts = heldout_prompts(count) if prompts == "heldout" else [DEFAULT_PROMPT]
+    inputs: dict[str, object] = {"ignore_eos": True} | ({"method": method} if method else {})
+    return perf_analyzer_input(path, texts, max_tokens, **inputs)
 
 
 def perf_analyzer_command(
@@ -349,6 +362,19 @@ def main(argv: list[str] | None = None) -> int:
         "--input-tokens", type=int, default=64, help="genai-perf synthetic prompt length (default: %(default)s)"
     )
     ap.add_argument("--output-tokens", type=int, default=64, help="tokens per request (default: %(default)s)")
+    ap.add_argument(
+        "--prompts",
+        choices=["heldout", "demo"],
+        default="heldout",
+        help="perf-analyzer: the first --prompt-count held-out prompts, one request each in turn (the "
+        "in-process benchmarks' set, never trained on), or the one demo prompt (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--prompt-count", type=int, default=8, help="perf-analyzer: held-out prompts (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--method", help="perf-analyzer: the `method` input of every request, e.g. ar (default: the engine's)"
+    )
     ap.add_argument("--timeout", type=float, default=None, help="seconds the tool may run")
     ap.add_argument("extra", nargs="*", help="after --: more arguments for the tool")
     args = ap.parse_args(argv)
@@ -386,7 +412,9 @@ def _run_tool(args: argparse.Namespace, tool: str, out: Path, work: Path) -> int
     else:
 
         def body(url: str) -> int:
-            data = perf_analyzer_input(work / "input_data.json", [DEFAULT_PROMPT], args.output_tokens)
+            data = benchmark_input(
+                work / "input_data.json", args.prompts, args.prompt_count, args.output_tokens, args.method
+            )
             export = out / "profile_export.json"
             command = perf_analyzer_command(
                 url, data, export, request_rate=args.rate or 1.0, request_count=args.requests, extra=args.extra

@@ -34,8 +34,8 @@ from tests.triton_repo.streams import MODEL, PROMPTS, stream_grpc
 from triton_repo.client import make_inputs
 from triton_repo.metrics import read_metrics
 from triton_repo.nvidia_perf import (
+    benchmark_input,
     perf_analyzer_command,
-    perf_analyzer_input,
     run_perf_analyzer,
     summarize_export,
     tool_problem,
@@ -427,7 +427,9 @@ def test_nvidia_perf_analyzer_streams_from_the_server(server: TritonServer, tmp_
     problem = tool_problem("perf_analyzer")
     if problem is not None:
         pytest.skip(f"NVIDIA perf_analyzer is not installed: {problem}")
-    data = perf_analyzer_input(tmp_path / "input_data.json", [PROMPTS[0]], max_tokens=12)
+    data = benchmark_input(tmp_path / "input_data.json", "heldout", 2, max_tokens=12, method="ar")
+    sent = json.loads(data.read_text())["data"]
+    assert [r["method"] for r in sent] == [["ar"]] * 2 and all(r["ignore_eos"] == [True] for r in sent)
     export = tmp_path / "profile_export.json"
     command = perf_analyzer_command(server.grpc_url, data, export, request_rate=4, request_count=4)
     proc = run_perf_analyzer(command, export, timeout_s=300, capture=True)
