@@ -145,6 +145,8 @@ CASES = {
     "a prefill chunk and decode tokens: two groups": ([9, 14, 5], [(1, None), (6, None), (1, None)]),
     "a tree level over cached nodes, beside a decode token": ([15, 7], [(2, TREE), (1, None)]),
     "a prompt chunk longer than the attention kernel's short groups": ([2, 3], [(SPAN - 2, None), (1, None)]),
+    # 155 rows: the layer loops split their rows over threads (`llama_loops.h` kLoopGrain)
+    "two prompt chunks, rows enough to split the layer loops": ([2, 3], [(SPAN - 2, None), (SPAN - 3, None)]),
 }
 
 
