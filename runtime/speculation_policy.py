@@ -1360,16 +1360,16 @@ class SpeculationPolicy:
             for key, values in observed.items():
                 # (numpy's mean: ~0.1 ms a step; batch 1's one value: no generator, ~2 us a key)
                 if len(values) == 1:
-                    tau, nodes = values[0]
+                    mean_tau, mean_nodes = float(values[0][0]), float(values[0][1])
                 else:
-                    tau, nodes = (sum(v) / len(values) for v in zip(*values, strict=True))
+                    mean_tau, mean_nodes = (sum(v) / len(values) for v in zip(*values, strict=True))
                 e = estimates.get(key)
                 if e is None:
-                    estimates[key] = e = Estimate(tau, nodes)
+                    estimates[key] = e = Estimate(mean_tau, mean_nodes)
                 e.trees, e.last = e.trees + len(values), self.steps
                 w = max(len(values) / e.trees, GROUP_EMA)  # a mean over its trees, then per step
-                e.tau += w * (tau - e.tau)
-                e.nodes += w * (nodes - e.nodes)
+                e.tau += w * (mean_tau - e.tau)
+                e.nodes += w * (mean_nodes - e.nodes)
 
     def _settle_probe(self, stats: StepStats, trees: bool) -> None:
         """Charge a probe what it cost (`PROBE_SHARE` is of throughput, not of predictions):
