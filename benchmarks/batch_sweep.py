@@ -105,6 +105,9 @@ class Row:
     """Load-aware's no-draft decoding steps that ratio averages."""
     phases: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     """configuration -> "prefilling" / "decoding" -> share of its time, ms per emitted token."""
+    round_ratios: dict[str, list[float]] = field(default_factory=dict)
+    """configuration -> its ratio to AR in each round (`ratio_to_ar` is their median): the
+    spread a single cell reads from run to run on a shared machine."""
 
 
 def phases(clock: StepClock) -> dict[str, dict[str, float]]:
@@ -124,8 +127,9 @@ def run_batch(
     max_tokens: int,
     rounds: int,
     temperature: float,
-) -> tuple[dict[str, float], dict[str, float], dict[str, float], Counter[int]]:
-    """tokens/s over all rounds, median per-round ratio to AR, tau, load-aware budget histogram."""
+) -> tuple[dict[str, float], dict[str, float], dict[str, float], Counter[int], dict[str, list[float]]]:
+    """tokens/s over all rounds, median per-round ratio to AR, tau, load-aware budget
+    histogram, each round's ratio to AR."""
     for llm in engines.values():
         llm.clock.reset()
     timings = alternate([round_runs(engines, names, prompts, max_tokens, temperature, i) for i in range(rounds)], "ar")
@@ -138,6 +142,7 @@ def run_batch(
         {name: t.speedup for name, t in timings.items()},
         {name: sum(t) / len(t) for name, t in taus.items()},
         widths,
+        {name: t.ratios for name, t in timings.items()},
     )
 
 
@@ -170,7 +175,8 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
         f"{meta['max_tokens']} output tokens per request, max(batch, {meta['min_prompts']}) prompts from the "
         f"held-out files with at most `batch` running, {meta['rounds']} alternating rounds (each seeded apart); "
         f"{meta['machine']['cpu']} ({meta['machine']['torch_threads']} threads). Ratios: median over rounds of "
-        "the ratio to auto-regressive decoding within a round; tau = tokens per decoding step per request. "
+        "the ratio to auto-regressive decoding within a round (load-aware's: least-most over the rounds in "
+        "brackets, what one cell moves between runs); tau = tokens per decoding step per request. "
         f"Command: `{meta['command']}`",
         "",
         "| batch | "
@@ -189,7 +195,7 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
             f"| {r.batch_size} | "
             + " | ".join(f"{r.tokens_per_s[n]:.0f}" for n in names)
             + "".join(f" | {r.ratio_to_ar[n]:.2f}x" for n in fixed)
-            + f" | {r.ratio_to_ar[aware]:.2f}x | {r.ratio_to_ar[aware] / best:.2f}"
+            + f" | {r.ratio_to_ar[aware]:.2f}x{spread(r.round_ratios.get(aware, []))} | {r.ratio_to_ar[aware] / best:.2f}"
             + "".join(f" | {r.tau[n]:.2f}" for n in fixed)
             + f" | {r.tau[aware]:.2f} | {widths} | {plain} |"
         )
@@ -213,6 +219,11 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
                 + " |"
             )
     return "\n".join(lines) + "\n"
+
+
+def spread(ratios: list[float]) -> str:
+    """ " (least-most)" of per-round ratios, where there are two or more."""
+    return f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -264,14 +275,14 @@ def main(argv: list[str] | None = None) -> None:
         for name, llm in engines.items():  # warm-up (allocator growth, first-step measurements)
             warm_up(llm, prompts[0], names[name][0], args.temperature, **names[name][2])
         engines[f"{method}-load-aware"].policy.chosen.clear()
-        rate, ratio, taus, widths = run_batch(
+        rate, ratio, taus, widths, per_round = run_batch(
             engines, names, method, prompts, args.max_tokens, args.rounds, args.temperature
         )
         plain, ar = engines[f"{method}-load-aware"].clock, engines["ar"].clock
         plain_ms, ar_ms = plain.plain_ms(), ar.plain_ms()
         plain_ratio = plain_ms / ar_ms if plain_ms and ar_ms else None
         split = {name: phases(llm.clock) for name, llm in engines.items()}
-        rows.append(Row(size, rate, ratio, taus, dict(widths), plain_ratio, plain.plain_steps, split))
+        rows.append(Row(size, rate, ratio, taus, dict(widths), plain_ratio, plain.plain_steps, split, per_round))
         tqdm.write(str(asdict(rows[-1])))
     meta = {
         "engine": str(args.engine),

@@ -50,7 +50,7 @@ from runtime.verify import Acceptance, accept_batch
 
 log = logging.getLogger(__name__)
 
-Options = tuple[tuple[int, ...], tuple[int, ...], bool, int, tuple[str, ...]]
+Options = tuple[tuple[int, ...], tuple[int, ...], int, tuple[str, ...]]
 """What a request's proposer offers (`EngineCore._offered`): tree sizes, drafter levels,
 exact cuts, the largest size up to which sizes are cuts where not all are, each size's
 drafting-cost fit."""
@@ -226,10 +226,10 @@ class EngineCore:
         for r in running:
             if not r.in_prefill:
                 lag = self.proposers[r.method].lag(r)
-                sizes, levels, exact, cuts, costs = self._offered(r)
+                sizes, levels, cuts, costs = self._offered(r)
                 left = r.params.max_tokens - len(r.result.output_ids)  # (no step emits more)
                 kind = (r.method, r.params.greedy)
-                offers.append(Offer(r.request_id, kind, r.method, sizes, levels, lag, exact, left, costs, cuts))
+                offers.append(Offer(r.request_id, kind, r.method, sizes, levels, lag, left, costs, cuts))
         if not self._calibrated and self.policy.adaptive and any(len(o.sizes) > 1 for o in offers):
             self._calibrate()
         start = time.perf_counter()
@@ -238,17 +238,16 @@ class EngineCore:
         return self.scheduler.schedule({o.key: [s for s in o.sizes if s <= chosen[o.key]] for o in offers})
 
     def _offered(self, request: Request) -> Options:
-        """(tree sizes, drafter levels, whether smaller sizes are exact cuts, up to which
-        size they are where not all are, each size's drafting-cost fit) the request's
-        proposer offers; params are frozen, so each proposer is asked once per setting."""
+        """(tree sizes, drafter levels, the size up to which smaller sizes are cuts of larger
+        ones, each size's drafting-cost fit) the request's proposer offers; params are
+        frozen, so each proposer is asked once per setting."""
         key = (request.method, request.draft_params)
         options = self._options.get(key)
         if options is None:
             proposer, params = self.proposers[request.method], request.draft_params
             # tuples: the policy's signature of a settled decision takes them as they are, every step
             fits = tuple(draft_fit(request.method, path) for path in proposer.cost_paths(params))
-            exact, cuts = proposer.exact_cuts(params), proposer.chain_cuts(params)
-            options = tuple(proposer.sizes(params)), tuple(proposer.levels(params)), exact, cuts, fits
+            options = tuple(proposer.sizes(params)), tuple(proposer.levels(params)), proposer.cuts(params), fits
             self._options[key] = options
         return options
 
@@ -261,7 +260,7 @@ class EngineCore:
         groups: dict[str, list[ScheduledWork]] = {}
         levels_of: dict[Request, int] = {}  # drafter levels of each request's tree this step
         for item in work:
-            sizes, levels, _, _, fits = self._offered(item.request)
+            sizes, levels, _, fits = self._offered(item.request)
             k = sizes.index(item.budget)
             groups.setdefault(fits[k], []).append(item)
             levels_of[item.request] = levels[k]

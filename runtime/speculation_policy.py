@@ -249,10 +249,6 @@ class Offer:
     """Sequential drafter calls of each size (0 for size 1)."""
     lag: int = 0
     """Tokens its drafter must read before it drafts (`Proposer.lag`)."""
-    exact: bool = True
-    """Whether each smaller size's tree is the larger tree cut (`Proposer.exact_cuts`), so
-    that what a size gains over the next smaller one, measured inside a larger tree, is what
-    drafting it gains (`SpeculationPolicy.kind_taus`)."""
     left: int | None = None
     """Tokens it may still emit (its `max_tokens` less its output; None: no bound). No step
     yields more, so no tree is expected to: a request 2 tokens from its end gains nothing
@@ -262,18 +258,25 @@ class Offer:
     """Per size, the drafting-cost fit that prices it (`SpeculationPolicy.draft_cost`'s
     key: the method's, or one of its drafting paths' where they cost differently per level,
     `Proposer.cost_paths`); empty: the method's for every size."""
-    cuts: int = 0
-    """Where not every size is a cut (`exact` False): the largest size up to which each
-    smaller size is its cut (`Proposer.chain_cuts`: ReDrafter's one-beam chains before its
-    beam widths), priced as cuts (`cut`)."""
+    cuts: int | None = None
+    """The largest size up to which each smaller size's tree is the larger tree cut
+    (`Proposer.cuts`: ReDrafter's one-beam chains before its beam widths; 0: none); None:
+    every size, the largest included."""
 
     def cut(self, size: int) -> bool:
-        """Whether `size` and every smaller size are cuts of one tree (`exact`, `cuts`): a
-        larger of them accepts at least what a smaller one does, and a gain measured inside
-        a larger tree is what drafting it gains. Priced as widths, ReDrafter's 6-node chain
-        read 3.07-3.33 tokens a step where its own 5-node cut read 3.19-3.34 (held-out prompts,
-        batch 1), and load-aware drafted 5-node chains in half its steps."""
-        return self.exact or size <= self.cuts
+        """Whether `size` and every smaller size are cuts of one tree (`cuts`): a larger of
+        them accepts at least what a smaller one does, and a gain measured inside a larger
+        tree is what drafting it gains (`SpeculationPolicy.kind_taus`). Priced as widths,
+        ReDrafter's 6-node chain read 3.07-3.33 tokens a step where its own 5-node cut read
+        3.19-3.34 (held-out prompts, batch 1), and load-aware drafted 5-node chains in half
+        its steps. Not for sizes that are beam widths: a wider search keeps another top beam,
+        so each such size is priced by its own measurements."""
+        return self.cuts is None or size <= self.cuts
+
+    @property
+    def exact(self) -> bool:
+        """Every size is a cut of the largest (`cut`): its trees measure every smaller size."""
+        return self.cut(self.sizes[-1])
 
 
 @dataclass
@@ -787,7 +790,7 @@ class SpeculationPolicy:
         if kinds is None:
             shared_taus = self.kind_taus(offer, optimistic)
         else:
-            key = (offer.kind, tuple(offer.sizes), tuple(offer.levels), offer.exact, offer.cuts, optimistic)
+            key = (offer.kind, tuple(offer.sizes), tuple(offer.levels), offer.cuts, optimistic)
             if key not in kinds:
                 kinds[key] = self.kind_taus(offer, optimistic)
             shared_taus = kinds[key]
@@ -955,7 +958,6 @@ class SpeculationPolicy:
                     o.kind,
                     tuple(o.sizes),
                     tuple(o.levels),
-                    o.exact,
                     o.cuts,
                     tuple(o.costs),
                     _bound(o),

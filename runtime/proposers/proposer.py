@@ -75,19 +75,14 @@ class Proposer(ABC):
         """One tree per request, rooted at its pending token (`request.tokens[-1]`): the
         tree of the largest of its sizes within `budgets[i]` (a budget of 1: the root alone)."""
 
-    def exact_cuts(self, params: Any) -> bool:
-        """Whether the tree of each smaller size is the tree of a larger size cut (trees cut
-        after fewer levels, chains cut shorter), so that a larger tree measures exactly what
-        a smaller one would have accepted. Not for sizes that are beam widths: a wider
-        search keeps a different top beam, and load-aware speculation prices those sizes by
-        each size's own measurements (`SpeculationPolicy.kind_taus`). Default: yes."""
-        return True
-
-    def chain_cuts(self, params: Any) -> int:
-        """Where not every size is a cut (`exact_cuts` False): the largest size up to which
-        each smaller size is its cut (one-beam chains, before the beam widths), so that
-        load-aware speculation prices those as cuts (`Offer.cuts`). Default: none (0)."""
-        return 0
+    def cuts(self, params: Any) -> int:
+        """The largest of its sizes up to which the tree of each smaller size is the larger
+        tree cut (trees cut after fewer levels, chains cut shorter), so that a larger tree
+        measures exactly what a smaller one would have accepted (`Offer.cut`). Not sizes
+        that are beam widths: a wider search keeps a different top beam, and load-aware
+        speculation prices those sizes by each size's own measurements
+        (`SpeculationPolicy.kind_taus`). Default: every size (its largest)."""
+        return self.sizes(params)[-1]
 
     def lag(self, request: Request) -> int:
         """Tokens of `request` its drafter must read before it can draft again (a draft LM's

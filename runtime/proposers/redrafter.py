@@ -228,11 +228,9 @@ class ReDrafterProposer(Proposer):
     def levels(self, params: ReDrafterParams) -> list[int]:
         return [self.shape(params, s)[1] for s in self.sizes(params)]
 
-    def exact_cuts(self, params: ReDrafterParams) -> bool:
-        return False  # wider sizes are beam widths, and a wider search keeps a different top beam
-
-    def chain_cuts(self, params: ReDrafterParams) -> int:
-        """The one beam cut at every depth: its sizes up to L + 1 are cuts of each other."""
+    def cuts(self, params: ReDrafterParams) -> int:
+        """The one beam cut at every depth: its sizes up to L + 1 are cuts of each other; the
+        wider sizes are beam widths, and a wider search keeps a different top beam."""
         return params.beam_length + 1
 
     @staticmethod

@@ -140,7 +140,7 @@ class TreeSpec:
         where rsd-s's cuts ran 1.36x. Widening one sibling at a time keeps the trees nested
         for rsd-c (Gumbel-top-(b+1)'s first b children are Gumbel-top-b's: `node_budgets`),
         so every tree measures every smaller one; wider beams keep other top beams, so
-        rsd-s's widths are measured each on its own (`LevelTreeProposer.exact_cuts`)."""
+        rsd-s's widths are measured each on its own (`LevelTreeProposer.cuts`)."""
         if self.beamed:
             chain = TreeSpec(self.method, beam_width=1, length=self.length)
             wider = [TreeSpec(self.method, beam_width=w, length=self.length) for w in range(2, self.beam_width + 1)]
@@ -721,12 +721,11 @@ class LevelTreeProposer(Proposer):
     def levels(self, params: TreeSpec) -> list[int]:
         return [0] + [levels for _, levels in params.ladder]
 
-    def exact_cuts(self, params: TreeSpec) -> bool:
-        """Beams of every width but one are not (`TreeSpec.ladder`)."""
-        return not params.beamed or params.beam_width == 1
-
-    def chain_cuts(self, params: TreeSpec) -> int:
-        """The chains, the `ladder`'s first `length` trees, are cuts of each other."""
+    def cuts(self, params: TreeSpec) -> int:
+        """Every size, but for beams of more than one width (`TreeSpec.ladder`): there the
+        chains, the `ladder`'s first `length` trees, are cuts of each other, the widths not."""
+        if not params.beamed or params.beam_width == 1:
+            return params.sizes[-1]
         return params.sizes[params.length]
 
     def cost_paths(self, params: TreeSpec) -> list[str]:

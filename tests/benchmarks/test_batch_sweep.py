@@ -30,7 +30,7 @@ def test_sweep_of_another_method_writes_its_report(tmp_path: Path) -> None:
     engine = build_engine(TARGET, tmp_path / "demo", BuildConfig(max_batch_size=2))
     out = tmp_path / "sweep"
     argv = ["--engine", str(engine), "--method", "ngram", "--batch-sizes", "1,2", "--max-tokens", "6"]
-    argv += ["--rounds", "1", "--min-prompts", "2", "--out", str(out), "--fixed-also", "num_draft_tokens=1"]
+    argv += ["--rounds", "2", "--min-prompts", "2", "--out", str(out), "--fixed-also", "num_draft_tokens=1"]
     main(argv)
     doc = json.loads(out.with_suffix(".json").read_text())
     assert [r["batch_size"] for r in doc["rows"]] == [1, 2]
@@ -51,6 +51,9 @@ def test_sweep_of_another_method_writes_its_report(tmp_path: Path) -> None:
     best = max(1.0, *(doc["rows"][0]["ratio_to_ar"][n] for n in ("ngram-fixed", also)))
     aware = doc["rows"][0]["ratio_to_ar"]["ngram-load-aware"]
     assert "load-aware / best of AR and fixed" in report and f" | {aware / best:.2f} | " in report
+    rounds = doc["rows"][0]["round_ratios"]["ngram-load-aware"]  # each round's ratio, their median the cell's
+    assert len(rounds) == 2 and aware == pytest.approx(sum(rounds) / 2)
+    assert f" | {aware:.2f}x ({min(rounds):.2f}-{max(rounds):.2f}) | " in report
     assert parse_settings("beam_width=1,packing=false,x=0.5,y=a") == {
         "beam_width": 1,
         "packing": False,

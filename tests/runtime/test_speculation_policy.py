@@ -824,14 +824,14 @@ def test_a_first_step_at_a_new_batch_size_ends_a_settled_decision() -> None:
 def test_sizes_that_are_beam_widths_are_priced_by_their_own_trees() -> None:
     """A wider beam search keeps a different top beam, so a 2-beam tree need not accept
     what the 1-beam tree inside a 4-beam tree did: for ReDrafter's widths
-    (`Offer.exact` False) each size is priced by its own measurements, even below a
+    (`Offer.cuts` 0) each size is priced by its own measurements, even below a
     smaller size; for cuts of one tree (chains, trees cut after fewer levels) a larger size
     is never priced below a smaller one, and is priced by the gains measured inside it."""
     p = SpeculationPolicy()
     for i in range(30):  # 1-beam trees accept 3, 2-beam trees 2 (measured apart, as drafted)
         p.observe(StepStats(5, 0.01, outcomes=[Outcome(f"a{i}", KIND, 5, BEAMS, 3, [], list(range(4)), 5)]))
         p.observe(StepStats(9, 0.01, outcomes=[Outcome(f"b{i}", KIND, 9, BEAMS, 1, [], [0, 1], 9)]))
-    widths = p.taus(Offer("r", KIND, "redrafter", BEAMS, LEVELS, exact=False))
+    widths = p.taus(Offer("r", KIND, "redrafter", BEAMS, LEVELS, cuts=0))
     cuts = p.taus(Offer("r", KIND, "redrafter", BEAMS, LEVELS))
     assert widths[1] == pytest.approx(4.0, abs=0.15) and widths[2] == pytest.approx(2.0, abs=0.15)  # + KIND_PRIOR
     assert cuts[:3] == pytest.approx([1.0, widths[1], widths[1]])
@@ -1085,7 +1085,7 @@ def test_drafting_paths_of_one_method_are_priced_apart() -> None:
     # the engine's offer names each size's fit, and a choice pays the chosen size's
     sizes, levels = [1, 2, 3, 4, 5, 9, 13, 17], [0, 1, 2, 3, 4, 4, 4, 4]
     fits = ["rsd-s", *["rsd-s/chains"] * 4, *["rsd-s"] * 3]
-    offer = Offer("r", ("rsd-s", False), "rsd-s", sizes, levels, exact=False, costs=fits)
+    offer = Offer("r", ("rsd-s", False), "rsd-s", sizes, levels, cuts=0, costs=fits)
     row = tuple((s, 2.0, float(s), lv, fit) for s, lv, fit in zip(sizes, levels, fits, strict=True))
     group = [speculation_policy._Group("rsd-s", row, 1)]
     assert apart._evaluate(group, [5], 0).seconds == pytest.approx(chain(4), rel=0.02)
@@ -1111,14 +1111,14 @@ def test_probes_visit_sizes_that_are_not_cuts_of_each_other_in_turn() -> None:
     p = SpeculationPolicy()
     for size, last in {2: 100, 3: 100, 4: 100, 5: 100, 9: 120, 13: 60, 17: 80}.items():
         p.kinds[(kind, size)] = speculation_policy.Estimate(2.0, size, trees=10, last=last)
-    beams = Offer("r", kind, "rsd-s", sizes, levels, exact=False)
+    beams = Offer("r", kind, "rsd-s", sizes, levels, cuts=0)
     assert p._probe_size(beams, 9) == 13
     p.kinds[(kind, 13)].last = 130
     assert p._probe_size(beams, 9) == 17
     p.kinds[(kind, 17)].last = 140
     assert p._probe_size(beams, 9) == 5  # the chains, by their longest
-    assert p._probe_size(dataclasses.replace(beams, exact=True), 9) == 17
-    assert p._probe_size(dataclasses.replace(beams, exact=True), 17) is None
+    assert p._probe_size(dataclasses.replace(beams, cuts=None), 9) == 17
+    assert p._probe_size(dataclasses.replace(beams, cuts=None), 17) is None
 
 
 def test_calibration_times_few_tokens_apart_from_the_slow_forwards_after_large_ones(
@@ -1231,7 +1231,7 @@ def test_a_size_never_measured_is_priced_one_token_above_the_next_smaller() -> N
     p = SpeculationPolicy()
     for i in range(30):  # 1-beam trees accept 2: 3 tokens a step, measured; wider beams never
         p.observe(StepStats(5, 0.01, outcomes=[Outcome(f"a{i}", KIND, 5, BEAMS, 2, [], [0, 1, 2], 5)]))
-    widths = p.taus(Offer("r", KIND, "redrafter", BEAMS, LEVELS, exact=False))
+    widths = p.taus(Offer("r", KIND, "redrafter", BEAMS, LEVELS, cuts=0))
     assert widths[1] == pytest.approx(3.0, abs=0.1)
     assert widths[2] == pytest.approx(widths[1] + 1.0) and widths[2] < L + 1  # under its ceiling (the old price)
     assert widths[3] == pytest.approx(min(widths[2] + 1.0, L + 1))
@@ -1252,9 +1252,7 @@ def test_optimism_gets_a_size_tried_by_one_request_not_by_the_whole_batch(monkey
         if lucky:  # one 9-node tree kept every draft
             p.kinds[(KIND, 9)] = e = Estimate(5.0, 9.0)
             e.trees = 1
-        return sorted(
-            p.choose([Offer(f"r{i}", KIND, "redrafter", BEAMS, LEVELS, exact=False) for i in range(8)]).values()
-        )
+        return sorted(p.choose([Offer(f"r{i}", KIND, "redrafter", BEAMS, LEVELS, cuts=0) for i in range(8)]).values())
 
     cheap_tokens = World(a=8.0, b=0.05, c=1.0, d=0.02, alpha=0.1)  # never-measured sizes look worth drafting
     costly_tokens = World(a=8.0, b=0.35, c=1.0, d=0.02, alpha=0.1)  # 5 tokens a tree would pay, 3 would not
@@ -1313,7 +1311,7 @@ def test_one_slow_step_moves_a_price_timed_often_by_little(trees: bool) -> None:
 
 RSD_SIZES, RSD_LEVELS = [1, 2, 3, 4, 5, 9, 15], [0, 1, 2, 3, 4, 4, 4]
 """An rsd-c request's sizes: its chain cut at every depth (2-5 nodes), then wider trees of
-the same 4 levels (9 and 15 nodes), each a cut of the next (`Offer.exact`)."""
+the same 4 levels (9 and 15 nodes), each a cut of the next (`Offer.cut`)."""
 RSD_C = ("rsd-c", False)
 
 
@@ -1412,8 +1410,8 @@ def rd_chain(key: str, size: int, accepted: int) -> Outcome:
 
 
 def test_one_beam_chains_are_priced_as_cuts_where_wider_beams_are_not() -> None:
-    """ReDrafter's sizes are not all cuts (`Offer.exact` False: a wider search keeps another
-    top beam), but its one-beam chains are (`Offer.cuts`, `Proposer.chain_cuts`). Many
+    """ReDrafter's sizes are not all cuts (`Offer.cuts`: a wider search keeps another
+    top beam), but its one-beam chains are (`Offer.cuts`, `Proposer.cuts`). Many
     5-node chains kept 3 drafts; a few 6-node chains kept all 5 (a gain of 1 token over
     their own 5-node cut). As cuts, the 6-node chain is worth its cut plus that gain; priced
     apart by its few trees, as before, it read less than the 5-node chain (3.07-3.33 vs
@@ -1425,8 +1423,8 @@ def test_one_beam_chains_are_priced_as_cuts_where_wider_beams_are_not() -> None:
         p.observe(StepStats(6, 0.01, outcomes=[rd_chain(f"b{i}", 6, 5 if i else 1)]))
     for i in range(40):
         p.observe(StepStats(5, 0.01, outcomes=[rd_chain(f"c{i}", 5, 4)]))  # the 5-node estimate moves on
-    widths = p.taus(Offer("r", KIND, "redrafter", RD_SIZES, RD_LEVELS, exact=False), optimistic=False)
-    cuts = p.taus(Offer("r", KIND, "redrafter", RD_SIZES, RD_LEVELS, exact=False, cuts=6), optimistic=False)
+    widths = p.taus(Offer("r", KIND, "redrafter", RD_SIZES, RD_LEVELS, cuts=0), optimistic=False)
+    cuts = p.taus(Offer("r", KIND, "redrafter", RD_SIZES, RD_LEVELS, cuts=6), optimistic=False)
     assert widths[5] < widths[4]  # the wrong variant: a longer chain worth less than its own cut
     assert cuts[4] == pytest.approx(widths[4]) and cuts[5] > cuts[4] + 0.4
 
@@ -1437,7 +1435,7 @@ def test_a_request_hard_for_its_chains_is_hard_for_its_wider_beams() -> None:
     11 too. Unshifted, the 11 looked better than its chains and it drafted it (batch 1, the
     demo ReDrafter engine: 5-step runs at ~4.2 ms a step where its chains took ~2.7)."""
     p = SpeculationPolicy()
-    offer = Offer("r", KIND, "redrafter", RD_SIZES, RD_LEVELS, exact=False, cuts=6)
+    offer = Offer("r", KIND, "redrafter", RD_SIZES, RD_LEVELS, cuts=6)
     for i in range(40):
         p.observe(StepStats(6, 0.01, outcomes=[rd_chain(f"a{i}", 6, 2 if i % 10 else 3)]))
     wide = Outcome("w", KIND, 11, RD_SIZES, 3, [], [0, 1, 2, 3], 11)
