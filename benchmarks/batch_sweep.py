@@ -195,7 +195,8 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
             f"| {r.batch_size} | "
             + " | ".join(f"{r.tokens_per_s[n]:.0f}" for n in names)
             + "".join(f" | {r.ratio_to_ar[n]:.2f}x" for n in fixed)
-            + f" | {r.ratio_to_ar[aware]:.2f}x{spread(r.round_ratios.get(aware, []))} | {r.ratio_to_ar[aware] / best:.2f}"
+            + f" | {r.ratio_to_ar[aware]:.2f}x{spread(r.round_ratios.get(aware, []))}"
+            + f" | {r.ratio_to_ar[aware] / best:.2f}"
             + "".join(f" | {r.tau[n]:.2f}" for n in fixed)
             + f" | {r.tau[aware]:.2f} | {widths} | {plain} |"
         )

@@ -16,21 +16,17 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from runtime import speculation_policy
+from runtime import speculation_policy, step_costs
 from runtime.speculation_policy import (
     CALIBRATION_SIZES,
-    PER_SHAPE,
-    PLAIN_SAMPLES,
     PROBE_SHARE,
     Estimate,
-    ForwardCost,
-    LinearCost,
     Offer,
     Outcome,
     SpeculationPolicy,
     StepStats,
-    monotone,
 )
+from runtime.step_costs import PER_SHAPE, PLAIN_SAMPLES, ForwardCost, LinearCost, monotone
 
 L = 4
 """Draft length: a ReDrafter tree of w beams has at most 1 + w * L nodes."""
@@ -439,7 +435,7 @@ def test_draft_cost_fit_keeps_every_shape_it_saw() -> None:
     assert len(cost.slopes()) == 2
     assert cost(L, 4) == pytest.approx(0.005, abs=2e-4)
     assert cost(L, 16) == pytest.approx(0.008, abs=2e-4)
-    assert len(cost) == 3 + speculation_policy.PER_SHAPE
+    assert len(cost) == 3 + step_costs.PER_SHAPE
 
 
 def test_calibrated_forward_cost_never_decreases_with_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -959,8 +955,8 @@ def test_host_work_seen_at_batch_1_is_not_multiplied_by_a_larger_batch() -> None
     assert p.overhead_trees == {1: pytest.approx(0.0007)}
     first = p.choose([Offer(f"n{i}", KIND, "redrafter", BEAMS, LEVELS) for i in range(32)])
     assert set(first.values()) == {1}
-    assert speculation_policy.by_requests({1: 0.5, 8: 1.2}, 32, per_request=False) == pytest.approx(3.6)
-    assert speculation_policy.by_requests({8: 1.2, 16: 2.0}, 1, per_request=False) == pytest.approx(0.5)
+    assert step_costs.by_requests({1: 0.5, 8: 1.2}, 32, per_request=False) == pytest.approx(3.6)
+    assert step_costs.by_requests({8: 1.2, 16: 2.0}, 1, per_request=False) == pytest.approx(0.5)
 
 
 def test_host_work_of_steps_with_trees_is_not_charged_to_auto_regression() -> None:
@@ -975,7 +971,7 @@ def test_host_work_of_steps_with_trees_is_not_charged_to_auto_regression() -> No
     mixed = calibrated(world)
     mixed.overhead_trees = mixed.overhead  # one table for both, as before ...
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(speculation_policy, "PLAIN_SAMPLES", 0)  # ... and no plain probes (which would time the roots apart)
+        m.setattr(step_costs, "PLAIN_SAMPLES", 0)  # ... and no plain probes (which would time the roots apart)
         mixed_rate, _ = run(mixed, world, batch=8, steps=300)
     assert rate >= 0.97 * best and mixed_rate < 0.95 * best, (rate, mixed_rate, best)
     p = SpeculationPolicy()
@@ -1008,19 +1004,19 @@ def test_a_plain_step_priced_by_extrapolation_is_timed_before_it_is_believed(mon
         return p
 
     rate, _ = run(warmed_up(), world, batch=8, steps=300)
-    monkeypatch.setattr(speculation_policy, "PLAIN_SAMPLES", 0)
+    monkeypatch.setattr(step_costs, "PLAIN_SAMPLES", 0)
     blind, _ = run(warmed_up(), world, batch=8, steps=300)
     assert rate >= 0.97 * best and blind < 0.95 * best, (rate, blind, best)
 
 
 def test_timings_of_a_request_count_are_their_mean_until_the_decay_takes_over() -> None:
     """`ByRequests.add`: a batch's first, slow steps must not outweigh the steps after them."""
-    t = speculation_policy.ByRequests()
+    t = step_costs.ByRequests()
     for seconds in (0.004, 0.002, 0.002, 0.002):
         t.add(8, seconds)
     assert t[8] == pytest.approx(0.0025) and t.seen[8] == 4
     t.add(8, 0.012)
-    assert t[8] == pytest.approx(0.0025 + speculation_policy.FORWARD_EMA * 0.0095)
+    assert t[8] == pytest.approx(0.0025 + step_costs.FORWARD_EMA * 0.0095)
 
 
 def test_a_plain_price_starts_from_the_least_of_its_first_timings() -> None:
@@ -1029,8 +1025,8 @@ def test_a_plain_price_starts_from_the_least_of_its_first_timings() -> None:
     2.6, 2.7 ms, then ~2.3-2.4); their mean priced auto-regression ~10% high, and the batch
     drafted chains no faster than it. Plain tables keep the least of the first
     `PLAIN_SAMPLES`; tree tables keep the mean (priced low, trees would look cheap)."""
-    assert speculation_policy.PLAIN_SAMPLES == 3
-    plain, trees = speculation_policy.ByRequests(least_first=True), speculation_policy.ByRequests()
+    assert step_costs.PLAIN_SAMPLES == 3
+    plain, trees = step_costs.ByRequests(least_first=True), step_costs.ByRequests()
     for seconds in (0.0028, 0.0026, 0.0027):
         plain.add(8, seconds)
         trees.add(8, seconds)
@@ -1301,7 +1297,7 @@ def test_one_slow_step_moves_a_price_timed_often_by_little(trees: bool) -> None:
     plain, host = p.forward_cost(n, 8), p.overhead_of(8, trees)
     assert plain == pytest.approx(usual) and host == pytest.approx(0.0005)
     p.observe(step(3 * usual, 0.0015))  # one slow step: 3x
-    rise = speculation_policy.FORWARD_EMA * (speculation_policy.SPIKE - 1)
+    rise = step_costs.FORWARD_EMA * (step_costs.SPIKE - 1)
     assert p.forward_cost(n, 8) == pytest.approx(plain * (1 + rise))
     assert p.overhead_of(8, trees) == pytest.approx(host * (1 + rise))
     for _ in range(10):  # a slowdown that lasts
@@ -1395,7 +1391,7 @@ def test_a_slow_first_tree_step_does_not_switch_drafting_off(monkeypatch: pytest
     rate, history = run(calibrated(world), worlds, batch=1, steps=400)
     ar = fixed(world, 1, 1, 400)
     assert rate > 2.5 * ar and sum(h == [1] for h in history) < 10
-    monkeypatch.setattr(speculation_policy, "SPIKE", float("inf"))
+    monkeypatch.setattr(step_costs, "SPIKE", float("inf"))
     uncapped, plain = run(calibrated(world), worlds, batch=1, steps=400)
     assert uncapped < 1.5 * ar and sum(h == [1] for h in plain) > 300, (uncapped / ar, sum(h == [1] for h in plain))
 
