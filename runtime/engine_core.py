@@ -52,8 +52,8 @@ log = logging.getLogger(__name__)
 
 Options = tuple[tuple[int, ...], tuple[int, ...], int, tuple[str, ...]]
 """What a request's proposer offers (`EngineCore._offered`): tree sizes, drafter levels,
-exact cuts, the largest size up to which sizes are cuts where not all are, each size's
-drafting-cost fit."""
+the largest size up to which smaller sizes are cuts of larger ones (`Proposer.cuts`), each
+size's drafting-cost fit."""
 
 
 class EngineCore:
