@@ -286,12 +286,12 @@ class LinearCost:
             moment[i] += seconds * a
 
     def _account(self, x: tuple[float, ...], seconds: float, sign: float) -> None:
+        """A sample in (`sign` 1) or out (-1) of A^T A and A^T t."""
         row = (1.0, *x)
         if not self._gram:
             self._gram, self._moment = [[0.0] * len(row) for _ in row], [0.0] * len(row)
-        for i, a in enumerate(row):
-            self._moment[i] += sign * seconds * a
-            gram_i = self._gram[i]
+        self._account_seconds(x, sign * seconds)
+        for a, gram_i in zip(row, self._gram, strict=True):
             for j, b in enumerate(row):
                 gram_i[j] += sign * a * b
 
