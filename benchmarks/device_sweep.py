@@ -317,7 +317,8 @@ def run(args: argparse.Namespace) -> None:
                         f"{path.name} B={batch} T={temperature:g}: "
                         + ", ".join(f"{c.method} {c.tokens_per_s:.0f} tok/s {c.ratio_to_ar:.2f}x" for c in new)
                     )
-                    report(args, cells, engines_meta)  # after every cell: a run cut short keeps what it measured
+                    # after every cell: a run cut short keeps what it measured
+                    report(args, cells, engines_meta, echo=False)
                     bar.update()
             del llm, loaded
             if args.device.startswith("cuda"):
@@ -325,8 +326,10 @@ def run(args: argparse.Namespace) -> None:
     report(args, cells, engines_meta)
 
 
-def report(args: argparse.Namespace, cells: list[Cell], engines_meta: dict[str, dict[str, Any]]) -> None:
-    """Write `<out>.json` and `<out>.md` with the cells measured so far."""
+def report(
+    args: argparse.Namespace, cells: list[Cell], engines_meta: dict[str, dict[str, Any]], echo: bool = True
+) -> None:
+    """Write `<out>.json` and `<out>.md` with the cells measured so far (printed if `echo`)."""
     meta = {
         "command": command_line(args),
         "args": {
@@ -344,7 +347,7 @@ def report(args: argparse.Namespace, cells: list[Cell], engines_meta: dict[str, 
         "engines": engines_meta,
         "machine": machine(),
     }
-    write_report(args.out, meta, [asdict(c) for c in cells], markdown(cells, meta))
+    write_report(args.out, meta, [asdict(c) for c in cells], markdown(cells, meta), echo=echo)
 
 
 if __name__ == "__main__":

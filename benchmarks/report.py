@@ -54,15 +54,22 @@ def named_dirs(values: list[str] | None, defaults: tuple[str, ...], flag: str) -
 
 
 def write_report(
-    out: Path, meta: dict[str, Any], rows: list[dict[str, Any]], markdown: str, summary: dict[str, Any] | None = None
+    out: Path,
+    meta: dict[str, Any],
+    rows: list[dict[str, Any]],
+    markdown: str,
+    summary: dict[str, Any] | None = None,
+    echo: bool = True,
 ) -> None:
     """`<out>.json` (`summary` keys at the top level, as vLLM's benchmark JSON has them, then
-    meta + rows) and `<out>.md`; prints the markdown."""
+    meta + rows) and `<out>.md`; prints the markdown unless `echo` is False (a report
+    rewritten after every cell of a sweep prints only its last)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {**(summary or {}), "meta": meta, "rows": rows}
     out.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
     out.with_suffix(".md").write_text(markdown)
-    print(markdown)
+    if echo:
+        print(markdown)
 
 
 def subplots(ncols: int, size: tuple[float, float]) -> tuple[Any, Any]:

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import torch
+from pytest import CaptureFixture
 
 from benchmarks.device_sweep import cast, main
 from runtime.loaded_engine import LoadedEngine
@@ -49,15 +50,17 @@ def test_greedy_sweep_every_engine(engines: dict[str, Path], tmp_path: Path) -> 
     assert "| lyanna tok/s | lyanna ratio | lyanna tau | lyanna greedy==AR |" in md
 
 
-def test_sampled_sweep_cast_to_float32(engines: dict[str, Path], tmp_path: Path) -> None:
+def test_sampled_sweep_cast_to_float32(engines: dict[str, Path], tmp_path: Path, capsys: CaptureFixture[str]) -> None:
     """At T > 0 there is no exactness column; --dtype float32 casts the bfloat16 Lyanna
-    drafter and its hot-token table too."""
+    drafter and its hot-token table too. The report is rewritten after every cell but
+    printed once, at the end."""
     out, threads = tmp_path / "device_sweep", torch.get_num_threads()
     main(
         ["--engine", str(engines["lyanna"]), "--device", "cpu", "--batch-sizes", "2", "--temperatures", "1",
          "--max-tokens", "8", "--rounds", "1", "--dtype", "float32", "--threads", "1", "--out", str(out)]
     )  # fmt: skip
     assert torch.get_num_threads() == threads  # --threads is restored (main runs in-process)
+    assert capsys.readouterr().out.count("# AR vs every method") == 1
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
     assert {(r["method"], r["batch_size"], r["temperature"]) for r in rows} == {(m, 2, 1.0) for m in EXPECTED["lyanna"]}
     for r in rows:
