@@ -13,7 +13,9 @@
   and keeps in `Request.draft_state` how many of the request's tokens the cache holds.
   A forward is one C++ call where the draft LM runs on int8 copies on the CPU
   (`plugins/llama_forward.py`), the replay of a captured CUDA graph on a GPU
-  (`runtime/cuda_graphs.py`, as the target's steps), else the model's own forward.
+  (`runtime/cuda_graphs.py`, as the target's steps), else the model's own forward. Chains
+  (a node per level) skip the tree code: a level is one `chain_level` call, and on the CPU
+  a greedy or temperature-only chain is one C++ call for all its levels.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch import nn
 from model_defs.llama import LlamaForCausalLM
 from model_defs.paged_kv_cache import PagedKVCache
 from model_defs.redrafter import ReDrafter
+from plugins.argmax_rows import greedy_tokens
 from plugins.llama_forward import Int8DraftLM
 from runtime.attention_batch import Segment
 from runtime.block_manager import BlockManager
@@ -168,11 +171,26 @@ class DraftLMLevels:
         request i's node j is fed at position context + j, seeing its whole cache up to
         there, for j = 1 .. `levels[i]` (from the root: j = 0 .. `levels[i]` - 1); returns the
         argmax after each (request i's next `levels[i]` drafts). Every level in one C++ call
-        (`Int8DraftLM.chain`); None where that does not apply (the caller goes on level by level)."""
+        (`Int8DraftLM.chain`), else a level a call where `chains()` (`_chain_by_levels`);
+        None where neither applies (the caller drafts the chain as a tree, level by level)."""
         if self.fused is None:
-            return None
+            return self._chain_by_levels(tokens, levels, at_root) if self.chains() else None
         starts = self._roots_fed() if at_root else [r.num_computed + 1 for r in self.requests]
         return self.fused.chain(tokens, starts, self.slots, levels, self.cache)
+
+    def _chain_by_levels(self, tokens: list[int], levels: list[int], at_root: bool = False) -> list[list[int]]:
+        """`chain` a level per `chain_level_at` call, each level's argmax read back: where
+        no C++ op drafts a whole chain (a GPU, its levels replaying a captured graph)."""
+        starts = self._roots_fed() if at_root else [r.num_computed + 1 for r in self.requests]
+        out: list[list[int]] = [[] for _ in tokens]
+        fed = list(tokens)
+        for depth in range(max(levels, default=0)):
+            active = [i for i, n in enumerate(levels) if n > depth]
+            logits = self.chain_level_at(active, [fed[i] for i in active], [starts[i] + depth for i in active])
+            for i, token in zip(active, greedy_tokens([logits]), strict=True):
+                fed[i] = token
+                out[i].append(token)
+        return out
 
     @torch.inference_mode()
     def sampled_chain(
@@ -195,23 +213,33 @@ class DraftLMLevels:
 
     @torch.inference_mode()  # as `chain_level` runs (the op stands aside under autograd)
     def chains(self) -> bool:
-        """Whether `chain_level` runs (the draft LM's one-call C++ forward takes the steps)."""
-        return self.fused is not None and self.fused.takes_chain_level()
+        """Whether chains are drafted a level per call (`chain_level`) instead of through
+        `extend`'s trees: where a level is one cheap call, the draft LM's one-call C++
+        forward on the CPU or the replay of a captured graph on a GPU (there a level of the
+        tree code, its masks, segments, top-k and bookkeeping on the host, cost more than the
+        level's forward)."""
+        if self.fused is not None:
+            return self.fused.takes_chain_level()
+        return self.graphs is not None
 
     @torch.inference_mode()
     def chain_level(self, rows: list[int], tokens: list[int], depth: int) -> torch.Tensor:
         """One level of chains (sampled ones: the caller draws between levels): request
         `rows[k]`'s draft `tokens[k]`, node `depth` of its chain (after `first`), fed at
         position context + depth, seeing its whole cache up to there; logits `[len(rows), V]`
-        in one C++ call (`Int8DraftLM.chain_level`), without `extend`'s tree masks, segments
-        and level bookkeeping. Only where `chains()`."""
+        in one C++ call (`Int8DraftLM.chain_level`) or one forward of the draft LM (a
+        captured graph's replay on a GPU), without `extend`'s tree masks and level
+        bookkeeping. Only where `chains()`."""
         return self.chain_level_at(rows, tokens, [self.requests[r].num_computed + depth for r in rows])
 
     @torch.inference_mode()
     def chain_level_at(self, rows: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """`chain_level` with each fed token's position given."""
-        assert self.fused is not None
-        return self.fused.chain_level(tokens, positions, [self.slots[r] for r in rows], self.cache)
+        """`chain_level` with each fed token's position given: one token per request, causal
+        over its slots up to there (a chain node's ancestors are every node before it)."""
+        if self.fused is not None:
+            return self.fused.chain_level(tokens, positions, [self.slots[r] for r in rows], self.cache)
+        segments = [Segment(k, p, self.slots[r][: p + 1]) for k, (r, p) in enumerate(zip(rows, positions, strict=True))]
+        return self._run(tokens, positions, segments, list(range(len(rows))))
 
     def extend(self, rows: list[int], parents: list[int], nodes: list[int], tokens: list[int]) -> torch.Tensor:
         """One level per request, every request's in one forward: a request's nodes are

@@ -392,8 +392,8 @@ def _greedy_chains(drafter: LevelDrafter, logits: torch.Tensor, lengths: list[in
     first its root's argmax (`logits`, `drafter.first()`'s), the rest the drafter's own
     chain on from it where it drafts one (`DraftLMLevels.chain`: every level in one C++
     call, ~0.4-0.5 ms of host work a level less at batch 1); None: draft level by level."""
-    if not argmax_applies([logits]):
-        return None
+    if not (argmax_applies([logits]) or drafter.chains()):
+        return None  # the first drafts' argmax would be read back for a tree drafted level by level anyway
     firsts = greedy_tokens([logits])
     rest = drafter.chain(firsts, [n - 1 for n in lengths])
     return None if rest is None else [[first, *more] for first, more in zip(firsts, rest, strict=True)]

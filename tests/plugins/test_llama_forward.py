@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from types import SimpleNamespace
+from typing import cast
 
 import pytest
 import torch
@@ -23,7 +25,10 @@ from plugins.int8_linear import vectorized
 from plugins.llama_forward import FusedTarget, Int8DraftLM
 from plugins.tree_attention import KERNEL_MAX_T
 from runtime.attention_batch import Segment, build_rows
+from runtime.block_manager import BlockManager
 from runtime.model_runner import StepInput
+from runtime.proposers.level_drafters import DraftLMLevels
+from runtime.request import Request
 from runtime.step_batch import step_input
 
 pytestmark = pytest.mark.skipif(
@@ -287,6 +292,39 @@ def test_the_draft_chain_is_its_levels_one_step_at_a_time() -> None:
     assert got == want and [len(t) for t in got] == levels
     assert late is not None and late != got
     assert torch.equal(cache.kv, reference.kv)
+
+
+def test_chains_a_forward_a_level_are_the_chain_ops_chains() -> None:
+    """Where no C++ op drafts chains (a GPU: `DraftLMLevels` without the op, its levels
+    replaying a captured graph), `DraftLMLevels._chain_by_levels` drafts a level per forward
+    of the draft LM's own (one token per request at its next position, causal over its
+    slots), each level's argmax fed next: the chains `specpipe_cpu::draft_lm_chain`
+    drafts, for requests of different depths (one drafting nothing), and the K/V it writes
+    to rounding. Fed one position late (each request's context taken one token longer),
+    other chains."""
+    model = draft_lm()
+    fused = Int8DraftLM.of(model)
+    assert fused is not None
+    contexts, levels, firsts = [9, 30, 17], [4, 0, 6], [3, 7, 11]
+    cache = prefilled(model, contexts)
+    reference, late_cache = copy_of(cache), copy_of(cache)
+    table = [slots(r, SPAN) for r in range(len(contexts))]
+    with torch.inference_mode():
+        want = fused.chain(firsts, contexts, table, levels, reference)
+
+    def drafter(on: PagedKVCache, late: int = 0) -> DraftLMLevels:
+        requests = [SimpleNamespace(num_computed=c - 1 + late, draft_state=c + late) for c in contexts]
+        blocks = SimpleNamespace(block_size=cache.block_size)  # `_run`'s step metadata reads the block size alone
+        levels_of = DraftLMLevels(model, on, cast(BlockManager, blocks), cast(list[Request], requests))
+        levels_of.slots = table  # each request's slots, as `_catch_up` looks them up
+        return levels_of
+
+    with torch.inference_mode():
+        got = drafter(cache)._chain_by_levels(firsts, levels)
+        late = drafter(late_cache, late=1)._chain_by_levels(firsts, levels)
+    assert got == want and [len(t) for t in got] == levels
+    assert late != got
+    assert (cache.kv - reference.kv).abs().max() < TOLERANCE
 
 
 def test_a_chain_level_is_a_draft_lm_forward_step() -> None:

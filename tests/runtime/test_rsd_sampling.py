@@ -169,3 +169,46 @@ def test_chains_fed_from_the_roots_draft_what_first_and_chain_draft(
     monkeypatch.setattr(Int8DraftLM, "sampled_chain", early_roots)  # sampled chains
     early = llm_engine.generate(engine, [toy_sampling.PROMPT] * n, params, "sd", config)
     assert [r.num_accepted for r in early] != [r.num_accepted for r in plain]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_chains_a_forward_a_level_draft_what_the_tree_code_drafts(
+    temperature: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where no C++ op drafts chains (a GPU, whose levels replay a captured graph; here an
+    fp32 draft LM, `chains()` forced as a GPU's graphs make it), sd's chains go a level per
+    draft-LM forward (`DraftLMLevels.chain_level_at`: one token per request, causal over
+    its slots; greedy: `_chain_by_levels`, each level's argmax; sampled: `rsd._sampled_chains`)
+    instead of through `extend`'s trees. Same logits, same draws: the same output, token
+    for token and seed for seed, with as many drafts accepted as the tree code's, and the
+    level path ran. Test of the test: each chain level's logits taken one token id off
+    (rolled) accept other drafts. The draft LM is the target's copy, so that
+    greedy drafts are accepted too."""
+    engine = toy_sampling.toy_engine("draft-lm", SETTINGS)
+    assert engine.draft_model is not None
+    engine.draft_model.load_state_dict(engine.model.state_dict())
+    n = 48
+    params = [SamplingParams(temperature=temperature, max_tokens=12, seed=i, ignore_eos=True) for i in range(n)]
+    config = RuntimeConfig(speculation="fixed", max_num_tokens=16 * n, max_queue_size=n)
+    trees = llm_engine.generate(engine, [toy_sampling.PROMPT] * n, params, "sd", config)
+    real, levels = DraftLMLevels.chain_level_at, []
+
+    def counted(self: DraftLMLevels, rows: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
+        assert self.fused is None  # the draft LM's own forward, as on a GPU
+        levels.append(len(rows))
+        return real(self, rows, tokens, positions)
+
+    monkeypatch.setattr(DraftLMLevels, "chains", lambda self: True)
+    monkeypatch.setattr(DraftLMLevels, "chain_level_at", counted)
+    chained = llm_engine.generate(engine, [toy_sampling.PROMPT] * n, params, "sd", config)
+    assert levels  # drafted a level per forward
+    assert [r.output_ids for r in chained] == [r.output_ids for r in trees]
+    assert [r.num_accepted for r in chained] == [r.num_accepted for r in trees]
+    assert sum(r.num_accepted for r in chained) > n  # drafts were accepted: the chains mattered
+
+    def misfed(self: DraftLMLevels, rows: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
+        return real(self, rows, tokens, positions).roll(1, dims=-1)
+
+    monkeypatch.setattr(DraftLMLevels, "chain_level_at", misfed)
+    shifted = llm_engine.generate(engine, [toy_sampling.PROMPT] * n, params, "sd", config)
+    assert [r.num_accepted for r in shifted] != [r.num_accepted for r in trees]
