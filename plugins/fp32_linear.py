@@ -36,6 +36,13 @@ result is the bits of a one-row product (the kernel's rows are independent), so 
 forward of that many tokens gives each token the logits a one-token forward does."""
 
 
+TILE_ROWS = 6
+"""Rows of x the kernel's register tile holds (`fp32_linear.h`'s `kRows`): a product of M rows
+makes ceil(M / 6) passes over the weight, and a pass costs about the same for 1 row as for 6
+(the demo target's forward at 1 / 6 / 7 / 12 / 13 tokens: 1.45 / 1.63 / 1.87 / 2.33 / ~2.9 ms,
+2-core Sapphire Rapids), so a forward's cost steps up after every multiple of 6 tokens."""
+
+
 def block16(weight: Tensor) -> Tensor:
     """`[O, I]` -> `[ceil(O/16), I, 16]`, element [b, i, r] = weight[16 b + r, i] (zero past O):
     16 output rows per 64-byte line, what the kernel's register tile multiplies."""

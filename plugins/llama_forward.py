@@ -224,6 +224,13 @@ class FusedTarget(_Op[LlamaOutput]):
     def products(self) -> list[Any]:
         return [self.packed, self.small, self.out_features, fp32_linear.SMALL_M]
 
+    @staticmethod
+    def cost_steps() -> list[int]:
+        """Token counts after which a forward of one token more makes one more pass of its
+        few-row products (`fp32_linear.TILE_ROWS` rows a pass), up to `SMALL_M` rows, after
+        which oneDNN's products take over."""
+        return list(range(fp32_linear.TILE_ROWS, fp32_linear.SMALL_M + 1, fp32_linear.TILE_ROWS))
+
     def finish(self, out: Any) -> LlamaOutput:
         logits, hidden = out
         return LlamaOutput(logits[None], hidden[None])

@@ -106,8 +106,9 @@ class EngineCore:
     def prepare(self) -> None:
         """Calibrate load-aware speculation now, as vLLM profiles at start-up, rather than at
         the first step that could draft, so that no request's latency (and no timed run)
-        pays for it: ~0.2 s on the demo engines, as long as a 64-token batch-3 ReDrafter run
-        there, ~0.7-0.9 s on the draft-LM engine (its four methods' drafting is timed too).
+        pays for it: ~0.6 s on the demo engines (~0.3 s before the forward was timed on both
+        sides of each cost step, `SpeculationPolicy.calibrate`), ~1.3 s on the draft-LM
+        engine (its four methods' drafting is timed too).
         Servers and the CLI call it before serving; idempotent."""
         if not self._calibrated and self.policy.adaptive and any(m != "ar" for m in self.proposers):
             self._calibrate()
@@ -130,7 +131,7 @@ class EngineCore:
                 torch.cuda.synchronize()  # what is timed is the forward's kernels, not their launch
 
         try:
-            self.policy.calibrate(forward, most)
+            self.policy.calibrate(forward, most, self.runner.cost_steps())
         finally:
             self.blocks.free(scratch)
         # after the scratch is freed: the drafters time their calls in blocks of their own,

@@ -70,6 +70,15 @@ class ModelRunner:
         """The whole forward in one C++ call (fp32 on the CPU: `plugins/llama_forward.py`), or None."""
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
 
+    def cost_steps(self) -> list[int]:
+        """Token counts n at which a forward of n + 1 tokens costs a step more than one of n
+        (what calibration times on both sides): the captured graphs' buckets on a GPU (n
+        tokens replay the smallest bucket holding them), the few-row products' passes on
+        the CPU (`FusedTarget.cost_steps`); none known elsewhere."""
+        if self.graphs is not None:
+            return list(self.graphs.buckets)
+        return self.fused.cost_steps() if self.fused is not None else []
+
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Queue a K/V move (src -> dst slots) for the start of the next step."""
         self._copies.append((src, dst))

@@ -90,7 +90,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -934,9 +934,18 @@ class SpeculationPolicy:
 
     # ---- measurements -------------------------------------------------------------------
 
-    def calibrate(self, forward: Callable[[int], None], most: int) -> None:
-        """Seed the forward-cost table: `forward(n)` runs a target forward of n tokens. Sizes
-        go in ascending order, each once untimed (a shape's first forward pays one-off
+    def calibrate(self, forward: Callable[[int], None], most: int, steps: Collection[int] = ()) -> None:
+        """Seed the forward-cost table: `forward(n)` runs a target forward of n tokens, at
+        `CALIBRATION_SIZES` and on both sides of each of the runner's cost `steps`
+        (`ModelRunner.cost_steps`: n where n + 1 tokens cost a step more), so that the
+        table's lines between timed sizes follow the staircase instead of cutting across it:
+        timed at 5 and 8 tokens alone, a 6-token forward of the CPU target (one pass of its
+        few-row products, like 5) was priced on the line to 8 (two passes), ~0.1 ms above its
+        cost, and load-aware sd with chains of 5 drafts (`beam_length=5`) at batch 1 took
+        6-node chains in 655 of 801 request-steps, 1.62x auto-regression at T=0 (1.35x at
+        T=1); timed on both sides of the steps, 714 of 793 and 1.67x (1.44x); ReDrafter at
+        batch 1 and 8 the same within noise (2-core Sapphire Rapids, 6 and 8 alternating
+        rounds). Sizes go in ascending order, each once untimed (a shape's first forward pays one-off
         set-up: kernel selection, allocator growth) and then `CALIBRATION_ROUNDS` times in a
         row, keeping the fastest: a few-token forward timed right after a large one is not
         what a decoding step costs (a CPU runs the forwards that follow a stretch of heavy
@@ -955,7 +964,7 @@ class SpeculationPolicy:
         residual of 32 requests came out at -65 ms, every step had a negative price, and
         load-aware sd at batch 32 drafted 5-node chains at 0.8x auto-regression."""
         self.forward_cost = ForwardCost()
-        sizes = sorted({min(n, most) for n in CALIBRATION_SIZES})
+        sizes = sorted({min(n, most) for n in (*CALIBRATION_SIZES, *steps, *(s + 1 for s in steps))})
         best = {}
         for n in sizes:
             forward(n)

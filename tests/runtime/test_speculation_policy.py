@@ -1358,3 +1358,27 @@ def test_calibration_after_auto_regressive_steps_starts_the_forward_prices_afres
     for _ in range(speculation_policy.AFTER_PREFILL):
         p.observe(StepStats(32, world.forward(32, 32), num_requests=32, overhead_seconds=0.001))
     assert p.forward_cost(32, 32) == pytest.approx(world.forward(32, 32), rel=0.05)
+
+
+def test_calibration_times_both_sides_of_each_cost_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`calibrate` times the forward on both sides of each cost step the runner names
+    (`ModelRunner.cost_steps`: the CPU's 6-row passes, a GPU's graph buckets), so that the
+    table follows a staircase: on a forward that costs one more pass every 6 tokens, 6 tokens
+    are priced at one pass and 13 at three. Test of the test: without the steps the table's
+    line from 5 to 8 tokens (one pass to two) prices 6 above its cost, and 13 below."""
+    clock = [0.0]
+    monkeypatch.setattr(speculation_policy, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def passes(n: int) -> float:
+        return 1e-3 * (1.5 + 0.6 * ((n - 1) // 6))  # seconds: 1.5 ms, then 0.6 ms a pass of 6 tokens
+
+    def forward(n: int) -> None:
+        clock[0] += passes(n)
+
+    stepped, plain = SpeculationPolicy(), SpeculationPolicy()
+    stepped.calibrate(forward, 64, [6, 12, 18, 24])
+    plain.calibrate(forward, 64)
+    assert {5, 6, 7, 12, 13, 24, 25} <= set(stepped.forward_cost.tokens.points)
+    for n in (1, 6, 7, 12, 13, 19, 24):
+        assert stepped.forward_cost.tokens(n) == pytest.approx(passes(n))
+    assert plain.forward_cost.tokens(6) > passes(6) + 1e-4 and plain.forward_cost.tokens(13) < passes(13) - 1e-4
