@@ -945,8 +945,8 @@ class SpeculationPolicy:
         6-node chains in 655 of 801 request-steps, 1.62x auto-regression at T=0 (1.35x at
         T=1); timed on both sides of the steps, 714 of 793 and 1.67x (1.44x); ReDrafter at
         batch 1 and 8 the same within noise (2-core Sapphire Rapids, 6 and 8 alternating
-        rounds). Sizes go in ascending order, each once untimed (a shape's first forward pays one-off
-        set-up: kernel selection, allocator growth) and then `CALIBRATION_ROUNDS` times in a
+        rounds). Sizes go in ascending order, each once untimed (a shape's first forward
+        pays one-off set-up: kernel selection, allocator growth) and then `CALIBRATION_ROUNDS` times in a
         row, keeping the fastest: a few-token forward timed right after a large one is not
         what a decoding step costs (a CPU runs the forwards that follow a stretch of heavy
         GEMMs up to ~2x slower: one-token forwards after 40 GEMMs of 512 x 384 x 4096 took
