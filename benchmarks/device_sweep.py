@@ -4,11 +4,13 @@ batch sizes and temperatures, on one device (a GPU by default when there is one)
     python -m benchmarks.device_sweep                                   # the three demo engines
     python -m benchmarks.device_sweep --engine engines/demo-redrafter --dtype bfloat16
     python -m benchmarks.device_sweep --enforce-eager                   # no CUDA graphs
+    python -m benchmarks.device_sweep --engine engines/demo-draft-lm --methods sd,rsd-c
 
-For each engine, the methods are those of `runtime.proposers.registry.METHODS` the engine accepts
-(a method whose request the engine refuses, e.g. lyanna on a ReDrafter engine, is listed
-as skipped with the engine's reason). One `LLMEngine` per engine serves every cell (its KV
-cache and, on a GPU, its CUDA graphs are made once), after a warm-up request per method
+For each engine, the methods are those of `runtime.proposers.registry.METHODS` (or of
+`--methods`, AR always with them) the engine accepts (a method whose request the engine
+refuses, e.g. lyanna on a ReDrafter engine, is listed as skipped with the engine's reason).
+One `LLMEngine` per engine serves every cell (its KV cache and, on a GPU, its CUDA graphs
+are made once), after a warm-up request per method
 and, before each batch size's cells, one short untimed auto-regressive batch of that size.
 For each batch size B and temperature T, B held-out prompts (never trained on) are decoded
 together, fixed output length, EOS ignored, prompt i seeded with i, by AR and by each
@@ -29,6 +31,7 @@ import argparse
 import functools
 import shlex
 import statistics
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,11 +90,14 @@ def cast(engine: LoadedEngine, dtype: torch.dtype) -> None:
         engine.token_table = engine.token_table._replace(table=engine.token_table.table.to(dtype))
 
 
-def supported_methods(llm: LLMEngine, prompt: list[int]) -> tuple[list[str], dict[str, str]]:
-    """Warm up every method of METHODS with one short greedy request; those the engine refuses
-    (ValueError at submission, nothing queued) come back as skipped, with the reason."""
+def supported_methods(
+    llm: LLMEngine, prompt: list[int], wanted: Sequence[str] = METHODS
+) -> tuple[list[str], dict[str, str]]:
+    """Warm up AR and every method of `wanted` (default: METHODS) with one short greedy
+    request; those the engine refuses (ValueError at submission, nothing queued) come back
+    as skipped, with the reason."""
     methods, skipped = [], {}
-    for method in METHODS:
+    for method in [m for m in METHODS if m == "ar" or m in wanted]:
         try:
             warm_up(llm, prompt, method, temperature=0.0)
         except ValueError as e:
@@ -212,6 +218,8 @@ def command_line(args: argparse.Namespace) -> str:
     argv = ["python", "-m", "benchmarks.device_sweep"]
     for engine in args.engine:
         argv += ["--engine", str(engine)]
+    if args.methods is not None:
+        argv += ["--methods", args.methods]
     argv += ["--device", args.device, "--dtype", args.dtype, "--batch-sizes", args.batch_sizes]
     argv += ["--temperatures", args.temperatures, "--max-tokens", str(args.max_tokens)]
     argv += ["--rounds", str(args.rounds), "--speculation", args.speculation]
@@ -243,6 +251,11 @@ def main(argv: list[str] | None = None) -> None:
         default="engine",
         help="engine = as built; else cast target and drafter after loading (default: %(default)s)",
     )
+    ap.add_argument(
+        "--methods",
+        help="comma-separated methods to compare with AR (default: every method each engine runs; "
+        f"of {', '.join(m for m in METHODS if m != 'ar')}): fewer methods, a shorter sweep",
+    )
     ap.add_argument("--batch-sizes", default="1,8,32", help="batch sizes (default: %(default)s)")
     ap.add_argument("--temperatures", default="0,1", help="temperatures, 0 = greedy (default: %(default)s)")
     ap.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default: %(default)s)")
@@ -271,6 +284,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = ap.parse_args(argv)
     args.engine = args.engine or [Path(e) for e in ENGINES]
+    if args.methods is not None:
+        wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
+        unknown = [m for m in wanted if m not in METHODS]
+        if not wanted or unknown:
+            what = f"unknown {', '.join(unknown)}" if unknown else "no method"
+            ap.error(f"--methods {args.methods!r}: {what}; give methods of {', '.join(METHODS)}")
     with torch_threads(args.threads):
         run(args)
 
@@ -300,7 +319,8 @@ def run(args: argparse.Namespace) -> None:
             )
             llm = LLMEngine(loaded, config)
             prompts = [loaded.encode(t) for t in texts]
-            methods, skipped = supported_methods(llm, prompts[0])  # also the warm-up
+            wanted = METHODS if args.methods is None else [m.strip() for m in args.methods.split(",")]
+            methods, skipped = supported_methods(llm, prompts[0], wanted)  # also the warm-up
             drafter = loaded.config.drafter.kind if loaded.config.drafter else "none"
             engines_meta[str(path)] = {"drafter": drafter, "methods": methods, "skipped": skipped}
             for batch in sizes:

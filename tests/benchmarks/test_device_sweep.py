@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from pytest import CaptureFixture
 
@@ -79,3 +80,21 @@ def test_cast_reaches_every_drafter_kind(engines: dict[str, Path]) -> None:
             assert {p.dtype for p in module.parameters()} == {torch.float16}, path
         if engine.token_table is not None:
             assert engine.token_table.table.dtype == torch.float16
+
+
+def test_methods_narrow_the_sweep(engines: dict[str, Path], tmp_path: Path) -> None:
+    """`--methods` compares only those with AR (a GPU's device time is scarce): one method's
+    cells, no others tried or listed as skipped, and the command that repeats the run names
+    it; an unknown method is refused with the valid ones."""
+    out = tmp_path / "device_sweep"
+    main(
+        ["--engine", str(engines["draft-lm"]), "--methods", "sd", "--device", "cpu", "--batch-sizes", "1",
+         "--temperatures", "0", "--max-tokens", "4", "--rounds", "1", "--threads", "1", "--out", str(out)]
+    )  # fmt: skip
+    doc = json.loads(out.with_suffix(".json").read_text())
+    assert {r["method"] for r in doc["rows"]} == {"ar", "sd"}
+    info = doc["meta"]["engines"][str(engines["draft-lm"])]
+    assert info["methods"] == ["ar", "sd"] and info["skipped"] == {}
+    assert "--methods sd" in doc["meta"]["command"]
+    with pytest.raises(SystemExit):
+        main(["--engine", str(engines["draft-lm"]), "--methods", "sd,eagle", "--out", str(out)])
