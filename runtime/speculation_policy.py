@@ -994,6 +994,13 @@ class SpeculationPolicy:
         fit = self.draft_cost.get(key)
         if fit is None:
             fit = self.draft_cost[key] = LinearCost()
+        if not start_up and fit.live(shape) >= step_costs.PLAIN_SAMPLES:
+            # one call over `SPIKE` times its shape's price counts as that much, as a forward
+            # does (`ForwardCost.observe`): one rsd-c drafting call at T=1, batch 1 delayed by
+            # 80 ms (a pause of the process) priced its chains so high that the request stayed
+            # auto-regressive for the rest of the run (98% of ~1600 steps), its probes drafting
+            # the wider trees of the other cost path, whose calls never time chains again
+            seconds = min(seconds, step_costs.SPIKE * fit(*x))
         fit.add(x, seconds, shape, start_up)
 
     def observe(self, stats: StepStats) -> None:

@@ -247,6 +247,10 @@ class LinearCost:
     def __len__(self) -> int:
         return sum(len(samples) for samples in self._shapes.values())
 
+    def live(self, shape: tuple[float, ...]) -> int:
+        """Live samples kept of `shape` (`add`'s key; none while it holds start-up stand-ins)."""
+        return 0 if shape in self._start_up else len(self._shapes.get(shape, ()))
+
     def add(
         self, x: tuple[float, ...], seconds: float, shape: tuple[float, ...] | None = None, start_up: bool = False
     ) -> None:

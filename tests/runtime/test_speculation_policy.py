@@ -1382,3 +1382,27 @@ def test_calibration_times_both_sides_of_each_cost_step(monkeypatch: pytest.Monk
     for n in (1, 6, 7, 12, 13, 19, 24):
         assert stepped.forward_cost.tokens(n) == pytest.approx(passes(n))
     assert plain.forward_cost.tokens(6) > passes(6) + 1e-4 and plain.forward_cost.tokens(13) < passes(13) - 1e-4
+
+
+
+def test_one_slow_drafting_call_counts_as_spike_times_its_price(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A live drafting call of a shape timed `PLAIN_SAMPLES` times or more counts as at most
+    `SPIKE` times that shape's price, as a slow forward does: a process paused for 80 ms in
+    one ~2 ms call moves the price a little, not ~5x. Such a pause in one rsd-c call at T=1,
+    batch 1 kept a demo-engine request auto-regressive for ~1600 steps: its probes drafted
+    the wider trees of the other cost path, which never time chains again (`/tmp` run, 98%
+    of the steps plain; with the cap 0-8%). Start-up stand-ins are not a price to cap
+    against (live calls legitimately cost more). Test of the test: without the cap the one
+    call prices the shape at ~10 ms."""
+
+    def price(spike: float, start_up: bool = False) -> float:
+        monkeypatch.setattr(step_costs, "SPIKE", spike)
+        p = SpeculationPolicy()
+        for _ in range(8):
+            p._add_draft_sample("rsd-c", (4, 4, 0, 4), 0.002, start_up=start_up)
+        p._add_draft_sample("rsd-c", (4, 4, 0, 4), 0.080)  # the process paused
+        return p.draft_cost["rsd-c"](4, 4, 0, 4)
+
+    assert price(1.5) == pytest.approx((8 * 0.002 + 1.5 * 0.002) / 9)
+    assert price(float("inf")) == pytest.approx((8 * 0.002 + 0.080) / 9)
+    assert price(1.5, start_up=True) == pytest.approx(0.080)  # live replaces the stand-ins, uncapped
