@@ -1384,7 +1384,6 @@ def test_calibration_times_both_sides_of_each_cost_step(monkeypatch: pytest.Monk
     assert plain.forward_cost.tokens(6) > passes(6) + 1e-4 and plain.forward_cost.tokens(13) < passes(13) - 1e-4
 
 
-
 def test_one_slow_drafting_call_counts_as_spike_times_its_price(monkeypatch: pytest.MonkeyPatch) -> None:
     """A live drafting call of a shape timed `PLAIN_SAMPLES` times or more counts as at most
     `SPIKE` times that shape's price, as a slow forward does: a process paused for 80 ms in
