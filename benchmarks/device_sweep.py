@@ -212,6 +212,10 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
 def command_line(args: argparse.Namespace) -> str:
     """The explicit command that repeats this run (every option spelled out, so defaults
     that depend on the machine, like the device, do not change it)."""
@@ -285,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     args.engine = args.engine or [Path(e) for e in ENGINES]
     if args.methods is not None:
-        wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
+        wanted = _names(args.methods)
         unknown = [m for m in wanted if m not in METHODS]
         if not wanted or unknown:
             what = f"unknown {', '.join(unknown)}" if unknown else "no method"
@@ -319,7 +323,7 @@ def run(args: argparse.Namespace) -> None:
             )
             llm = LLMEngine(loaded, config)
             prompts = [loaded.encode(t) for t in texts]
-            wanted = METHODS if args.methods is None else [m.strip() for m in args.methods.split(",")]
+            wanted = METHODS if args.methods is None else _names(args.methods)
             methods, skipped = supported_methods(llm, prompts[0], wanted)  # also the warm-up
             drafter = loaded.config.drafter.kind if loaded.config.drafter else "none"
             engines_meta[str(path)] = {"drafter": drafter, "methods": methods, "skipped": skipped}
