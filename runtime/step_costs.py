@@ -24,18 +24,21 @@ and a fit that believes drafting 4 nodes costs what 16 did never leaves the 16).
 FORWARD_EMA = 0.2
 """Weight of a new timing of a forward size."""
 SPIKE = 1.5
-"""Most a live step's timing may exceed the price of its shape (forward, or host work) once
-that price rests on `PLAIN_SAMPLES` timings: a timing above counts as this much. A shared
-CPU has single slow steps: one plain forward of 8 requests at 6.0 ms where they take ~1.8
-(2-core Sapphire Rapids) took the plain price from 2.2 to 3.1 ms; the batch then drafted
-(rsd-s, 4-node chains at ~3.4 tokens/ms, where auto-regression makes ~3.5) and, drafting,
-never timed a plain step again that round: load-aware 0.91x auto-regression where other
-runs read 0.96-0.98x. A slowdown that lasts still moves the price (each step up to 10%).
-The first tree step at a request count is capped the same way against its extrapolated
-price (`ForwardCost.observe`)."""
+"""Most a live step's timing may exceed the price of its shape (forward, host work, or a
+drafting call: `SpeculationPolicy._add_draft_sample`) once that price rests on
+`PLAIN_SAMPLES` timings: a timing above counts as this much. A shared CPU has single slow
+steps: one plain forward of 8 requests at 6.0 ms where they take ~1.8 (2-core Sapphire
+Rapids) took the plain price from 2.2 to 3.1 ms; the batch then drafted (rsd-s, 4-node
+chains at ~3.4 tokens/ms, where auto-regression makes ~3.5) and, drafting, never timed a
+plain step again that round: load-aware 0.91x auto-regression where other runs read
+0.96-0.98x. A slowdown that lasts still moves the price (each step up to 10%). The first
+tree step at a request count is capped the same way against its extrapolated price
+(`ForwardCost.observe`)."""
 PLAIN_SAMPLES = 3
 """Timings of a request count's auto-regressive step (forward residual and host overhead)
-below which a batch that drafts spends its exploration credit on plain steps (`_plain_probe`)."""
+below which a batch that drafts spends its exploration credit on plain steps
+(`_plain_probe`); also the timings a price (a drafting call's shape's too) rests on before
+`SPIKE` caps new ones against it."""
 
 
 class TokenCost:
