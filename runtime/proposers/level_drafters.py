@@ -173,15 +173,17 @@ class DraftLMLevels:
         argmax after each (request i's next `levels[i]` drafts). Every level in one C++ call
         (`Int8DraftLM.chain`), else a level a call where `chains()` (`_chain_by_levels`);
         None where neither applies (the caller drafts the chain as a tree, level by level)."""
-        if self.fused is None:
-            return self._chain_by_levels(tokens, levels, at_root) if self.chains() else None
+        if self.fused is None and not self.chains():
+            return None
         starts = self._roots_fed() if at_root else [r.num_computed + 1 for r in self.requests]
+        if self.fused is None:
+            return self._chain_by_levels(tokens, starts, levels)
         return self.fused.chain(tokens, starts, self.slots, levels, self.cache)
 
-    def _chain_by_levels(self, tokens: list[int], levels: list[int], at_root: bool = False) -> list[list[int]]:
-        """`chain` a level per `chain_level_at` call, each level's argmax read back: where
-        no C++ op drafts a whole chain (a GPU, its levels replaying a captured graph)."""
-        starts = self._roots_fed() if at_root else [r.num_computed + 1 for r in self.requests]
+    def _chain_by_levels(self, tokens: list[int], starts: list[int], levels: list[int]) -> list[list[int]]:
+        """`chain` a level per `chain_level_at` call (request i's `tokens[i]` fed at
+        `starts[i]`), each level's argmax read back: where no C++ op drafts a whole chain (a
+        GPU, its levels replaying a captured graph)."""
         out: list[list[int]] = [[] for _ in tokens]
         fed = list(tokens)
         for depth in range(max(levels, default=0)):

@@ -300,8 +300,7 @@ def test_chains_a_forward_a_level_are_the_chain_ops_chains() -> None:
     of the draft LM's own (one token per request at its next position, causal over its
     slots), each level's argmax fed next: the chains `specpipe_cpu::draft_lm_chain`
     drafts, for requests of different depths (one drafting nothing), and the K/V it writes
-    to rounding. Fed one position late (each request's context taken one token longer),
-    other chains."""
+    to rounding. Fed one position late, other chains."""
     model = draft_lm()
     fused = Int8DraftLM.of(model)
     assert fused is not None
@@ -312,16 +311,16 @@ def test_chains_a_forward_a_level_are_the_chain_ops_chains() -> None:
     with torch.inference_mode():
         want = fused.chain(firsts, contexts, table, levels, reference)
 
-    def drafter(on: PagedKVCache, late: int = 0) -> DraftLMLevels:
-        requests = [SimpleNamespace(num_computed=c - 1 + late, draft_state=c + late) for c in contexts]
+    def drafter(on: PagedKVCache) -> DraftLMLevels:
+        requests = [SimpleNamespace(num_computed=c - 1, draft_state=c) for c in contexts]
         blocks = SimpleNamespace(block_size=cache.block_size)  # `_run`'s step metadata reads the block size alone
         levels_of = DraftLMLevels(model, on, cast(BlockManager, blocks), cast(list[Request], requests))
         levels_of.slots = table  # each request's slots, as `_catch_up` looks them up
         return levels_of
 
     with torch.inference_mode():
-        got = drafter(cache)._chain_by_levels(firsts, levels)
-        late = drafter(late_cache, late=1)._chain_by_levels(firsts, levels)
+        got = drafter(cache)._chain_by_levels(firsts, contexts, levels)
+        late = drafter(late_cache)._chain_by_levels(firsts, [c + 1 for c in contexts], levels)
     assert got == want and [len(t) for t in got] == levels
     assert late != got
     assert (cache.kv - reference.kv).abs().max() < TOLERANCE
