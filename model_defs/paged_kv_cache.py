@@ -76,7 +76,11 @@ class PagedKVCache:
         compaction), in one launch. All sources are read before any destination is
         written, so a path moving onto its own slots is safe."""
         device = self.kv.device
-        copy_kv_slots(self.kv, src.to(device, non_blocking=True), dst.to(device, non_blocking=True))
+        src, dst = src.to(device, non_blocking=True), dst.to(device, non_blocking=True)
+        if device.type == "cuda":  # the kernel itself: no custom-op dispatch each step
+            kv_compaction.copy_kv_slots_triton(self.kv, src, dst)
+        else:
+            copy_kv_slots(self.kv, src, dst)
 
 
 class AttentionGroup(NamedTuple):

@@ -45,12 +45,17 @@ def kernel_applies(logits: list[Tensor]) -> bool:
 
 
 def greedy_tokens(logits: list[Tensor]) -> list[int]:
-    """`argmax_rows` by the shortest route (the C++ op itself where it applies: no custom-op
-    dispatch), as host integers: the rows of every tensor in order."""
+    """`greedy_rows` as host integers: the rows of every tensor in order."""
+    return greedy_rows(logits).tolist()
+
+
+def greedy_rows(logits: list[Tensor]) -> Tensor:
+    """`argmax_rows` by the shortest route (the C++ op itself where it applies, else the
+    plain-torch form: no custom-op dispatch), on the logits' device."""
     _check(logits)
     if kernel_applies(logits):
-        return torch.ops.specpipe_cpu.argmax_rows(logits).tolist()
-    return argmax_rows(logits).tolist()
+        return torch.ops.specpipe_cpu.argmax_rows(logits)
+    return argmax_rows_reference(logits)
 
 
 @torch.library.custom_op("specpipe::argmax_rows", mutates_args=())

@@ -275,13 +275,15 @@ class Int8DraftLM(_Op[Tensor]):
         """Whether `chain_level` runs: the kernels built, the op not standing aside."""
         return not self.stands_aside() and cpu_kernels.load_with_fake("draft_lm_chain_level", _fake_chain_level)
 
-    def chain_level(self, tokens: list[int], positions: list[int], slots: list[Tensor], cache: PagedKVCache) -> Tensor:
+    def chain_level(
+        self, tokens: list[int] | Tensor, positions: list[int], slots: list[Tensor], cache: PagedKVCache
+    ) -> Tensor:
         """`specpipe_cpu::draft_lm_chain_level`: one level of chains, request i's `tokens[i]`
         fed at `positions[i]` seeing its cache up to there (`slots[i]`: the slots of its
         positions); logits `[B, V]`, the caller drawing the next tokens (sampled chains).
         Only where `takes_chain_level()`."""
         return torch.ops.specpipe_cpu.draft_lm_chain_level(
-            torch.tensor(tokens), torch.tensor(positions), slots, *self.model_arguments(cache)
+            torch.as_tensor(tokens), torch.tensor(positions), slots, *self.model_arguments(cache)
         )
 
     def sampled_chain(

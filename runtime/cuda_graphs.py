@@ -204,14 +204,18 @@ class CudaGraphs:
     ) -> LlamaOutput:
         """Replay the bucket's graph on this step (host tensors; `fits` must hold): logits
         `[1, K, V]` at `rows` `[K]`, hidden `[1, N, D]` — copies, so the next replay cannot
-        change them."""
+        change them. `tokens` may be on the graphs' device instead (a draft LM's chain fed
+        its last level's draws: `DraftLMLevels.chain_level_at`): copied there after the
+        packed inputs, in stream order, with no wait for them on the host."""
         assert isinstance(meta, RowMetadata)
         n, k = tokens.shape[0], rows.shape[0]
         b = self.bucket(n)
         assert b is not None
+        on_device = tokens.device.type != "cpu"
         self._copied.synchronize()  # the last step's copies have left the pinned buffers
         h64 = self.np64
-        h64[0, :n], h64[1, :n], h64[2, :n], h64[3, :k] = tokens.numpy(), positions.numpy(), slots.numpy(), rows.numpy()
+        h64[0, :n] = 0 if on_device else tokens.numpy()
+        h64[1, :n], h64[2, :n], h64[3, :k] = positions.numpy(), slots.numpy(), rows.numpy()
         h64[3, k:b] = 0
         tables, meta_rows, tree = self._host_views(self.np32)
         r, w = meta.block_tables.shape
@@ -228,6 +232,8 @@ class CudaGraphs:
         self.dev64.copy_(self.host64, non_blocking=True)
         self.dev32.copy_(self.host32, non_blocking=True)
         self._copied.record()
+        if on_device:
+            self.dev64[0, :n].copy_(tokens)
         graph, out = self.graphs[b]
         graph.replay()
         return LlamaOutput(out.logits[:, :k].clone(), out.hidden[:, :n].clone())

@@ -116,9 +116,10 @@ def forward(
     graphs: CudaGraphs | None = None,
     fused: FusedTarget | None = None,
 ) -> LlamaOutput:
-    """`model`'s forward of `step` (host tensors) over `cache`: the replay of a captured
-    graph where `graphs` covers the step, the one-call C++ forward where `fused` takes it,
-    else eagerly on the cache's device. Logits `[1, K, V]` at `logits_indices`, hidden states
+    """`model`'s forward of `step` (host tensors; a draft LM's chain level may bring its
+    tokens on the device: `CudaGraphs.run`) over `cache`: the replay of a captured graph
+    where `graphs` covers the step, the one-call C++ forward where `fused` takes it, else
+    eagerly on the cache's device. Logits `[1, K, V]` at `logits_indices`, hidden states
     `[1, N, D]`. The target's steps and the draft LM's levels
     (`runtime/proposers/level_drafters.py`) both run through here."""
     if graphs is not None and graphs.fits(step.tokens.shape[0], step.attention):

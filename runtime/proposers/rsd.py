@@ -250,9 +250,10 @@ class LevelDrafter(Protocol):
         """Whether `chain_level` runs (else sampled chains go level by level through `extend`)."""
         ...
 
-    def chain_level(self, rows: list[int], tokens: list[int], depth: int) -> torch.Tensor:
-        """One level of chains: request `rows[k]`'s draft `tokens[k]` as node `depth` of its
-        chain (its parent the node before); [len(rows), V] draft logits for its child."""
+    def chain_level(self, rows: list[int], tokens: list[int] | torch.Tensor, depth: int) -> torch.Tensor:
+        """One level of chains: request `rows[k]`'s draft `tokens[k]` (host integers or a
+        tensor of the draws) as node `depth` of its chain (its parent the node before);
+        [len(rows), V] draft logits for its child."""
         ...
 
 
@@ -421,7 +422,10 @@ def _sampled_chains(
     Where every warp is a temperature alone, the whole loop is one drafter call
     (`LevelDrafter.sampled_chain`, the draft LM's C++ op: the same softmax, the same
     inverse-CDF draw, so the same trees and laws bit for bit), where the loop paid ~0.1 ms
-    of Python a level (sd at T=1, batch 1: ~0.4 ms of a ~3.4 ms step)."""
+    of Python a level (sd at T=1, batch 1: ~0.4 ms of a ~3.4 ms step). Elsewhere (a GPU)
+    each level's draws stay on the device and feed the next level as they are
+    (`LevelDrafter.chain_level` takes a tensor): one read-back for the whole chain, so the
+    host packs the next level while the device still computes this one."""
     device = generators[0].device
     uniforms = torch.zeros((len(roots), max(lengths)), dtype=torch.float64, device=device)
     for i, (gen, n) in enumerate(zip(generators, lengths, strict=True)):  # one draw a level, as `draw_rows`
@@ -441,23 +445,27 @@ def _sampled_chains(
     if logits is None:  # the roots were to be fed as the op's first level: fed by `first` instead
         logits = drafter.first()
     active = list(range(len(roots)))  # requests whose chains go on, in row order
-    tokens = [[root] for root in roots]
     laws: list[list[int]] = [[-1] for _ in roots]  # row of the stacked levels' laws each node was drawn from
     levels: list[torch.Tensor] = []
+    draws: list[torch.Tensor] = []  # each level's draws, on the device: fed on as they are, read back once
     stored = 0
     for depth in range(max(lengths)):
         probs = draft_probs(logits, [params[i] for i in active])  # [len(active), V]
-        drawn = inverse_cdf_rows(probs, uniforms[active, depth]).tolist()
+        picked = inverse_cdf_rows(probs, uniforms[active, depth])
         levels.append(probs)
-        for k, (i, token) in enumerate(zip(active, drawn, strict=True)):
-            tokens[i].append(token)
+        draws.append(picked)
+        for k, i in enumerate(active):
             laws[i].append(stored + k)
         stored += len(active)
         going = [k for k, i in enumerate(active) if depth + 1 < lengths[i]]
         if not going:
             break
+        if len(going) < len(active):
+            picked = picked[torch.tensor(going, device=picked.device)]
         active = [active[k] for k in going]
-        logits = drafter.chain_level(active, [drawn[k] for k in going], depth + 1)
+        logits = drafter.chain_level(active, picked, depth + 1)
+    drawn_all = torch.cat(draws).tolist()  # a node's token sits at its law's row
+    tokens = [[root, *(drawn_all[row] for row in rows[1:])] for root, rows in zip(roots, laws, strict=True)]
     depths = [list(range(len(t))) for t in tokens]
     parents = [[n - 1 for n in range(len(t))] for t in tokens]
     return _packed_trees(tokens, parents, depths, laws, levels, [True] * len(roots))

@@ -13,6 +13,7 @@ import torch
 
 from plugins import cpu_kernels
 from plugins.inverse_cdf import draw, inverse_cdf, inverse_cdf_reference
+from tests.device import ON_CPU, TEST_DEVICE
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ CPU kernels cannot be built here")
 
@@ -79,3 +80,14 @@ def test_bad_arguments_are_refused_and_other_dtypes_take_the_reference() -> None
     u = torch.rand(4, dtype=torch.float64)
     assert torch.equal(draw(probs.double(), u), inverse_cdf_reference(probs.double(), u))
     torch.library.opcheck(inverse_cdf, (probs, u))
+
+
+@pytest.mark.skipif(ON_CPU, reason="the reference's sync-free branch runs off the CPU (SPECPIPE_TEST_DEVICE=cuda)")
+@pytest.mark.parametrize(("m", "v"), [(1, 8192), (8, 8192), (5, 3)])
+def test_draws_on_the_device_are_the_cpu_references_tokens(m: int, v: int) -> None:
+    """Off the CPU, `draw` is the reference without its check for the rounding case (the
+    last token with mass is put in wherever u * total reached the total, without a host
+    sync to ask first): the same tokens as on the CPU, the edge uniforms included."""
+    probs = laws(m, v, seed=m + v)
+    for u in uniforms(m, 50, seed=v):
+        assert torch.equal(draw(probs.to(TEST_DEVICE), u.to(TEST_DEVICE)).cpu(), inverse_cdf_reference(probs, u))

@@ -25,6 +25,7 @@ from runtime.engine_dir import BuildConfig, DrafterSpec, EngineConfig
 from runtime.kv_budget import KVBudget
 from runtime.llm_engine import LLMEngine
 from runtime.loaded_engine import LoadedEngine
+from runtime.proposers.level_drafters import DraftLMLevels
 from runtime.sampling import SamplingParams
 from runtime.tree import DraftTree, children_lists
 from runtime.verify import Acceptance
@@ -109,3 +110,47 @@ def test_draft_lm_graphs_draft_what_eager_forwards_draft(method: str, monkeypatc
     assert sum(replays) > 20, "the draft LM's levels must replay its graphs"
     assert drafted[True] == drafted[False]
     assert outputs[True] == outputs[False]
+
+
+@pytest.mark.skipif(ON_CPU, reason="CUDA graphs need a GPU (SPECPIPE_TEST_DEVICE=cuda)")
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_graphs_fed_device_draws_draft_what_host_tokens_draft(
+    temperature: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GPU's draft-LM chains feed each level's draws (greedy: `_chain_by_levels`'s
+    argmax; sampled: `rsd._sampled_chains`'s inverse-CDF draws) to the next level's graph
+    as a device tensor, copied into the graph's inputs after the packed ones
+    (`CudaGraphs.run`), with no read-back between levels. Fed the same draws as host
+    integers (read back each level), the graphs must draft the same trees, token for token
+    and seed for seed. Test of the test: device draws fed one token id off draft other trees."""
+    drafted: list[list[int]] = []
+    fed_on_device: list[bool] = []
+
+    def recording(trees: list[DraftTree], *args: Any) -> list[Acceptance]:
+        drafted.extend(tree.tokens for tree in trees)
+        return real_accept(trees, *args)
+
+    def host_fed(self: DraftLMLevels, rows: list[int], tokens: Any, positions: list[int]) -> torch.Tensor:
+        return real_level(self, rows, tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens, positions)
+
+    def device_fed(self: DraftLMLevels, rows: list[int], tokens: Any, positions: list[int]) -> torch.Tensor:
+        fed_on_device.append(isinstance(tokens, torch.Tensor) and tokens.device.type == "cuda")
+        return real_level(self, rows, tokens, positions)
+
+    def off_by_one(self: DraftLMLevels, rows: list[int], tokens: Any, positions: list[int]) -> torch.Tensor:
+        return real_level(self, rows, (tokens + 1) % V if isinstance(tokens, torch.Tensor) else tokens, positions)
+
+    real_accept, real_level = engine_core.accept_batch, DraftLMLevels.chain_level_at
+    monkeypatch.setattr(engine_core, "accept_batch", recording)
+    engine = self_drafting_engine()
+    params = [SamplingParams(max_tokens=40, temperature=temperature, seed=i, ignore_eos=True) for i in range(6)]
+    config = RuntimeConfig(max_batch_size=6, max_num_tokens=128, speculation="fixed", cuda_graphs=True)
+    runs: dict[str, tuple[list[list[int]], list[list[int]]]] = {}
+    for name, level in (("device", device_fed), ("host", host_fed), ("off", off_by_one)):
+        monkeypatch.setattr(DraftLMLevels, "chain_level_at", level)
+        drafted.clear()
+        outputs = [r.output_ids for r in LLMEngine(engine, config).generate(prompts()[:6], params, "sd")]
+        runs[name] = (list(drafted), outputs)
+    assert len(fed_on_device) >= 10 and all(fed_on_device), "every chain level must be fed the device's draws"
+    assert runs["device"] == runs["host"]
+    assert runs["off"][0] != runs["device"][0]

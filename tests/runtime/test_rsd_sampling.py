@@ -52,7 +52,8 @@ def test_rsd_s_chains_drafted_as_draws_follow_target_distribution(monkeypatch: p
     law = toy_sampling.exact_first_three(engine.model, PARAMS)
     counts = toy_sampling.emitted_first_three(engine, PARAMS, "rsd-s")
     assert passes_chi_square(counts, law), chi_square(counts, law)
-    monkeypatch.setattr(rsd, "draw_rows", lambda probs, gens: probs.argmax(-1))
+    monkeypatch.setattr(rsd, "draw_rows", lambda probs, gens: probs.argmax(-1))  # the tree code's draws
+    monkeypatch.setattr(rsd, "inverse_cdf_rows", lambda probs, u: probs.argmax(-1))  # a chain a level a call's (GPU)
     assert not passes_chi_square(toy_sampling.emitted_first_three(engine, PARAMS, "rsd-s"), law)
 
 
