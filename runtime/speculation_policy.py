@@ -760,16 +760,21 @@ class SpeculationPolicy:
         draft (`_probe_size`) and the probe's expected loss in seconds; None if no request
         can probe."""
         stale = self.steps - PROBE_EVERY
-        candidates = [
-            (i, o, probe_size)
-            for i, (group, size) in enumerate(zip(members, best.sizes, strict=True))
-            for o in group
-            if (not stale_only or self._measured.get(o.kind, -1) <= stale)
-            and (probe_size := self._probe_size(o, size)) is not None
-        ]
-        if not candidates:
+        candidates = sorted(  # stable: of equal keys, the first in the batch, as `min` would take
+            (
+                (i, o)
+                for i, group in enumerate(members)
+                for o in group
+                if not stale_only or self._measured.get(o.kind, -1) <= stale
+            ),
+            key=lambda c: (c[1].lag, self._measured.get(c[1].key, -1)),
+        )
+        # the first that has a size to probe (`_probe_size` only until then: asked of every
+        # request, twice a solve, ReDrafter's full solves at batch 32 took 0.39-0.47 ms, 0.31-0.33 now)
+        found = next(((i, o, s) for i, o in candidates if (s := self._probe_size(o, best.sizes[i])) is not None), None)
+        if found is None:
             return None
-        i, offer, size = min(candidates, key=lambda c: (c[1].lag, self._measured.get(c[1].key, -1)))
+        i, offer, size = found
         g = batch[i]
         probing = [*batch, _Group(g.method, g.row, 1)]  # its catch-up is charged in full below
         probing[i] = _Group(g.method, g.row, g.count - 1, g.lag - offer.lag)
