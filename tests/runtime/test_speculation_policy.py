@@ -1405,3 +1405,23 @@ def test_one_slow_drafting_call_counts_as_spike_times_its_price(monkeypatch: pyt
     assert price(1.5) == pytest.approx((8 * 0.002 + 1.5 * 0.002) / 9)
     assert price(float("inf")) == pytest.approx((8 * 0.002 + 0.080) / 9)
     assert price(1.5, start_up=True) == pytest.approx(0.080)  # live replaces the stand-ins, uncapped
+
+
+def test_a_request_whose_own_trees_are_within_chance_gets_its_kinds_row() -> None:
+    """`_solve` gives a request with trees of its own its kind's shared row where none of
+    its own estimates moves the kind's beyond chance (`_shifted`): `taus` then gives it
+    exactly the values of a request with no trees (an own estimate within the noise shifts
+    by 0). One whose own chains fall far below its kind's has its own row, and its values
+    differ: the shortcut is taken only where it changes nothing."""
+    p = SpeculationPolicy()
+    for i in range(40):
+        p.observe(StepStats(6, 0.01, outcomes=[rd_chain(f"a{i}", 6, 2 if i % 10 else 3)]))
+    for _ in range(6):  # "near": its kind's acceptance; "far": nothing accepted
+        p.observe(StepStats(12, 0.01, num_requests=2, outcomes=[rd_chain("near", 6, 2), rd_chain("far", 6, 0)]))
+    fresh, near, far = (Offer(k, KIND, "redrafter", RD_SIZES, RD_LEVELS, cuts=6) for k in ("fresh", "near", "far"))
+    kinds: dict[tuple[object, ...], list[float]] = {}
+    for optimistic in (True, False):
+        assert not p._shifted(near, kinds, optimistic) and p.requests["near"]
+        assert p.taus(near, kinds, optimistic) == p.taus(fresh, kinds, optimistic)
+        assert p._shifted(far, kinds, optimistic)
+        assert p.taus(far, kinds, optimistic) != p.taus(fresh, kinds, optimistic)
