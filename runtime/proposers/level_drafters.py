@@ -188,7 +188,8 @@ class DraftLMLevels:
         `starts[i]`): where no C++ op drafts a whole chain (a GPU, its levels replaying a
         captured graph). Each level's argmax (`argmax_rows`) stays on the device and is fed
         to the next level as it is, so the host packs level after level without waiting
-        for one (read back once, at the end: ~0.1 ms a level less on an H100)."""
+        for one (read back once, at the end; on an H200 no faster beyond noise: a level's
+        host work, its packing and small ops, is what its time is, `benchmarks/HISTORY.md`)."""
         out: list[list[int]] = [[] for _ in tokens]
         fed, holds = torch.tensor(tokens, device=self.device), list(range(len(tokens)))  # `fed` row k: request holds[k]
         drawn: list[torch.Tensor] = []
