@@ -147,7 +147,7 @@ def accept_sampled_batch(
         return []
     alone = [i for i, t in enumerate(trees) if len(t.tokens) == 1]
     roots = iter(target_probs_rows(torch.cat([logits[i] for i in alone]), [params[i] for i in alone]) if alone else ())
-    done = _chains_in_one_call(trees, logits, params, generators)
+    done = _chains_in_one_call(trees, logits, params, generators) or _chains_batched(trees, logits, params, generators)
     tables = _tree_laws(trees, logits, params, skip=done)
     walked = [i for i in range(len(trees)) if i not in done]
     # per tree walked here: its accepted path, the law its bonus is drawn from
@@ -198,6 +198,86 @@ def _chains_in_one_call(
         i: Acceptance(list(range(n + 1)), [*trees[i].tokens[1 : n + 1], token])
         for i, n, token in zip(chosen, *found, strict=True)
     }
+
+
+def _batched_applies(logits: list[torch.Tensor]) -> bool:
+    """Whether chains are accepted by `_chains_batched`: off the CPU, where the C++ op does
+    not run and each walk's reads to the host wait for the device."""
+    return bool(logits) and logits[0].device.type != "cpu"
+
+
+def _chains_batched(
+    trees: list[DraftTree], logits: list[torch.Tensor], params: list[SamplingParams], generators: list[torch.Generator]
+) -> dict[int, Acceptance]:
+    """The acceptance of every chain whose warp is a temperature alone as tensor ops over
+    the batch, by tree index, where the C++ op does not run (`_batched_applies`: a GPU): the
+    walk's uniforms (one a draft from the request's generator, then the bonus's), laws
+    (`_tree_laws`' one softmax; the residual norm([q - p]^+) at the first rejection, RSD
+    eq. 4, else q at the leaf), fp32 acceptance test (`host_acceptance`: u < min(1, q(x) /
+    p(x))) and inverse-CDF bonus draw, with one read to the host for the batch where the
+    walk reads 2-3 a tree (`_tree_laws`' pairs, its uniforms, the bonus; walked, sd at T=1,
+    batch 1 verified in ~1.0 ms a step on an H200 where AR's sampling took ~0.5; this path
+    is not yet timed on a GPU). Forced on the CPU, the same tokens bit for bit as the walk
+    (`tests/runtime/test_verify.py`)."""
+    chosen = [i for i, t in enumerate(trees) if _is_chain(t) and params[i].temperature_alone]
+    if not chosen or not _batched_applies([logits[i] for i in chosen]):
+        return {}
+    laws = [trees[i].draft_probs if trees[i].sampled else None for i in chosen]
+    if any(law is not None and law.dtype != logits[i].float().dtype for i, law in zip(chosen, laws, strict=True)):
+        return {}  # the walk's laws keep their own dtype (promoting q's): walked instead
+    device = logits[chosen[0]].device
+    sizes = [len(trees[i].tokens) for i in chosen]
+    warps = [params[i] for i, n in zip(chosen, sizes, strict=True) for _ in range(n)]
+    q = target_probs_rows(torch.cat([logits[i] for i in chosen]), warps)  # [R, V], `_tree_laws`' softmax
+    starts = list(itertools.accumulate([0, *sizes[:-1]]))
+    width = max(sizes) - 1  # drafts of the longest chain
+    uniforms = torch.ones(len(chosen), width, device=device)  # padding 1: never below an acceptance
+    bonus_uniforms = []
+    for k, i in enumerate(chosen):  # drawn as the walk draws them
+        uniforms[k, : sizes[k] - 1] = torch.rand(sizes[k] - 1, generator=generators[i], device=device)
+        bonus_uniforms.append(uniform(generators[i], device))
+    index = torch.tensor(_draft_rows([trees[i].tokens for i in chosen], starts, width), device=device)
+    parent, own, x = index[0], index[1], index[2]
+    qx = q[parent, x]
+    drawn = [k for k, law in enumerate(laws) if law is not None]
+    p, sampled = None, None
+    px = torch.ones_like(qx)
+    if drawn:  # the draft laws at their chains' rows
+        p = torch.zeros_like(q)
+        rows = torch.tensor([starts[k] + r for k in drawn for r in range(sizes[k])], device=device)
+        p[rows] = torch.cat([laws[k] for k in drawn])  # type: ignore[misc]
+        sampled = torch.zeros(len(chosen), 1, dtype=torch.bool, device=device)
+        sampled[drawn] = True
+        px = torch.where(sampled, p[own, x], px)
+    keep = (qx.double() / px.double().clamp(min=_TINY)).float().clamp(max=1.0)  # `host_acceptance`, in fp32
+    accepted = (uniforms < keep).int().cumprod(1).sum(1)  # [B] drafts kept before the first rejection
+    at = torch.tensor(starts, device=device) + accepted  # the walk's last node (row)
+    leaf = accepted == torch.tensor(sizes, device=device) - 1
+    # the rejected child (none at a leaf): its draft law, or a point mass at its token
+    child_token = torch.cat([x, torch.zeros_like(x[:, :1])], 1).gather(1, accepted[:, None].long())[:, 0]
+    p_child = F.one_hot(child_token, q.shape[-1]).to(q.dtype)
+    if p is not None and sampled is not None:
+        p_child = torch.where(sampled, p[(at + 1).clamp(max=q.shape[0] - 1)], p_child)
+    law = torch.where(leaf[:, None], q[at], residual(q[at], p_child))
+    bonus = inverse_cdf_rows(law, torch.stack(bonus_uniforms))
+    kept, drawn_tokens = torch.stack((accepted, bonus)).tolist()  # the one read to the host
+    return {
+        i: Acceptance(list(range(n + 1)), [*trees[i].tokens[1 : n + 1], token])
+        for i, n, token in zip(chosen, kept, drawn_tokens, strict=True)
+    }
+
+
+def _draft_rows(tokens: list[list[int]], starts: list[int], width: int) -> list[list[list[int]]]:
+    """`_chains_batched`'s index `[3, B, width]`: draft c of chain k (node c + 1, its tokens
+    `tokens[k]`, its rows from `starts[k]`) at its parent's row, its own row (its draft
+    law's) and its token; 0 past a chain's end."""
+    parents, own, drafted = [], [], []
+    for chain, s in zip(tokens, starts, strict=True):
+        n = len(chain)
+        parents.append([s + c if c + 1 < n else 0 for c in range(width)])
+        own.append([s + c + 1 if c + 1 < n else 0 for c in range(width)])
+        drafted.append([chain[c + 1] if c + 1 < n else 0 for c in range(width)])
+    return [parents, own, drafted]
 
 
 @dataclass

@@ -8,8 +8,12 @@ Logits and generators live on the test device; counts and laws are compared on t
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import torch
 
+from runtime import verify
 from runtime.sampling import SamplingParams, sample, target_probs
 from runtime.tree import DraftTree, children_lists
 from runtime.verify import (
@@ -24,6 +28,7 @@ from runtime.verify import (
     residual,
 )
 from tests.device import ON_CPU, TEST_DEVICE
+from tests.plugins.test_chain_verify import batch as chain_batch
 from tests.stats import passes_chi_square
 
 V = 4
@@ -242,3 +247,52 @@ def test_laws_read_up_front_walk_as_the_node_by_node_walk() -> None:
             assert by_node[0] == up_front[0] and torch.equal(by_node[1], up_front[1])
             walked_to.add(len(by_node[0]))
     assert max(walked_to) >= 3 and 1 in walked_to  # deep walks and walks that rejected at the root
+
+
+@pytest.mark.skipif(not ON_CPU, reason="bit for bit against the walk on the CPU; on a GPU the sampling suites")
+def test_chains_accepted_as_tensor_ops_accept_what_the_walk_accepts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off the CPU, chains at a temperature alone are accepted by tensor ops over the batch
+    (`_chains_batched`: one read to the host) instead of a walk a tree. Forced on the CPU,
+    it must accept the drafts and draw the bonus tokens the walk does, bit for bit, and
+    leave each generator where the walk leaves it: sampled and point-mass chains of 2-7
+    nodes at three temperatures, stopped at every depth (all accepted included), in
+    batches with a root alone and a branching tree (walked beside it). Test of the test:
+    a variant testing each draft against its own row's target law (q at the node, not at
+    its parent) accepts other drafts."""
+    monkeypatch.setattr(verify, "chain_kernel_applies", lambda rows: False)
+
+    def accept(seed: int, batched: bool) -> tuple[list[tuple[list[int], list[int]]], list[float]]:
+        trees, logits, params = chain_batch(seed)
+        gens = [torch.Generator().manual_seed(1000 * seed + i) for i in range(len(trees))]
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(verify, "_batched_applies", lambda rows: batched)
+            out = verify.accept_sampled_batch(trees, logits, params, gens)
+        return [(a.path, a.tokens) for a in out], [float(torch.rand((), generator=g)) for g in gens]
+
+    calls: list[int] = []  # chains accepted by each call that took any
+    real = verify._chains_batched
+
+    def counted(*args: Any) -> dict[int, Acceptance]:
+        done = real(*args)
+        if done:
+            calls.append(len(done))
+        return done
+
+    monkeypatch.setattr(verify, "_chains_batched", counted)
+    depths: set[tuple[int, int]] = set()
+    for seed in range(40):
+        batched, walked = accept(seed, batched=True), accept(seed, batched=False)
+        assert batched == walked, f"seed {seed}"
+        trees = chain_batch(seed)[0]
+        depths |= {(len(t.tokens), len(path) - 1) for t, (path, _) in zip(trees[:12], batched[0][:12], strict=True)}
+    assert calls == [12] * 40  # the chains, not the root alone or the branching tree
+    for n in range(2, 8):
+        assert {(n, k) for k in range(n)} <= depths, n
+    real_rows = verify._draft_rows
+
+    def own_rows(tokens: list[list[int]], starts: list[int], width: int) -> list[list[list[int]]]:
+        _, own, drafted = real_rows(tokens, starts, width)
+        return [own, own, drafted]  # each draft tested against q at itself, not at its parent
+
+    monkeypatch.setattr(verify, "_draft_rows", own_rows)
+    assert any(accept(seed, batched=True) != accept(seed, batched=False) for seed in range(10))
