@@ -309,11 +309,16 @@ def test_a_cancelled_grpc_infer_stops_its_engine_request(server: TritonServer) -
     cannot cancel; the front forwards the client's cancellation as a control request."""
     before = metrics(server).get('specpipe_requests_total{outcome="cancelled"}', 0.0)
     client = grpcclient.InferenceServerClient(server.grpc_url)
-    # auto-regressive, so that 500 tokens take seconds even on a fast machine (with ReDrafter's
-    # drafts they could finish inside the deadline there)
+    # auto-regressive (with ReDrafter's drafts 500 tokens could finish inside the deadline),
+    # and the deadline a quarter of what 500 tokens take here: a fixed 0.5 s was too long for
+    # a 2-thread AMD EPYC, which decodes the demo model at ~1 ms a token
+    short = make_inputs(PROMPTS[0], max_tokens=64, ignore_eos=True, stream=False, method="ar")
+    start = time.monotonic()
+    client.infer(INFER_MODEL, short)
+    deadline = min(0.5, max(0.05, 500 / 64 * (time.monotonic() - start) / 4))
     inputs = make_inputs(PROMPTS[0], max_tokens=500, ignore_eos=True, stream=False, method="ar")
     with pytest.raises(InferenceServerException, match="Deadline"):
-        client.infer(INFER_MODEL, inputs, client_timeout=0.5)
+        client.infer(INFER_MODEL, inputs, client_timeout=deadline)
     wait_for_cancelled(server, before)
     assert stream_grpc(server.grpc_url, [{"prompt": "x", "max_tokens": 4}])[0]["finals"] == 1
 
