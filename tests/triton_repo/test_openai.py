@@ -261,11 +261,15 @@ def test_a_client_that_goes_away_frees_the_engine(client: Any, served: Served) -
     wait_until_running(served)  # the gauges are published every 0.1 s: the first read may predate the request
     stream.close()  # closes the HTTP response: the server closes its Triton stream
     wait_until_freed(served, before)
-    # non-streaming: the client gives up waiting. Auto-regressive, so that the request takes
-    # ~2 s even on a fast machine (ReDrafter's drafts made it finish inside the timeout there)
+    # non-streaming: the client gives up waiting. Auto-regressive (ReDrafter's drafts made it
+    # finish inside the timeout on a fast machine), and the timeout a quarter of what its 400
+    # tokens take here: a fixed 0.5 s let them finish on a 2-thread AMD EPYC (~1 ms a token)
     slow = long | {"extra_body": {"ignore_eos": True, "method": "ar"}}
+    start = time.monotonic()
+    client.completions.create(**(slow | {"max_tokens": 64}))
+    timeout = min(0.5, max(0.05, 400 / 64 * (time.monotonic() - start) / 4))
     with pytest.raises(openai.APITimeoutError):
-        client.with_options(timeout=0.5).completions.create(**slow)
+        client.with_options(timeout=timeout).completions.create(**slow)
     wait_until_freed(served, before + 1)
 
 
