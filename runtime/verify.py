@@ -141,13 +141,14 @@ def accept_sampled_batch(
     batch 8 instead of ~260 (8 calls of ~5 ATen ops each).
 
     Chains at a temperature alone (sd's, rsd-c's and rsd-s's cuts, one-beam ReDrafter trees
-    at T > 0) are walked in one C++ call for the batch instead (`_chains_in_one_call`), with
-    the same uniforms, laws, tests and draws, so the same tokens."""
+    at T > 0) are accepted at once for the batch instead (`_chains_in_one_call`: one C++ call
+    on the CPU, tensor ops off it), with the same uniforms, laws, tests and draws, so the
+    same tokens."""
     if not trees:
         return []
     alone = [i for i, t in enumerate(trees) if len(t.tokens) == 1]
     roots = iter(target_probs_rows(torch.cat([logits[i] for i in alone]), [params[i] for i in alone]) if alone else ())
-    done = _chains_in_one_call(trees, logits, params, generators) or _chains_batched(trees, logits, params, generators)
+    done = _chains_in_one_call(trees, logits, params, generators)
     tables = _tree_laws(trees, logits, params, skip=done)
     walked = [i for i in range(len(trees)) if i not in done]
     # per tree walked here: its accepted path, the law its bonus is drawn from
@@ -173,27 +174,30 @@ def _is_chain(tree: DraftTree) -> bool:
 def _chains_in_one_call(
     trees: list[DraftTree], logits: list[torch.Tensor], params: list[SamplingParams], generators: list[torch.Generator]
 ) -> dict[int, Acceptance]:
-    """The acceptance of every chain whose warp is a temperature alone, in one C++ call
-    (`plugins/chain_verify.py`: the walk's laws, tests and draw, bit for bit, without its
-    Python), by tree index; none where the kernel does not apply. Each request's uniforms
-    are drawn as its walk draws them: one a draft, then the bonus's."""
+    """The acceptance of every chain whose warp is a temperature alone at once, by tree
+    index: in one C++ call on the CPU (`plugins/chain_verify.py`: the walk's laws, tests and
+    draw, bit for bit, without its Python), as tensor ops over the batch off it
+    (`_verify_chains_batched`); none where neither applies (the walk takes them). Each
+    request's uniforms are drawn as its walk draws them: one a draft, then the bonus's."""
     chosen = [i for i, t in enumerate(trees) if _is_chain(t) and params[i].temperature_alone]
-    if not chosen or not chain_kernel_applies([logits[i] for i in chosen]):
+    rows = [logits[i] for i in chosen]
+    laws = [trees[i].draft_probs if trees[i].sampled else None for i in chosen]
+    one_call = bool(chosen) and chain_kernel_applies(rows)
+    if not one_call and not (
+        _batched_applies(rows) and all(law is None or law.dtype == torch.float32 for law in laws)
+    ):  # (the walk's laws keep their own dtype, promoting q's: other dtypes are walked)
         return {}
     uniforms, bonus_uniforms = [], []
     for i in chosen:
         gen, device = generators[i], logits[i].device
         uniforms.append(torch.rand(len(trees[i].tokens) - 1, generator=gen, device=device))
         bonus_uniforms.append(uniform(gen, device))
-    found = verify_chains(
-        [logits[i] for i in chosen],
-        [trees[i].draft_probs if trees[i].sampled else None for i in chosen],
-        [trees[i].tokens for i in chosen],
-        [params[i].temperature for i in chosen],
-        uniforms,
-        torch.stack(bonus_uniforms),
-    )
-    assert found is not None  # the kernel applies (checked above)
+    tokens, bonus = [trees[i].tokens for i in chosen], torch.stack(bonus_uniforms)
+    if one_call:
+        found = verify_chains(rows, laws, tokens, [params[i].temperature for i in chosen], uniforms, bonus)
+        assert found is not None  # the kernel applies (checked above)
+    else:
+        found = _verify_chains_batched(rows, laws, tokens, [params[i] for i in chosen], uniforms, bonus)
     return {
         i: Acceptance(list(range(n + 1)), [*trees[i].tokens[1 : n + 1], token])
         for i, n, token in zip(chosen, *found, strict=True)
@@ -201,42 +205,36 @@ def _chains_in_one_call(
 
 
 def _batched_applies(logits: list[torch.Tensor]) -> bool:
-    """Whether chains are accepted by `_chains_batched`: off the CPU, where the C++ op does
-    not run and each walk's reads to the host wait for the device."""
+    """Whether chains are accepted by `_verify_chains_batched`: off the CPU, where the C++ op
+    does not run and each walk's reads to the host wait for the device."""
     return bool(logits) and logits[0].device.type != "cpu"
 
 
-def _chains_batched(
-    trees: list[DraftTree], logits: list[torch.Tensor], params: list[SamplingParams], generators: list[torch.Generator]
-) -> dict[int, Acceptance]:
-    """The acceptance of every chain whose warp is a temperature alone as tensor ops over
-    the batch, by tree index, where the C++ op does not run (`_batched_applies`: a GPU): the
-    walk's uniforms (one a draft from the request's generator, then the bonus's), laws
-    (`_tree_laws`' one softmax; the residual norm([q - p]^+) at the first rejection, RSD
-    eq. 4, else q at the leaf), fp32 acceptance test (`host_acceptance`: u < min(1, q(x) /
-    p(x))) and inverse-CDF bonus draw, with one read to the host for the batch where the
-    walk reads 2-3 a tree (`_tree_laws`' pairs, its uniforms, the bonus; walked, sd at T=1,
-    batch 1 verified in ~1.0 ms a step on an H200 where AR's sampling took ~0.5; this path
-    is not yet timed on a GPU). Forced on the CPU, the same tokens bit for bit as the walk
-    (`tests/runtime/test_verify.py`)."""
-    chosen = [i for i, t in enumerate(trees) if _is_chain(t) and params[i].temperature_alone]
-    if not chosen or not _batched_applies([logits[i] for i in chosen]):
-        return {}
-    laws = [trees[i].draft_probs if trees[i].sampled else None for i in chosen]
-    if any(law is not None and law.dtype != logits[i].float().dtype for i, law in zip(chosen, laws, strict=True)):
-        return {}  # the walk's laws keep their own dtype (promoting q's): walked instead
-    device = logits[chosen[0]].device
-    sizes = [len(trees[i].tokens) for i in chosen]
-    warps = [params[i] for i, n in zip(chosen, sizes, strict=True) for _ in range(n)]
-    q = target_probs_rows(torch.cat([logits[i] for i in chosen]), warps)  # [R, V], `_tree_laws`' softmax
+def _verify_chains_batched(
+    logits: list[torch.Tensor],
+    laws: list[torch.Tensor | None],
+    tokens: list[list[int]],
+    params: list[SamplingParams],
+    uniforms: list[torch.Tensor],
+    bonus_uniforms: torch.Tensor,
+) -> tuple[list[int], list[int]]:
+    """`verify_chains` as tensor ops over the batch (its arguments, each chain's warp as its
+    `params`), for a device the C++ op does not run on (`_batched_applies`: a GPU): the
+    walk's laws (`_tree_laws`' one softmax; the residual norm([q - p]^+) at the first
+    rejection, RSD eq. 4, else q at the leaf), fp32 acceptance test (`host_acceptance`: u <
+    min(1, q(x) / p(x))) and inverse-CDF bonus draw, with one read to the host for the batch
+    where the walk reads 2-3 a tree (`_tree_laws`' pairs, its uniforms, the bonus; walked,
+    sd at T=1, batch 1 verified in ~1.0 ms a step on an H200 where AR's sampling took ~0.5;
+    this path is not yet timed on a GPU). Forced on the CPU, the same tokens bit for bit as
+    the walk (`tests/runtime/test_verify.py`). (drafts accepted, bonus token) per chain."""
+    device = logits[0].device
+    sizes = [len(t) for t in tokens]
+    warps = [prm for prm, n in zip(params, sizes, strict=True) for _ in range(n)]
+    q = target_probs_rows(torch.cat(logits), warps)  # [R, V], `_tree_laws`' softmax
     starts = list(itertools.accumulate([0, *sizes[:-1]]))
     width = max(sizes) - 1  # drafts of the longest chain
-    uniforms = torch.ones(len(chosen), width, device=device)  # padding 1: never below an acceptance
-    bonus_uniforms = []
-    for k, i in enumerate(chosen):  # drawn as the walk draws them
-        uniforms[k, : sizes[k] - 1] = torch.rand(sizes[k] - 1, generator=generators[i], device=device)
-        bonus_uniforms.append(uniform(generators[i], device))
-    index = torch.tensor(_draft_rows([trees[i].tokens for i in chosen], starts, width), device=device)
+    u = torch.nn.utils.rnn.pad_sequence(uniforms, batch_first=True, padding_value=1.0)  # 1: never below an acceptance
+    index = torch.tensor(_draft_rows(tokens, starts, width), device=device)
     parent, own, x = index[0], index[1], index[2]
     qx = q[parent, x]
     drawn = [k for k, law in enumerate(laws) if law is not None]
@@ -246,11 +244,11 @@ def _chains_batched(
         p = torch.zeros_like(q)
         rows = torch.tensor([starts[k] + r for k in drawn for r in range(sizes[k])], device=device)
         p[rows] = torch.cat([laws[k] for k in drawn])  # type: ignore[misc]
-        sampled = torch.zeros(len(chosen), 1, dtype=torch.bool, device=device)
+        sampled = torch.zeros(len(tokens), 1, dtype=torch.bool, device=device)
         sampled[drawn] = True
         px = torch.where(sampled, p[own, x], px)
     keep = (qx.double() / px.double().clamp(min=_TINY)).float().clamp(max=1.0)  # `host_acceptance`, in fp32
-    accepted = (uniforms < keep).int().cumprod(1).sum(1)  # [B] drafts kept before the first rejection
+    accepted = (u < keep).int().cumprod(1).sum(1)  # [B] drafts kept before the first rejection
     at = torch.tensor(starts, device=device) + accepted  # the walk's last node (row)
     leaf = accepted == torch.tensor(sizes, device=device) - 1
     # the rejected child (none at a leaf): its draft law, or a point mass at its token
@@ -259,16 +257,13 @@ def _chains_batched(
     if p is not None and sampled is not None:
         p_child = torch.where(sampled, p[(at + 1).clamp(max=q.shape[0] - 1)], p_child)
     law = torch.where(leaf[:, None], q[at], residual(q[at], p_child))
-    bonus = inverse_cdf_rows(law, torch.stack(bonus_uniforms))
+    bonus = inverse_cdf_rows(law, bonus_uniforms)
     kept, drawn_tokens = torch.stack((accepted, bonus)).tolist()  # the one read to the host
-    return {
-        i: Acceptance(list(range(n + 1)), [*trees[i].tokens[1 : n + 1], token])
-        for i, n, token in zip(chosen, kept, drawn_tokens, strict=True)
-    }
+    return kept, drawn_tokens
 
 
 def _draft_rows(tokens: list[list[int]], starts: list[int], width: int) -> list[list[list[int]]]:
-    """`_chains_batched`'s index `[3, B, width]`: draft c of chain k (node c + 1, its tokens
+    """`_verify_chains_batched`'s index `[3, B, width]`: draft c of chain k (node c + 1, its tokens
     `tokens[k]`, its rows from `starts[k]`) at its parent's row, its own row (its draft
     law's) and its token; 0 past a chain's end."""
     parents, own, drafted = [], [], []

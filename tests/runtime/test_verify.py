@@ -252,7 +252,7 @@ def test_laws_read_up_front_walk_as_the_node_by_node_walk() -> None:
 @pytest.mark.skipif(not ON_CPU, reason="bit for bit against the walk on the CPU; on a GPU the sampling suites")
 def test_chains_accepted_as_tensor_ops_accept_what_the_walk_accepts(monkeypatch: pytest.MonkeyPatch) -> None:
     """Off the CPU, chains at a temperature alone are accepted by tensor ops over the batch
-    (`_chains_batched`: one read to the host) instead of a walk a tree. Forced on the CPU,
+    (`_verify_chains_batched`: one read to the host) instead of a walk a tree. Forced on the CPU,
     it must accept the drafts and draw the bonus tokens the walk does, bit for bit, and
     leave each generator where the walk leaves it: sampled and point-mass chains of 2-7
     nodes at three temperatures, stopped at every depth (all accepted included), in
@@ -269,16 +269,15 @@ def test_chains_accepted_as_tensor_ops_accept_what_the_walk_accepts(monkeypatch:
             out = verify.accept_sampled_batch(trees, logits, params, gens)
         return [(a.path, a.tokens) for a in out], [float(torch.rand((), generator=g)) for g in gens]
 
-    calls: list[int] = []  # chains accepted by each call that took any
-    real = verify._chains_batched
+    calls: list[int] = []  # chains accepted by each call
+    real = verify._verify_chains_batched
 
-    def counted(*args: Any) -> dict[int, Acceptance]:
-        done = real(*args)
-        if done:
-            calls.append(len(done))
-        return done
+    def counted(*args: Any) -> tuple[list[int], list[int]]:
+        found = real(*args)
+        calls.append(len(found[0]))
+        return found
 
-    monkeypatch.setattr(verify, "_chains_batched", counted)
+    monkeypatch.setattr(verify, "_verify_chains_batched", counted)
     depths: set[tuple[int, int]] = set()
     for seed in range(40):
         batched, walked = accept(seed, batched=True), accept(seed, batched=False)
