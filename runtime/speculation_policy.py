@@ -105,6 +105,24 @@ weighed per step instead, a batch-1 warm-up's few trees counted as much as 32 re
 first trees, and ReDrafter at batch 32 priced its 6-node trees at 4.4-4.5 tokens for
 steps after a first step's 32 trees made 3.2 (drafting ~20% slower than auto-regression
 then)."""
+KIND_HALF_LIFE = 32
+"""Steps without trees (`SpeculationPolicy.idle`) after which the trees behind a kind's
+estimate count half against the trees of its next measurement (`Estimate.weight`; the
+update weighs a step's n trees n / (n + what the old ones count), `GROUP_EMA` at least). A
+batch that drafts nothing measures nothing but its probes' trees, one every few dozen
+steps; counted at full weight against the many that set the estimate, each moved it by
+`GROUP_EMA`, so an estimate set low (a closed batch's first trees, which accept less; a
+run of hard text) stood long after acceptance rose: synthetic traces of 300 poor steps,
+then drafts kept with probability 0.85, drafted again after ~180-340 steps at batch 8 and
+not within 400 at batch 32 (0.65-0.87 of the best fixed size over the 400; with this,
+0.93-0.97), and load-aware ReDrafter at batch 8 on held-out prompts stayed
+auto-regressive for ~45-step stretches after a round's first tree step (demo engine,
+2-thread EPYC). Only steps without trees age estimates: counted in every step, sizes that
+only probes measure (ReDrafter's wider beams beside the chains it drafts) weighed each
+probe's tree more, and a lucky one had a batch-1 request draft them at a loss for a few
+steps. Optimism and pessimism (`KIND_PRIOR`) still count every tree: aged there too, a
+batch-1 request where drafts are rarely kept drafted again every ~6 steps (0.89 of
+auto-regression in the synthetic trace, where the probes alone cost 4%)."""
 KIND_PRIOR = 1.0
 """Trees' worth of optimism in a kind's estimate: it counts as if `KIND_PRIOR` trees had
 yielded the most a tree can (`ceiling`), so its first measured trees outweigh that only
@@ -312,6 +330,15 @@ class Estimate:
     """Trees it was measured on."""
     last: int = 0
     """Step it was last measured at."""
+    recent: float = 0.0
+    """Its trees as they counted at its last measurement (`weight`)."""
+    idle: int = 0
+    """`SpeculationPolicy.idle` at its last measurement."""
+
+    def weight(self, idle: int) -> float:
+        """The trees behind it as they count against a new measurement once the policy's
+        `idle` clock reads `idle`: halved every `KIND_HALF_LIFE` steps without trees since its last."""
+        return self.recent * 0.5 ** ((idle - self.idle) / KIND_HALF_LIFE)
 
 
 @dataclass(frozen=True)
@@ -402,6 +429,8 @@ class SpeculationPolicy:
     credit: float = 0.0
     """Seconds of exploration earned and not spent."""
     steps: int = 0
+    idle: int = 0
+    """Steps that drafted no tree: the clock by which the trees behind an estimate age (`KIND_HALF_LIFE`)."""
     since_heavy: int = AFTER_PREFILL + 1
     """Plain decoding steps since the last step that prefilled or drafted trees (`AFTER_PREFILL`)."""
     _plain_left: int = 0
@@ -1034,6 +1063,7 @@ class SpeculationPolicy:
         if settled is not None and any(o.size != settled.sizes.get(o.key) for o in stats.outcomes):
             self._settled = None  # a tree it did not choose (a probe): decide afresh
         trees = stats.num_tokens > stats.num_requests
+        self.idle += not stats.outcomes
         self._settle_probe(stats, trees)
         self.since_heavy = 0 if stats.prefill or trees else self.since_heavy + 1
         probe, self._plain_probing = self._plain_probing and not trees, False
@@ -1090,8 +1120,13 @@ class SpeculationPolicy:
                 e = estimates.get(key)
                 if e is None:
                     estimates[key] = e = Estimate(mean_tau, mean_nodes)
-                e.trees, e.last = e.trees + len(values), self.steps
-                w = max(len(values) / e.trees, GROUP_EMA)  # a mean over its trees, then per step
+                e.recent, e.trees, e.last, e.idle = (
+                    e.weight(self.idle) + len(values),
+                    e.trees + len(values),
+                    self.steps,
+                    self.idle,
+                )
+                w = max(len(values) / e.recent, GROUP_EMA)  # a mean over its trees, then per step
                 e.tau += w * (mean_tau - e.tau)
                 e.nodes += w * (mean_nodes - e.nodes)
 

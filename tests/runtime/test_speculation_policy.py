@@ -276,6 +276,30 @@ def test_re_probes_after_a_shift_and_probing_costs_little() -> None:
     assert back < 150, back
 
 
+@pytest.mark.parametrize("batch", [8, 32])
+def test_a_batch_that_drafts_nothing_finds_acceptance_that_rose(monkeypatch: pytest.MonkeyPatch, batch: int) -> None:
+    """`KIND_HALF_LIFE`: 300 steps in which drafts are rarely kept (the batch turns
+    auto-regressive, its probes measure a tree every few dozen steps), then drafts kept with
+    probability 0.85. The probes' trees after the plain run count against the old trees as
+    those have aged, so the batch drafts again after a few probes and the 400 steps after
+    the shift run at 0.93-0.94 of the best fixed size (half the batch drafting again 51
+    steps after the shift at batch 8, 275 at batch 32). Counted at full weight (trees that
+    never age), each probe moved the estimate by `GROUP_EMA`: 339 steps at batch 8, not
+    within the 400 at batch 32, 0.65 / 0.87 of the best fixed size."""
+
+    def after_shift() -> tuple[float, int]:
+        p = calibrated(POOR)
+        run(p, [POOR] * 300, batch=batch, steps=300, seed=10)
+        rate, later = run(p, [GOOD] * 400, batch=batch, steps=400, seed=20)
+        back = next((i for i, h in enumerate(later) if sum(s > 1 for s in h) >= len(h) // 2), len(later))
+        return rate / max(fixed(GOOD, batch, s, 400) for s in BEAMS), back
+
+    share, back = after_shift()
+    monkeypatch.setattr(speculation_policy, "KIND_HALF_LIFE", float("inf"))
+    share_before, back_before = after_shift()
+    assert share > 0.9 and share_before < 0.9 and back < back_before, (share, back, share_before, back_before)
+
+
 def test_one_step_measures_every_smaller_size() -> None:
     # accepted path of 3 drafts: first reached by beams 0, 2 and 2 (node budgets 5, 17, 17)
     # -> widths 1, 2 accept 1; width 4 accepts 3
@@ -646,6 +670,9 @@ def test_a_size_drafted_rarely_is_priced_by_its_gain_over_the_next_smaller(monke
     apart = policy()  # each size's level alone, as the policy priced sizes before
     levels = [1.0] + [apart.kinds[(SD, s)].tau for s in CHAIN[1:]]
     assert levels[4] < levels[2]
+    # trees that never age: the probes' trees of 5 nodes would otherwise outweigh the two
+    # old ones soon (`KIND_HALF_LIFE`), another way back to the larger size
+    monkeypatch.setattr(speculation_policy, "KIND_HALF_LIFE", float("inf"))
     monkeypatch.setattr(
         apart, "taus", lambda o, kinds=None, optimistic=True: [1.0] + [apart.kinds[(SD, s)].tau for s in CHAIN[1:]]
     )
@@ -1253,6 +1280,9 @@ def test_while_it_drafts_nothing_a_probe_drafts_its_best_size_not_its_largest(mo
     300 steps auto-regressive; probing the largest (as before), the probes after an unlucky
     start keep drafting 15-node trees."""
     world = World(a=1.5, b=0.05, c=0.2, d=0.35, alpha=0.6, h=0.5, k=0.6)
+    # trees that never age (`KIND_HALF_LIFE`, which also lets a probe's tree after a plain run
+    # count more, whatever it drafted): the probe's size alone decides here
+    monkeypatch.setattr(speculation_policy, "KIND_HALF_LIFE", float("inf"))
 
     def runs(best_while_plain: bool) -> list[tuple[float, list[int], list[int]]]:
         monkeypatch.setattr(speculation_policy, "PROBE_BEST_WHILE_PLAIN", best_while_plain)
