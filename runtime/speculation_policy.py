@@ -1055,7 +1055,7 @@ class SpeculationPolicy:
             # 80 ms (a pause of the process) priced its chains so high that the request stayed
             # auto-regressive for the rest of the run (98% of ~1600 steps), its probes drafting
             # the wider trees of the other cost path, whose calls never time chains again
-            seconds = min(seconds, step_costs.SPIKE * fit(*x))
+            seconds = min(seconds, step_costs.SPIKE * fit.recent(*x))
         fit.add(x, seconds, shape, start_up)
 
     def observe(self, stats: StepStats) -> None:

@@ -75,6 +75,27 @@ def test_draft_cost_fit_equals_a_refit_from_its_samples() -> None:
                 assert np.allclose(cost.slopes(), free[1:], atol=1e-6)
 
 
+def test_a_price_by_the_last_fit_is_that_fits_price_and_refits_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`LinearCost.recent`: the price by the last fit made, however many samples came since
+    (a bound on one more sample needs no refit of the 5 x 5 system every step); a fit is
+    made only where none was yet, and the next query refits as before."""
+    cost = LinearCost()
+    x = (5.0, 5.0, 0.0, 5.0)
+    for levels in (1.0, 2.0, 5.0):
+        cost.add((levels, levels, 0.0, levels), 0.0002 + 0.00015 * levels)
+    assert cost.recent(*x) == cost(*x)  # the first query fits
+    fitted = cost(*x)
+    solves = []
+    solve = step_costs._solve
+    monkeypatch.setattr(step_costs, "_solve", lambda a, b: solves.append(1) or solve(a, b))
+    for _ in range(3):
+        cost.add(x, 0.004)  # slower calls move the fit
+    assert cost.recent(*x) == fitted and not solves
+    assert cost(*x) > fitted and solves
+    refits = len(solves)
+    assert cost.recent(*x) == cost(*x) and len(solves) == refits
+
+
 def test_a_steady_choices_calls_move_the_fit_as_a_refit_does() -> None:
     """A call with the features of the oldest sample of its shape, which it replaces (a
     steady choice's, every step: `LinearCost.add` then moves A^T t alone), leaves the fit a
