@@ -110,7 +110,8 @@ steps after a first step's 32 trees made 3.2 (drafting ~20% slower than auto-reg
 then)."""
 KIND_HALF_LIFE = 32
 """Steps without trees (`SpeculationPolicy.idle`) after which the trees behind a kind's
-estimate count half against the trees of its next measurement (`Estimate.weight`; the
+estimate count half against the trees of its next measurement (`Estimate.weight`, never
+below `KIND_LEAST_TREES`; the
 update weighs a step's n trees n / (n + what the old ones count), `GROUP_EMA` at least). A
 batch that drafts nothing measures nothing but its probes' trees, one every few dozen
 steps; counted at full weight against the many that set the estimate, each moved it by
@@ -126,6 +127,15 @@ probe's tree more, and a lucky one had a batch-1 request draft them at a loss fo
 steps. Optimism and pessimism (`KIND_PRIOR`) still count every tree: aged there too, a
 batch-1 request where drafts are rarely kept drafted again every ~6 steps (0.89 of
 auto-regression in the synthetic trace, where the probes alone cost 4%)."""
+KIND_LEAST_TREES = 2.0
+"""What the trees behind an estimate count at least, however long ago (`KIND_HALF_LIFE`):
+one probe's tree then moves it by at most a third of what it reads beyond it. Aged to
+nothing, one lucky probe tree after a long plain run set the estimate alone, and a batch
+that drafting does not pay drafted whole steps on it (Lyanna at batch 8, T=0: a 5-node
+tree for every request, ~7 ms where the plain step takes ~2, right after a probe's).
+Synthetic traces (`KIND_HALF_LIFE`'s) lose little by it: 0.93 / 0.97 of the best fixed
+size at batch 8 / 32 after the shift, where no floor read 0.93 / 0.97 and 4 trees 0.90 /
+0.91."""
 KIND_PRIOR = 1.0
 """Trees' worth of optimism in a kind's estimate: it counts as if `KIND_PRIOR` trees had
 yielded the most a tree can (`ceiling`), so its first measured trees outweigh that only
@@ -341,7 +351,8 @@ class Estimate:
     def weight(self, idle: int) -> float:
         """The trees behind it as they count against a new measurement once the policy's
         `idle` clock reads `idle`: halved every `KIND_HALF_LIFE` steps without trees since its last."""
-        return self.recent * 0.5 ** ((idle - self.idle) / KIND_HALF_LIFE)
+        aged = self.recent * 0.5 ** ((idle - self.idle) / KIND_HALF_LIFE)
+        return max(aged, min(self.recent, KIND_LEAST_TREES))
 
 
 @dataclass(frozen=True)
