@@ -111,9 +111,8 @@ then)."""
 KIND_HALF_LIFE = 32
 """Steps without trees (`SpeculationPolicy.idle`) after which the trees behind a kind's
 estimate count half against the trees of its next measurement (`Estimate.weight`, never
-below `KIND_LEAST_TREES`; the
-update weighs a step's n trees n / (n + what the old ones count), `GROUP_EMA` at least). A
-batch that drafts nothing measures nothing but its probes' trees, one every few dozen
+below `KIND_LEAST_TREES`; the update weighs a step's n trees n / (n + what the old ones
+count), `GROUP_EMA` at least). A batch that drafts nothing measures nothing but its probes' trees, one every few dozen
 steps; counted at full weight against the many that set the estimate, each moved it by
 `GROUP_EMA`, so an estimate set low (a closed batch's first trees, which accept less; a
 run of hard text) stood long after acceptance rose: synthetic traces of 300 poor steps,
