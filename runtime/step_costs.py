@@ -310,13 +310,7 @@ class LinearCost:
                 gram_i[j] += sign * a * b
 
     def __call__(self, *x: float) -> float:
-        if not self._shapes:
-            return 0.0
-        coef = self._fitted()
-        total = 0.0  # (the slopes' sum, then the intercept: `sum`'s order, without its generator)
-        for c, v in zip(coef[1:], x, strict=True):
-            total += c * v
-        return coef[0] + total
+        return _price(self._fitted(), x) if self._shapes else 0.0
 
     def recent(self, *x: float) -> float:
         """`self(*x)` by the last fit made, which may predate the latest samples (a refit
@@ -326,12 +320,7 @@ class LinearCost:
         step (~20 us a batch-1 step on a 2-thread EPYC), where the choice, mostly a
         decision that stands, needs a fit every few steps."""
         coef = self._coef or self._before
-        if coef is None:
-            return self(*x)
-        total = 0.0
-        for c, v in zip(coef[1:], x, strict=True):
-            total += c * v
-        return coef[0] + total
+        return self(*x) if coef is None else _price(coef, x)
 
     def slopes(self) -> tuple[float, ...]:
         return self._fitted()[1:] if self._shapes else ()
@@ -352,6 +341,14 @@ class LinearCost:
                 keep = [i for i in keep if coef[i] > 0]
             self._coef = tuple(max(coef.get(i, 0.0), 0.0) for i in range(n))
         return self._coef
+
+
+def _price(coef: tuple[float, ...], x: tuple[float, ...]) -> float:
+    """coef[0] + coef[1:] . x: the slopes' sum, then the intercept (`sum`'s order, without its generator)."""
+    total = 0.0
+    for c, v in zip(coef[1:], x, strict=True):
+        total += c * v
+    return coef[0] + total
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
