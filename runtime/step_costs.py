@@ -241,7 +241,7 @@ class LinearCost:
         self._gram: list[list[float]] = []  # A^T A over the kept samples (rows (1, *features))
         self._moment: list[float] = []  # A^T t
         self._coef: tuple[float, ...] | None = None  # [intercept, slopes...] of the last fit
-        self._before: tuple[float, ...] | None = None  # the fit before the samples added since
+        self._stale = True  # samples came or went since that fit
 
     @property
     def samples(self) -> list[tuple[tuple[float, ...], float]]:
@@ -288,9 +288,7 @@ class LinearCost:
 
     def _invalidate(self) -> None:
         """A sample came or went: refit at the next query (`_fitted`); `recent` keeps the last fit."""
-        if self._coef is not None:
-            self._before = self._coef
-        self._coef = None
+        self._stale = True
 
     def _account_seconds(self, x: tuple[float, ...], seconds: float) -> None:
         """A^T t for a sample's seconds moved by `seconds` (its features the same)."""
@@ -319,8 +317,7 @@ class LinearCost:
         (`SpeculationPolicy._add_draft_sample`), `self(*x)` refitted the 5 x 5 system every
         step (~20 us a batch-1 step on a 2-thread EPYC), where the choice, mostly a
         decision that stands, needs a fit every few steps."""
-        coef = self._coef or self._before
-        return self(*x) if coef is None else _price(coef, x)
+        return self(*x) if self._coef is None else _price(self._coef, x)
 
     def slopes(self) -> tuple[float, ...]:
         return self._fitted()[1:] if self._shapes else ()
@@ -329,7 +326,7 @@ class LinearCost:
         """[intercept, slopes...], refitted after a new sample (there is at least one). Plain
         floats and a 5 x 5 elimination: numpy's solve cost ~0.16 ms a refit in the engine
         (its per-call overhead, with caches cold after a forward), ~2% of a batch-1 step."""
-        if self._coef is None:
+        if self._stale or self._coef is None:
             n = len(self._moment)
             ridge = 1e-6  # features without spread: shrink their coefficient, not blow up
             keep = list(range(n))
@@ -339,7 +336,7 @@ class LinearCost:
                 if min(coef.values(), default=0.0) >= 0 or len(keep) < n:  # costs never shrink with work:
                     break  # a negative intercept/slope is refitted once without every negative one
                 keep = [i for i in keep if coef[i] > 0]
-            self._coef = tuple(max(coef.get(i, 0.0), 0.0) for i in range(n))
+            self._coef, self._stale = tuple(max(coef.get(i, 0.0), 0.0) for i in range(n)), False
         return self._coef
 
 
