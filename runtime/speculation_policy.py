@@ -112,19 +112,19 @@ KIND_HALF_LIFE = 32
 """Steps without trees (`SpeculationPolicy.idle`) after which the trees behind a kind's
 estimate count half against the trees of its next measurement (`Estimate.weight`, never
 below `KIND_LEAST_TREES`; the update weighs a step's n trees n / (n + what the old ones
-count), `GROUP_EMA` at least). A batch that drafts nothing measures nothing but its probes' trees, one every few dozen
-steps; counted at full weight against the many that set the estimate, each moved it by
-`GROUP_EMA`, so an estimate set low (a closed batch's first trees, which accept less; a
-run of hard text) stood long after acceptance rose: synthetic traces of 300 poor steps,
-then drafts kept with probability 0.85, drafted again after ~180-340 steps at batch 8 and
-not within 400 at batch 32 (0.65-0.87 of the best fixed size over the 400; with this,
-0.93-0.97), and load-aware ReDrafter at batch 8 on held-out prompts stayed
-auto-regressive for ~45-step stretches after a round's first tree step (demo engine,
-2-thread EPYC). Only steps without trees age estimates: counted in every step, sizes that
-only probes measure (ReDrafter's wider beams beside the chains it drafts) weighed each
-probe's tree more, and a lucky one had a batch-1 request draft them at a loss for a few
-steps. Optimism and pessimism (`KIND_PRIOR`) still count every tree: aged there too, a
-batch-1 request where drafts are rarely kept drafted again every ~6 steps (0.89 of
+count), `GROUP_EMA` at least). A batch that drafts nothing measures nothing but its
+probes' trees, one every few dozen steps; counted at full weight against the many that set
+the estimate, each moved it by `GROUP_EMA`, so an estimate set low (a closed batch's first
+trees, which accept less; a run of hard text) stood long after acceptance rose: synthetic
+traces of 300 poor steps, then drafts kept with probability 0.85, drafted again after
+~180-340 steps at batch 8 and not within 400 at batch 32 (0.65-0.87 of the best fixed size
+over the 400; with this, 0.93-0.97), and load-aware ReDrafter at batch 8 on held-out
+prompts stayed auto-regressive for ~45-step stretches after a round's first tree step
+(demo engine, 2-thread EPYC). Only steps without trees age estimates: counted in every
+step, sizes that only probes measure (ReDrafter's wider beams beside the chains it drafts)
+weighed each probe's tree more, and a lucky one had a batch-1 request draft them at a loss
+for a few steps. Optimism and pessimism (`KIND_PRIOR`) still count every tree: aged there
+too, a batch-1 request where drafts are rarely kept drafted again every ~6 steps (0.89 of
 auto-regression in the synthetic trace, where the probes alone cost 4%)."""
 KIND_LEAST_TREES = 2.0
 """What the trees behind an estimate count at least, however long ago (`KIND_HALF_LIFE`):
