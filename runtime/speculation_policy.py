@@ -82,8 +82,13 @@ is due; exploration credit still accrues, and a probe that comes due ends it (`_
   re-solving it would cost ~0.2 ms a step (2% of a one-token CPU forward) to reach the
   same answer;
 - one that drafts, where the solve before drafted too: for `DRAFTING_STANDS` steps, while
-  its own trees feed the estimates (a tree of a size it did not set, a probe's, ends it).
-  Solved every step, the choice cost ~2% of a drafting step.
+  its own trees feed the estimates (a tree of a size it did not give, a probe's, ends it), and
+  twice as long each time the solve at the end of its stand makes it again (up to
+  `DRAFTING_STANDS_MOST`) while its trees yield what it expected of them (`STAND_Z`).
+  Solved every step, the choice cost ~2% of a drafting step. A request's last steps cut
+  its chain to the tokens it may still emit (`_within`: the same tokens) instead of
+  solving afresh, and a new request of the same kind and options takes the place of one
+  that left (at batch 1, the next prompt) for up to `DRAFTING_STANDS` steps.
 
 Whatever the sizes, acceptance is lossless; the policy only moves speed.
 """
@@ -217,6 +222,27 @@ DRAFTING_STANDS = 4
 steps brings evidence (its trees), which the estimates take in at once; the choice follows
 it at most this many steps late. Solved every step, the choice cost ~2% of a drafting
 step (sd, T=0: 0.14 ms of ~6.8 at batch 1, 0.30 ms of ~16 at batch 8)."""
+DRAFTING_STANDS_MOST = 16
+"""Steps a decision that drafts stands at most: a solve at the end of its stand that makes
+the same decision doubles the next one's, up to this, while its trees yield what it
+expected of them (`STAND_Z`, `_Settled.strays`). At batch 1 full solves (new requests and
+their last steps included) were ~1/3 of ReDrafter's steps, each ~0.27 ms on a ~1.85 ms
+step (2-thread EPYC): ~5% of batch-1 throughput, where fixed chains lost none."""
+STAND_TREES = 16
+"""Trees of its kind each size a decision drafts must rest on before it stands past
+`DRAFTING_STANDS` steps (`_may_stand_long`)."""
+STAND_Z = 1.5
+"""How many standard deviations the tokens a standing decision's trees yielded may fall
+short of what it expected of them before it is solved again (`_Settled.strays`): drafting
+more than pays loses throughput at once."""
+STAND_Z_OVER = 2.0
+"""How many they may exceed it by (drafting less than would pay only forgoes a gain, and
+a solve is due within `DRAFTING_STANDS_MOST` steps anyway)."""
+STAND_LONGER_Z = 1.0
+"""`STAND_Z` for a decision whose stand ran out to be made to stand longer when made again:
+while acceptance falls, each solve expects a little less than the last, its trees yield
+less still, and doubled stands left synthetic batch-1 runs drafting ~5 steps longer
+before they went auto-regressive (`STAND_Z` alone; 2 standard deviations then)."""
 Row = tuple[tuple[int, float, float, int, str], ...]
 """One request's options: (size, tau, nodes, levels, drafting-cost fit) per size."""
 DraftCall = tuple[int, int, int, int, float]
@@ -382,34 +408,116 @@ class _Choice:
         return self.tokens / max(self.seconds, 1e-12)
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Settled:
     """A decision that stands for a few steps and what it was made for
     (`SpeculationPolicy._settled`; module docstring)."""
 
     signature: tuple[object, ...]
-    """The offers (request, kind, sizes, levels; for a decision that drafts, the bound on
-    the tokens each may still emit where it is below a tree's most) and the other requests' count."""
+    """The offers by position (kind, sizes, levels; for a decision that drafts, the bound on
+    the tokens a request may still emit where its size is not a chain it can be cut back to,
+    `_within`) and the other requests' count."""
+    keys: list[str]
+    """The requests it stands for, by position (`_standing`: a request with no trees of its
+    own may take the place of one that left)."""
     step: int
     """The step it was made at."""
     seconds: float
     """Predicted seconds of such a step (what earns exploration credit)."""
     probe_loss: float | None
     """Expected loss in seconds of the probe that would come next (None: none can come)."""
-    sizes: dict[str, int]
-    """request -> its size (all 1: the all-auto-regressive decision)."""
+    sizes: list[int]
+    """Each position's size (all 1: the all-auto-regressive decision)."""
     drafts: bool
-    """Whether some request drafts: it stands `DRAFTING_STANDS` steps, else `RECHOOSE_EVERY`."""
+    """Whether some request drafts: it stands `stands` steps, else `RECHOOSE_EVERY`."""
+    stands: int = DRAFTING_STANDS
+    """Steps it stands if it drafts (`DRAFTING_STANDS`, doubled up to `DRAFTING_STANDS_MOST`
+    each time a solve at its end made it again, `_settle`)."""
+    taus: list[float] = field(default_factory=list)
+    """Each position's expected tokens per step at its size, as the solve priced it."""
+    most: list[float] = field(default_factory=list)
+    """Each position's most tokens a step at its size can yield (`ceiling`; 1 at size 1)."""
+    chains: list[bool] = field(default_factory=list)
+    """Whether each position's size is a chain `_within` may cut (size 1 included)."""
+    yields: list[tuple[float, float, float]] = field(default_factory=list)
+    """(tokens its trees yielded, tokens they were expected to, a bound on that number's
+    variance) of each of its steps (`strays`)."""
+    expecting: tuple[float, float] | None = None
+    """(tokens, variance bound) the trees of the step under way are expected to yield
+    (`give`; None: it drafts none)."""
+    given: dict[str, int] = field(default_factory=dict)
+    """request -> the size it was given in the step under way (`give`: `_within` may cut a chain)."""
+
+    def give(self, offers: list[Offer], sizes: list[int] | None = None) -> dict[str, int]:
+        """Each request's size in a step it stands for (`sizes`: the step that made it),
+        chains cut to what their requests may still emit (`_within`); notes what the step's
+        trees should yield (`expecting`)."""
+        if not self.drafts:
+            self.given = dict.fromkeys([o.key for o in offers], 1)
+            return self.given
+        given, bounded = {}, False
+        for o, size, most in zip(offers, sizes or self.sizes, self.most, strict=True):
+            if o.left is not None and o.left < most:
+                bounded = True
+                if sizes is None:
+                    size = _within(o, size)
+            given[o.key] = size
+        self.given = given
+        tokens = variance = 0.0
+        for o, size, tau, most in zip(offers, self.sizes, self.taus, self.most, strict=True):
+            if size > 1:
+                if bounded and o.left is not None and o.left < most:
+                    most = float(o.left)
+                e = min(tau, most)
+                tokens += e
+                variance += max(e - 1.0, 0.0) * (most - e) + 0.25
+        self.expecting = (tokens, variance)
+        return given
+
+    def strays(self, z: float = STAND_Z) -> bool:
+        """Whether its trees yielded more than `z` standard deviations less than it expected
+        of them, or `STAND_Z_OVER` more (`_standing`: past `DRAFTING_STANDS` steps, a
+        decision stands only while its trees bear it out). A request's tokens from a tree
+        lie in [1, c], c the most its tree can yield, so a step's variance is at most
+        (e - 1)(c - e) for e the tokens expected (Bhatia-Davis), plus a quarter token for
+        the estimate's own error."""
+        made = expected = variance = 0.0
+        for y, e, v in self.yields:
+            made, expected, variance = made + y, expected + e, variance + v
+        spread = variance**0.5
+        return made < expected - z * spread or made > expected + STAND_Z_OVER * spread
 
 
-def _signature(offers: list[Offer], others: int, drafting: bool = False) -> tuple[object, ...]:
-    """What a settled decision was made for: the offers, less `Offer.left`. A request's
-    `left` only shrinks, and a smaller one makes its trees worth no more, so auto-regression
-    stays the choice; in the signature, it ended the decision at each of a request's last
-    few steps (a fifth of the full solves at batch 1). A decision that `drafting` keeps a
-    request's `left` where it is under the most tokens any of its trees can yield (its last
-    steps, where its trees are cut down: `choose`'s row)."""
-    return (others, *((o.key, o.kind, o.sizes, o.levels, _bound(o) if drafting else None) for o in offers))
+def _signature(offers: list[Offer], others: int, chains: Sequence[bool] | None = None) -> tuple[object, ...]:
+    """What a settled decision was made for: the offers by position, less their requests
+    (`_standing` checks them) and `Offer.left`. A request's `left` only shrinks, and a smaller
+    one makes its trees worth no more, so auto-regression stays the choice; in the
+    signature, it ended the decision at each of a request's last few steps (a fifth of the
+    full solves at batch 1). A decision that drafts (`chains`: whether each position's size
+    is a chain `_within` cuts back to what its request may still emit) keeps a request's
+    `left` where it is under the most tokens its tree can yield and the tree is not such a chain."""
+    if chains is None:
+        return (others, *((o.kind, o.sizes, o.levels) for o in offers))
+    return (
+        others,
+        *((o.kind, o.sizes, o.levels, None if chain else _bound(o)) for o, chain in zip(offers, chains, strict=True)),
+    )
+
+
+def _chain(offer: Offer, size: int) -> bool:
+    """Whether `offer`'s tree of `size` is a chain (a draft per level) whose smaller sizes are
+    its cuts: cut to its first d drafts, it keeps what it would have kept of them."""
+    return size == 1 or (offer.cut(size) and offer.levels[list(offer.sizes).index(size)] == size - 1)
+
+
+def _within(offer: Offer, size: int) -> int:
+    """`size`, or where it is a chain that may yield more tokens than its request may still
+    emit (`Offer.left`), the shortest cut of it that still yields every one of them: a chain
+    cut to its first d drafts emits min(kept, d) + 1 tokens, so with d + 1 >= left it emits
+    what the whole chain would, min(kept + 1, left), with fewer nodes to verify."""
+    if offer.left is None or size == 1 or size <= offer.left or not _chain(offer, size):
+        return size
+    return min(s for s in offer.sizes if offer.left <= s <= size)
 
 
 def _bound(offer: Offer) -> int | None:
@@ -468,9 +576,11 @@ class SpeculationPolicy:
     _runs: dict[str, tuple[str, int]] = field(default_factory=dict)
     """request -> (method, steps) of the run of drafting it is in (probes not counted)."""
     _ended: list[tuple[str, int]] = field(default_factory=list)
-    """(method, steps) of the runs of drafting that ended since the last choice (`_horizon`)."""
+    """(method, steps) of the runs of drafting that ended since the last step (`_fold_runs`)."""
     _settled: _Settled | None = None
     """The standing decision, if any (module docstring)."""
+    _expired: _Settled | None = None
+    """The settled decision whose stand ran out at this step (`_settle`: made again, it stands longer)."""
     _drafted: bool = False
     """Whether the last full solve chose to draft (`_settle`)."""
     reused: int = 0
@@ -642,8 +752,15 @@ class SpeculationPolicy:
         token each to the forward."""
         self.steps += 1
         self._expected = None
-        fixed = {o.key: 1 for o in offers if len(o.sizes) == 1}  # auto-regressive requests: nothing to choose
-        offers = [o for o in offers if len(o.sizes) > 1]
+        if self._ended:
+            self._fold_runs()
+        # auto-regressive requests, and (load-aware) those with one token left, which no tree yields more of
+        last = 1 if self.adaptive else 0
+        fixed = {o.key: 1 for o in offers if len(o.sizes) == 1 or (o.left is not None and o.left <= last)}
+        for o in offers:
+            if o.key in fixed and len(o.sizes) > 1:
+                self.chosen[(o.method, 1)] += 1
+        offers = [o for o in offers if o.key not in fixed]
         if not offers:
             return fixed
         prefilling = others
@@ -657,7 +774,7 @@ class SpeculationPolicy:
             self._plain_probing = self._plain_left == 0
             chosen, plain = {o.key: 1 for o in offers}, True
         elif (standing := self._standing(offers, others)) is not None:
-            chosen = {o.key: standing.sizes[o.key] for o in offers}
+            chosen = standing.give(offers)
             self._expected = standing.seconds
         else:
             self._prices = {}
@@ -728,9 +845,9 @@ class SpeculationPolicy:
             self._bill = (loss, best.rate, len(offers) + len(fixed))
         elif not prefilling and self._plain_probe(batch, others, best):
             chosen, plain = dict.fromkeys(chosen, 1), True  # a probe too: no run ends, nothing settles
-        self._settled = None
+        self._settled, expired, self._expired = None, self._expired, None
         if probe is None and not plain:
-            self._settle(list(groups.values()), batch, others, best, offers, chosen)
+            self._settle(list(groups.values()), batch, others, best, offers, chosen, expired)
         return chosen, probed, plain
 
     def _best(self, batch: list[_Group], others: int) -> _Choice:
@@ -799,10 +916,7 @@ class SpeculationPolicy:
         and ran 0.74x auto-regression. Never for one request: its plain forward is the
         engine-start table's own (timed on one request)."""
         requests = others + sum(g.count for g in batch)
-        if requests == 1 or max(best.sizes) == 1:
-            return False
-        timed = self.forward_cost.extra.seen[requests] >= step_costs.PLAIN_SAMPLES
-        if timed and self.steps - self._plain_timed.get(requests, self.steps) < PLAIN_EVERY:
+        if max(best.sizes) == 1 or not self._plain_untimed(requests):
             return False
         plain = self._evaluate(batch, [1] * len(batch), others)
         loss = plain.seconds - plain.tokens / max(best.rate, 1e-12)  # a step's
@@ -814,6 +928,15 @@ class SpeculationPolicy:
         self._plain_left, self._plain_loss = run - 1, max(loss, 0.0)
         self._plain_probing = run == 1
         return True
+
+    def _plain_untimed(self, requests: int) -> bool:
+        """Whether the plain step of `requests` requests is priced on fewer than
+        `PLAIN_SAMPLES` timings or was last timed `PLAIN_EVERY` steps ago (never for one
+        request: `_plain_probe`)."""
+        if requests == 1:
+            return False
+        timed = self.forward_cost.extra.seen[requests] >= step_costs.PLAIN_SAMPLES
+        return not timed or self.steps - self._plain_timed.get(requests, self.steps) >= PLAIN_EVERY
 
     def _probe(
         self, members: list[list[Offer]], batch: list[_Group], others: int, best: _Choice, stale_only: bool = True
@@ -878,6 +1001,7 @@ class SpeculationPolicy:
         best: _Choice,
         offers: list[Offer],
         chosen: dict[str, int],
+        expired: _Settled | None,
     ) -> None:
         """Let the decision just solved (`best`, no probe in it) stand for the next steps
         (`_standing`). An all-auto-regressive one only while a probe can still come (one that
@@ -885,7 +1009,8 @@ class SpeculationPolicy:
         chose to draft too: a first choice to draft after auto-regression often rests on
         optimism about sizes barely measured, and its first trees should end it (standing at
         once, a batch of 8 drafted 4 steps of rejected trees in the synthetic worlds of the
-        tests: 0.965x auto-regression where solving every step made 0.978x)."""
+        tests: 0.965x auto-regression where solving every step made 0.978x). `expired`: the
+        decision whose stand ran out at this step, if any (made again, the new one stands longer)."""
         drafts = max(best.sizes) > 1
         confirmed, self._drafted = self._drafted, drafts
         if drafts and not confirmed:
@@ -894,16 +1019,66 @@ class SpeculationPolicy:
         if next_probe is None and not drafts:
             return
         loss = next_probe[2] if next_probe is not None else None
-        signature = _signature(offers, others, drafts)
-        self._settled = _Settled(signature, self.steps, best.seconds, loss, chosen.copy(), drafts)
+        sizes = [chosen[o.key] for o in offers]
+        chains = [_chain(o, size) for o, size in zip(offers, sizes, strict=True)]
+        signature = _signature(offers, others, chains if drafts else None)
+        stands = DRAFTING_STANDS
+        if (
+            drafts
+            and expired is not None
+            and expired.sizes == sizes
+            and not expired.strays(STAND_LONGER_Z)
+            and self._may_stand_long(offers, sizes, others)
+        ):
+            stands = min(2 * expired.stands, DRAFTING_STANDS_MOST)  # made again at the end of its stand
+        taus = {o.key: g.entry(s)[1] for g, s, group in zip(batch, best.sizes, members, strict=True) for o in group}
+        self._settled = _Settled(
+            signature,
+            [o.key for o in offers],
+            self.steps,
+            best.seconds,
+            loss,
+            sizes,
+            drafts,
+            stands,
+            [taus[o.key] for o in offers],
+            [ceiling(o, size) for o, size in zip(offers, sizes, strict=True)],
+            chains,
+        )
+        self._settled.give(offers, sizes)  # what this step gives and expects
+
+    def _may_stand_long(self, offers: list[Offer], sizes: list[int], others: int) -> bool:
+        """Whether a decision that drafts `sizes` may stand past `DRAFTING_STANDS` steps: each
+        size it drafts is measured by `STAND_TREES` trees of its kind (a choice that rests on
+        optimism about a size barely measured must meet its trees soon: standing long, a
+        batch-1 ReDrafter request drafted 21-node trees priced at 4.8 tokens on one tree, ~15%
+        of its steps at ~1.5x a chain's cost), and no plain probe may be due (`_plain_untimed`:
+        what it would correct is a price, which no tree shows)."""
+        for o, size in zip(offers, sizes, strict=True):
+            if size > 1 and ((e := self.kinds.get((o.kind, size))) is None or e.trees < STAND_TREES):
+                return False
+        return not self._plain_untimed(others + len(offers))
 
     def _standing(self, offers: list[Offer], others: int) -> _Settled | None:
         """The settled decision if it holds for this step (module docstring); if it does,
-        the step earns its exploration credit here."""
+        the step earns its exploration credit here. A request with no trees of its own may
+        stand in the place of one that left (a new request, at batch 1 after the step that
+        prefilled it): it is priced as its kind, and is for at most `DRAFTING_STANDS` steps
+        more."""
         s = self._settled
-        if s is None or self.steps - s.step >= (DRAFTING_STANDS if s.drafts else RECHOOSE_EVERY):
+        if s is None or len(offers) != len(s.keys):
             return None
-        if s.signature != _signature(offers, others, s.drafts):
+        age = self.steps - s.step
+        if age >= (s.stands if s.drafts else RECHOOSE_EVERY):
+            self._expired = s
+            return None
+        if s.signature != _signature(offers, others, s.chains if s.drafts else None):
+            return None
+        if s.drafts and age >= DRAFTING_STANDS and s.strays():
+            return None  # its trees do not bear it out: solve afresh
+        keys = [o.key for o in offers]
+        replaced = keys != s.keys
+        if replaced and any(o != k and (not s.drafts or o in self.requests) for o, k in zip(keys, s.keys, strict=True)):
             return None
         stale = self.steps - PROBE_EVERY
         can_probe = any(self._measured.get(o.kind, -1) <= stale for o in offers)
@@ -911,6 +1086,9 @@ class SpeculationPolicy:
         credit = self._earned(s.seconds, loss)
         if loss is not None and credit >= loss:
             return None  # a probe is due: solve this step in full
+        if replaced:
+            s.keys = keys
+            s.stands = min(s.stands, age + DRAFTING_STANDS)
         self.credit = credit
         self.reused += 1
         return s
@@ -983,22 +1161,24 @@ class SpeculationPolicy:
             self._ended.append(run)
 
     def _horizon(self, method: str) -> float:
-        """Steps a run of drafting of `method` is expected to last (`CATCH_UP_HORIZON`).
-        The runs that ended since the last choice are one observation, their mean: the
-        requests of a batch mostly stop together, by one decision, and taken one by one,
-        8 requests that drafted one step (their first trees unlucky, auto-regression not
-        yet measured at batch 8 and priced low) cut sd's horizon from 13 to 4.5 steps.
-        Their prompts' catch-up, then charged nearly whole, kept them auto-regressive for
-        ~30 steps where 3- to 5-node chains ran ~10% faster (T=1)."""
-        if self._ended:
-            ended: dict[str, list[int]] = {}
-            for m, steps in self._ended:
-                ended.setdefault(m, []).append(steps)
-            self._ended.clear()
-            for m, lengths in ended.items():
-                mean = self.horizons.get(m, CATCH_UP_HORIZON)
-                self.horizons[m] = mean + HORIZON_EMA * (sum(lengths) / len(lengths) - mean)
+        """Steps a run of drafting of `method` is expected to last (`CATCH_UP_HORIZON`; `_fold_runs`)."""
         return max(self.horizons.get(method, CATCH_UP_HORIZON), 1.0)
+
+    def _fold_runs(self) -> None:
+        """The runs of drafting that ended since the last step join their methods' mean run
+        lengths (`horizons`) as one observation, their mean: the requests of a batch mostly
+        stop together, by one decision, and taken one by one, 8 requests that drafted one
+        step (their first trees unlucky, auto-regression not yet measured at batch 8 and
+        priced low) cut sd's horizon from 13 to 4.5 steps. Their prompts' catch-up, then
+        charged nearly whole, kept them auto-regressive for ~30 steps where 3- to 5-node
+        chains ran ~10% faster (T=1)."""
+        ended: dict[str, list[int]] = {}
+        for m, steps in self._ended:
+            ended.setdefault(m, []).append(steps)
+        self._ended.clear()
+        for m, lengths in ended.items():
+            mean = self.horizons.get(m, CATCH_UP_HORIZON)
+            self.horizons[m] = mean + HORIZON_EMA * (sum(lengths) / len(lengths) - mean)
 
     # ---- measurements -------------------------------------------------------------------
 
@@ -1073,8 +1253,12 @@ class SpeculationPolicy:
 
     def observe(self, stats: StepStats) -> None:
         settled = self._settled
-        if settled is not None and any(o.size != settled.sizes.get(o.key) for o in stats.outcomes):
-            self._settled = None  # a tree it did not choose (a probe): decide afresh
+        if settled is not None:
+            if any(o.size != settled.given.get(o.key) for o in stats.outcomes):
+                self._settled = None  # a tree of a size it did not give (a probe's): decide afresh
+            elif settled.expecting is not None:
+                settled.yields.append((sum(1.0 + o.accepted for o in stats.outcomes), *settled.expecting))
+            settled.expecting = None
         trees = stats.num_tokens > stats.num_requests
         self.idle += not stats.outcomes
         self._settle_probe(stats, trees)
@@ -1171,10 +1355,10 @@ class SpeculationPolicy:
                 self._aftermath -= 1
 
     def forget(self, key: str) -> None:
-        """A request left: drop its own estimates (its run of drafting ends, and a settled
-        decision that counted it: another request may come under its id)."""
+        """A request left: drop its own estimates (its run of drafting ends). A settled
+        decision that counted it stands for a request with no trees of its own in its place
+        (`_standing`), another under its id included."""
         self._end_run(key)
-        self._settled = None
         self._measured.pop(key, None)
         self.requests.pop(key, None)
 
