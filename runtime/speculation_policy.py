@@ -931,12 +931,24 @@ class SpeculationPolicy:
 
     def _plain_untimed(self, requests: int) -> bool:
         """Whether the plain step of `requests` requests is priced on fewer than
-        `PLAIN_SAMPLES` timings or was last timed `PLAIN_EVERY` steps ago (never for one
-        request: `_plain_probe`)."""
-        if requests == 1:
+        `PLAIN_SAMPLES` timings or was last timed `PLAIN_EVERY` steps ago, and no larger
+        count was (`_plain_fresh`: below one, it is priced by the line between it and the
+        next smaller count, or one request, whose plain step is always known, not by
+        extrapolation). Never for one request (`_plain_probe`). Each count timed on its own,
+        a closed batch of 8 rsd-c requests at T=0 ran a plain probe (5 plain steps where
+        5-node chains made ~1.5x the tokens per second) at each count it shrank through,
+        ~10% of its steps: 0.94x auto-regression."""
+        if self._plain_fresh(requests):
             return False
+        return not any(count > requests and self._plain_fresh(count) for count in self._plain_timed)
+
+    def _plain_fresh(self, requests: int) -> bool:
+        """Whether the plain step of `requests` requests is priced on `PLAIN_SAMPLES` timings
+        or more, the last of them less than `PLAIN_EVERY` steps ago (one request: always)."""
+        if requests == 1:
+            return True
         timed = self.forward_cost.extra.seen[requests] >= step_costs.PLAIN_SAMPLES
-        return not timed or self.steps - self._plain_timed.get(requests, self.steps) >= PLAIN_EVERY
+        return timed and self.steps - self._plain_timed.get(requests, self.steps) < PLAIN_EVERY
 
     def _probe(
         self, members: list[list[Offer]], batch: list[_Group], others: int, best: _Choice, stale_only: bool = True

@@ -1210,6 +1210,34 @@ def test_a_plain_price_set_by_a_slow_burst_is_timed_again(monkeypatch: pytest.Mo
     assert rate >= 0.95 * best and stuck < 0.85 * best, (rate, stuck, best)
 
 
+def test_a_count_below_one_timed_lately_is_priced_between_them_not_probed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A closed batch shrinks through every count below its own as its requests finish.
+    Each count's plain step timed by a plain probe of its own (`AFTER_PREFILL` + 1 plain
+    steps where the batch drafts ~1.5x faster) cost a closed batch of 8 rsd-c requests at
+    T=0 ~10% of its steps. Below a count timed lately, the plain step is priced on the line
+    between it and the next smaller count (or one request), as an interpolation, and not
+    probed; above every timed count it is extrapolated and still probed. Probing each
+    count, the batch of 7 runs ~7% slower here."""
+
+    def shrinking() -> tuple[list[int], float]:
+        p = calibrated(GOOD)
+        for _ in range(PLAIN_SAMPLES):  # the plain step of 8 requests, timed just now
+            p.observe(StepStats(8, GOOD.forward(8, 8), num_requests=8, overhead_seconds=GOOD.host(0)))
+        probes, rate7 = [], 0.0
+        for batch in (7, 6, 5, 12):
+            before = p.plain_probes
+            rate, _ = run(p, GOOD, batch=batch, steps=20)
+            probes.append(p.plain_probes - before)
+            rate7 = rate7 or rate
+        return probes, rate7
+
+    probes, rate = shrinking()
+    assert probes[:3] == [0, 0, 0] and probes[3] > 0, probes
+    monkeypatch.setattr(SpeculationPolicy, "_plain_untimed", lambda self, requests: not self._plain_fresh(requests))
+    each, rate_each = shrinking()  # every count probed on its own
+    assert each[0] > 0 and rate > 1.05 * rate_each, (each, rate, rate_each)
+
+
 def test_plain_steps_amid_drafting_are_timed_after_a_run_of_them(monkeypatch: pytest.MonkeyPatch) -> None:
     """`AFTER_PREFILL` after tree steps: where a plain step right after tree steps runs 2x
     its steady cost (a CPU after heavy GEMMs: 8 one-token ReDrafter requests took 3.3-3.5
