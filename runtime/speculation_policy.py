@@ -95,6 +95,7 @@ Whatever the sizes, acceptance is lossless; the policy only moves speed.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import time
 from collections import Counter
@@ -507,7 +508,7 @@ def _signature(offers: list[Offer], others: int, chains: Sequence[bool] | None =
 def _chain(offer: Offer, size: int) -> bool:
     """Whether `offer`'s tree of `size` is a chain (a draft per level) whose smaller sizes are
     its cuts: cut to its first d drafts, it keeps what it would have kept of them."""
-    return size == 1 or (offer.cut(size) and offer.levels[list(offer.sizes).index(size)] == size - 1)
+    return size == 1 or (offer.cut(size) and offer.levels[offer.sizes.index(size)] == size - 1)
 
 
 def _within(offer: Offer, size: int) -> int:
@@ -838,7 +839,9 @@ class SpeculationPolicy:
         best = self._best(batch, others)
         chosen = {o.key: size for (_, members), size in zip(groups.items(), best.sizes, strict=True) for o in members}
         self._expected = best.seconds
-        probe = self._explore(list(groups.values()), batch, others, best)
+        members = list(groups.values())
+        candidate = self._probe(members, batch, others, best)  # among kinds not measured lately
+        probe = self._explore(candidate, best)
         if probe is not None:
             offer, size, loss = probe
             chosen[offer.key], probed = size, offer.key
@@ -847,7 +850,7 @@ class SpeculationPolicy:
             chosen, plain = dict.fromkeys(chosen, 1), True  # a probe too: no run ends, nothing settles
         self._settled, expired, self._expired = None, self._expired, None
         if probe is None and not plain:
-            self._settle(list(groups.values()), batch, others, best, offers, chosen, expired)
+            self._settle(members, batch, others, best, offers, chosen, expired, candidate)
         return chosen, probed, plain
 
     def _best(self, batch: list[_Group], others: int) -> _Choice:
@@ -856,7 +859,11 @@ class SpeculationPolicy:
         sizes = [[e[0] for e in g.row] for g in batch]
         uniform = sorted({s for offered in sizes for s in offered})
         best = max(
-            (self._evaluate(batch, [largest_fitting(offered, c) for offered in sizes], others) for c in uniform),
+            # each group's largest size within c (sizes ascend from 1: `largest_fitting`)
+            (
+                self._evaluate(batch, [offered[bisect.bisect(offered, c) - 1] for offered in sizes], others)
+                for c in uniform
+            ),
             key=lambda c: c.rate,
         )
         if len(batch) == 1:
@@ -881,12 +888,10 @@ class SpeculationPolicy:
             rate = cand.rate
         return best
 
-    def _explore(
-        self, members: list[list[Offer]], batch: list[_Group], others: int, best: _Choice
-    ) -> tuple[Offer, int, float] | None:
-        """Spend the exploration credit on one request's probe when it covers the expected
-        loss; returns the request to probe, the size it drafts and the loss charged (or None)."""
-        candidate = self._probe(members, batch, others, best)
+    def _explore(self, candidate: tuple[Offer, int, float] | None, best: _Choice) -> tuple[Offer, int, float] | None:
+        """Spend the exploration credit on the probe `candidate` (`_probe`) when it covers
+        the expected loss; returns the request to probe, the size it drafts and the loss
+        charged (or None)."""
         if candidate is None:
             self.credit = self._earned(best.seconds, None)
             return None
@@ -985,7 +990,7 @@ class SpeculationPolicy:
             probe, size = max(((trial(s), s) for s in offer.sizes if s > 1), key=lambda t: (t[0].rate, t[1]))
         else:
             probe = trial(size)
-        catch_up = self._draft_slopes(costs(offer)[list(offer.sizes).index(size)], 1)[2] * offer.lag
+        catch_up = self._draft_slopes(costs(offer)[offer.sizes.index(size)], 1)[2] * offer.lag
         return offer, size, probe.seconds + catch_up - probe.tokens / max(best.rate, 1e-12)
 
     def _probe_size(self, offer: Offer, chosen: int) -> int | None:
@@ -1014,6 +1019,7 @@ class SpeculationPolicy:
         offers: list[Offer],
         chosen: dict[str, int],
         expired: _Settled | None,
+        candidate: tuple[Offer, int, float] | None,
     ) -> None:
         """Let the decision just solved (`best`, no probe in it) stand for the next steps
         (`_standing`). An all-auto-regressive one only while a probe can still come (one that
@@ -1022,12 +1028,15 @@ class SpeculationPolicy:
         optimism about sizes barely measured, and its first trees should end it (standing at
         once, a batch of 8 drafted 4 steps of rejected trees in the synthetic worlds of the
         tests: 0.965x auto-regression where solving every step made 0.978x). `expired`: the
-        decision whose stand ran out at this step, if any (made again, the new one stands longer)."""
+        decision whose stand ran out at this step, if any (made again, the new one stands longer);
+        `candidate`: the probe a kind not measured lately would make now (`_probe`), if any."""
         drafts = max(best.sizes) > 1
         confirmed, self._drafted = self._drafted, drafts
         if drafts and not confirmed:
             return  # a first choice to draft (optimism about sizes barely measured): its trees may end it
-        next_probe = self._probe(members, batch, others, best, stale_only=False)
+        # the probe that would come next: the one a kind not measured lately has now, else
+        # the first once one is (worked out once: a solve asked `_probe` twice)
+        next_probe = candidate or self._probe(members, batch, others, best, stale_only=False)
         if next_probe is None and not drafts:
             return
         loss = next_probe[2] if next_probe is not None else None
@@ -1436,7 +1445,7 @@ def ceiling(offer: Offer, size: int) -> float:
     """The most tokens a step of `offer` at `size` can yield: a draft per sequential drafter
     call (level) and the bonus token, and never more than the tree's nodes (a chain drafted
     by lookup, with no levels, is its size)."""
-    levels = offer.levels[list(offer.sizes).index(size)]
+    levels = offer.levels[offer.sizes.index(size)]
     return float(min(size, levels + 1) if levels else size)
 
 

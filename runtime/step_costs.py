@@ -242,6 +242,9 @@ class LinearCost:
         self._moment: list[float] = []  # A^T t
         self._coef: tuple[float, ...] | None = None  # [intercept, slopes...] of the last fit
         self._stale = True  # samples came or went since that fit
+        self._factors: dict[tuple[int, ...], _Elimination] = {}
+        """A^T A's elimination per set of kept features (`_fitted`), while A^T A stays: a
+        steady choice's calls move A^T t alone, and a refit is then a substitution."""
 
     @property
     def samples(self) -> list[tuple[tuple[float, ...], float]]:
@@ -302,6 +305,7 @@ class LinearCost:
         row = (1.0, *x)
         if not self._gram:
             self._gram, self._moment = [[0.0] * len(row) for _ in row], [0.0] * len(row)
+        self._factors.clear()
         self._account_seconds(x, sign * seconds)
         for a, gram_i in zip(row, self._gram, strict=True):
             for j, b in enumerate(row):
@@ -325,17 +329,22 @@ class LinearCost:
     def _fitted(self) -> tuple[float, ...]:
         """[intercept, slopes...], refitted after a new sample (there is at least one). Plain
         floats and a 5 x 5 elimination: numpy's solve cost ~0.16 ms a refit in the engine
-        (its per-call overhead, with caches cold after a forward), ~2% of a batch-1 step."""
+        (its per-call overhead, with caches cold after a forward), ~2% of a batch-1 step.
+        The elimination of A^T A is kept while it stays (`_factors`): the refit is then its
+        substitution alone (the same operations on A^T t, in the same order: the same fit)."""
         if self._stale or self._coef is None:
             n = len(self._moment)
-            ridge = 1e-6  # features without spread: shrink their coefficient, not blow up
-            keep = list(range(n))
+            keep: tuple[int, ...] = tuple(range(n))
             while True:
-                gram = [[self._gram[i][j] + (ridge if i == j else 0.0) for j in keep] for i in keep]
-                coef = dict(zip(keep, _solve(gram, [self._moment[i] for i in keep]), strict=True))
+                factor = self._factors.get(keep)
+                if factor is None:
+                    ridge = 1e-6  # features without spread: shrink their coefficient, not blow up
+                    gram = [[self._gram[i][j] + (ridge if i == j else 0.0) for j in keep] for i in keep]
+                    factor = self._factors[keep] = _eliminate(gram)
+                coef = dict(zip(keep, _substitute(factor, [self._moment[i] for i in keep]), strict=True))
                 if min(coef.values(), default=0.0) >= 0 or len(keep) < n:  # costs never shrink with work:
                     break  # a negative intercept/slope is refitted once without every negative one
-                keep = [i for i in keep if coef[i] > 0]
+                keep = tuple(i for i in keep if coef[i] > 0)
             self._coef, self._stale = tuple(max(coef.get(i, 0.0), 0.0) for i in range(n)), False
         return self._coef
 
@@ -348,20 +357,45 @@ def _price(coef: tuple[float, ...], x: tuple[float, ...]) -> float:
     return coef[0] + total
 
 
-def _solve(a: list[list[float]], b: list[float]) -> list[float]:
-    """x with a x = b (a small, symmetric positive definite: Gaussian elimination, partial pivoting)."""
-    n = len(b)
-    m = [[*row, rhs] for row, rhs in zip(a, b, strict=True)]
+_Elimination = tuple[list[int], list[list[float]], list[list[float]]]
+"""Gaussian elimination of a matrix (`_eliminate`): each column's pivot row, each column's
+multipliers of the rows below it, and the upper triangle left."""
+
+
+def _eliminate(a: list[list[float]]) -> _Elimination:
+    """`a` (small, symmetric positive definite) eliminated with partial pivoting, for
+    `_substitute` to solve a x = b for any b."""
+    n = len(a)
+    m = [list(row) for row in a]
+    pivots, multipliers = [], []
     for col in range(n):
         pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
         m[col], m[pivot] = m[pivot], m[col]
+        pivots.append(pivot)
+        column = []
         for r in range(col + 1, n):
             f = m[r][col] / m[col][col]
-            for c in range(col, n + 1):
+            column.append(f)
+            for c in range(col, n):
                 m[r][c] -= f * m[col][c]
+        multipliers.append(column)
+    return pivots, multipliers, m
+
+
+def _substitute(factor: _Elimination, b: list[float]) -> list[float]:
+    """x with a x = b, `factor` = `_eliminate(a)`: the row swaps and eliminations on b, then
+    back substitution (what eliminating the augmented [a | b] does to b, in its order)."""
+    pivots, multipliers, m = factor
+    n = len(b)
+    rhs = list(b)
+    for col in range(n):
+        pivot = pivots[col]
+        rhs[col], rhs[pivot] = rhs[pivot], rhs[col]
+        for r, f in zip(range(col + 1, n), multipliers[col], strict=True):
+            rhs[r] -= f * rhs[col]
     x = [0.0] * n
     for r in reversed(range(n)):
-        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+        x[r] = (rhs[r] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
     return x
 
 

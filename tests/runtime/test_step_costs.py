@@ -86,14 +86,36 @@ def test_a_price_by_the_last_fit_is_that_fits_price_and_refits_nothing(monkeypat
     assert cost.recent(*x) == cost(*x)  # the first query fits
     fitted = cost(*x)
     solves = []
-    solve = step_costs._solve
-    monkeypatch.setattr(step_costs, "_solve", lambda a, b: solves.append(1) or solve(a, b))
+    substitute = step_costs._substitute
+    monkeypatch.setattr(step_costs, "_substitute", lambda f, b: solves.append(1) or substitute(f, b))
     for _ in range(3):
         cost.add(x, 0.004)  # slower calls move the fit
     assert cost.recent(*x) == fitted and not solves
     assert cost(*x) > fitted and solves
     refits = len(solves)
     assert cost.recent(*x) == cost(*x) and len(solves) == refits
+
+
+def test_a_kept_elimination_fits_what_a_fresh_one_does() -> None:
+    """`LinearCost._factors`: while A^T A stays (a steady choice's calls move A^T t alone),
+    a refit substitutes into the kept elimination of A^T A; the fit is the one eliminating
+    afresh gives, to the last bit (the same operations on A^T t, in the same order), and a
+    sample of a new shape (A^T A moved) eliminates afresh."""
+    rng = np.random.default_rng(2)
+    cost = LinearCost()
+    for levels in (1.0, 2.0, 3.0):
+        cost.add((levels, levels, 0.0, levels), 0.0002 + 0.00015 * levels * (1 + 0.1 * rng.random()))
+    steady = (5.0, 5.0, 0.0, 5.0)
+    kept = 0
+    for k in range(3 * PER_SHAPE):
+        x = (5.0, 5.0, 1.0, 5.0) if k % 11 == 5 else steady
+        cost.add(x, 0.0009 * (1 + 0.3 * rng.random()) + 0.0001 * x[2], shape=steady)
+        kept += bool(cost._factors)
+        fitted = cost.slopes()
+        cost._factors.clear()
+        cost._stale = True
+        assert cost.slopes() == fitted
+    assert kept > PER_SHAPE  # most refits substituted into a kept elimination
 
 
 def test_a_steady_choices_calls_move_the_fit_as_a_refit_does() -> None:
