@@ -77,18 +77,21 @@ measured (`_pessimistic`), so a batch does not draft what only optimism supports
 
 A settled decision stands while the requests and their options are the same and no probe
 is due; exploration credit still accrues, and a probe that comes due ends it (`_Settled`):
-- every request at size 1: for up to `RECHOOSE_EVERY` steps while nothing is drafted. A
-  step without drafting brings no acceptance evidence, only a drifting forward time, so
-  re-solving it would cost ~0.2 ms a step (2% of a one-token CPU forward) to reach the
-  same answer;
+- every request at size 1: for up to `RECHOOSE_EVERY` steps while nothing is drafted, twice
+  as long each time it is made again (up to `PLAIN_STANDS_MOST`). A step without drafting
+  brings no acceptance evidence, only a drifting forward time, so re-solving it would cost
+  ~0.2 ms a step (2% of a one-token CPU forward) to reach the same answer;
 - one that drafts, where the solve before drafted too: for `DRAFTING_STANDS` steps, while
-  its own trees feed the estimates (a tree of a size it did not give, a probe's, ends it), and
-  twice as long each time the solve at the end of its stand makes it again (up to
+  its own trees feed the estimates (a tree of a size it did not give, a probe's, ends it),
+  and twice as long each time the solve at the end of its stand makes it again (up to
   `DRAFTING_STANDS_MOST`) while its trees yield what it expected of them (`STAND_Z`).
   Solved every step, the choice cost ~2% of a drafting step. A request's last steps cut
   its chain to the tokens it may still emit (`_within`: the same tokens) instead of
-  solving afresh, and a new request of the same kind and options takes the place of one
-  that left (at batch 1, the next prompt) for up to `DRAFTING_STANDS` steps.
+  solving afresh.
+
+A new request of the same kind and options takes the place of one that left (at batch 1,
+the next prompt) in either, for up to `DRAFTING_STANDS` steps more (`RECHOOSE_EVERY` in an
+all-auto-regressive decision).
 
 Whatever the sizes, acceptance is lossless; the policy only moves speed.
 """
@@ -217,6 +220,12 @@ RECHOOSE_EVERY = 16
 """Steps a settled all-auto-regressive decision stands while nothing is drafted (at 8, its
 age caused ~40% of the full solves in ReDrafter's steps without drafting at batch 8, T=1:
 ~0.25 ms a solve on a ~6 ms step)."""
+PLAIN_STANDS_MOST = 64
+"""Steps an all-auto-regressive decision stands at most: made again at the end of its
+stand, it stands twice as long (from `RECHOOSE_EVERY`). Its steps bring no acceptance
+evidence, so re-solving it only follows the plain step's drifting price (a probe that
+comes due still ends it): at batch 1, T=1 (ReDrafter, drafting never pays), solves every
+`RECHOOSE_EVERY` + 1 steps were ~40% of the full solves, each ~0.4 ms on a ~1.25 ms step."""
 DRAFTING_STANDS = 4
 """Steps a decision that drafts stands while the requests and their options are the same
 (and no probe is due; `_Settled`). Unlike an all-auto-regressive decision, each of its
@@ -430,10 +439,11 @@ class _Settled:
     sizes: list[int]
     """Each position's size (all 1: the all-auto-regressive decision)."""
     drafts: bool
-    """Whether some request drafts: it stands `stands` steps, else `RECHOOSE_EVERY`."""
+    """Whether some request drafts."""
     stands: int = DRAFTING_STANDS
-    """Steps it stands if it drafts (`DRAFTING_STANDS`, doubled up to `DRAFTING_STANDS_MOST`
-    each time a solve at its end made it again, `_settle`)."""
+    """Steps it stands: `DRAFTING_STANDS` if it drafts, else `RECHOOSE_EVERY`, doubled each
+    time a solve at the end of the one before made it again, up to `DRAFTING_STANDS_MOST`
+    (`PLAIN_STANDS_MOST`; `_settle`)."""
     taus: list[float] = field(default_factory=list)
     """Each position's expected tokens per step at its size, as the solve priced it."""
     most: list[float] = field(default_factory=list)
@@ -1043,15 +1053,12 @@ class SpeculationPolicy:
         sizes = [chosen[o.key] for o in offers]
         chains = [_chain(o, size) for o, size in zip(offers, sizes, strict=True)]
         signature = _signature(offers, others, chains if drafts else None)
-        stands = DRAFTING_STANDS
-        if (
-            drafts
-            and expired is not None
-            and expired.sizes == sizes
-            and not expired.strays(STAND_LONGER_Z)
-            and self._may_stand_long(offers, sizes, others)
-        ):
-            stands = min(2 * expired.stands, DRAFTING_STANDS_MOST)  # made again at the end of its stand
+        stands = DRAFTING_STANDS if drafts else RECHOOSE_EVERY
+        if expired is not None and expired.sizes == sizes:  # made again at the end of its stand
+            if not drafts:
+                stands = min(2 * expired.stands, PLAIN_STANDS_MOST)
+            elif not expired.strays(STAND_LONGER_Z) and self._may_stand_long(offers, sizes, others):
+                stands = min(2 * expired.stands, DRAFTING_STANDS_MOST)
         taus = {o.key: g.entry(s)[1] for g, s, group in zip(batch, best.sizes, members, strict=True) for o in group}
         self._settled = _Settled(
             signature,
@@ -1085,12 +1092,12 @@ class SpeculationPolicy:
         the step earns its exploration credit here. A request with no trees of its own may
         stand in the place of one that left (a new request, at batch 1 after the step that
         prefilled it): it is priced as its kind, and is for at most `DRAFTING_STANDS` steps
-        more."""
+        more (`RECHOOSE_EVERY` in an all-auto-regressive decision)."""
         s = self._settled
         if s is None or len(offers) != len(s.keys):
             return None
         age = self.steps - s.step
-        if age >= (s.stands if s.drafts else RECHOOSE_EVERY):
+        if age >= s.stands:
             self._expired = s
             return None
         if s.signature != _signature(offers, others, s.chains if s.drafts else None):
@@ -1099,7 +1106,7 @@ class SpeculationPolicy:
             return None  # its trees do not bear it out: solve afresh
         keys = [o.key for o in offers]
         replaced = keys != s.keys
-        if replaced and any(o != k and (not s.drafts or o in self.requests) for o, k in zip(keys, s.keys, strict=True)):
+        if replaced and any(o != k and o in self.requests for o, k in zip(keys, s.keys, strict=True)):
             return None
         stale = self.steps - PROBE_EVERY
         can_probe = any(self._measured.get(o.kind, -1) <= stale for o in offers)
@@ -1109,7 +1116,7 @@ class SpeculationPolicy:
             return None  # a probe is due: solve this step in full
         if replaced:
             s.keys = keys
-            s.stands = min(s.stands, age + DRAFTING_STANDS)
+            s.stands = min(s.stands, age + (DRAFTING_STANDS if s.drafts else RECHOOSE_EVERY))
         self.credit = credit
         self.reused += 1
         return s

@@ -387,6 +387,27 @@ def test_a_settled_decision_is_reused_and_changes_no_choice(monkeypatch: pytest.
     assert r.choose(offers(3)) and r.reused == reused + 1  # another request: solved afresh
 
 
+def test_an_auto_regressive_decision_made_again_stands_longer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`PLAIN_STANDS_MOST`: drafting never pays, and its drafter is so dear that a probe comes
+    every ~150 steps (ReDrafter at T=1, batch 1: a 21-node probe every ~80-160 steps). An
+    all-auto-regressive decision made again at the end of its stand stands twice as long
+    (from `RECHOOSE_EVERY`), and probes that come due still end it: the same choices, probes
+    included, as stands of `RECHOOSE_EVERY` (which choose what solving every step does: the
+    test above), with ~45% fewer solves."""
+    monkeypatch.setattr(speculation_policy, "DRAFTING_STANDS", 0)
+    world = World(a=8.0, b=0.5, c=20.0, d=0.5, alpha=0.2)
+
+    def solves_and_history() -> tuple[int, list]:
+        p = calibrated(world)
+        _, history = run(p, world, batch=1, steps=600)
+        return p.steps - p.reused, history
+
+    solves, history = solves_and_history()
+    monkeypatch.setattr(speculation_policy, "PLAIN_STANDS_MOST", speculation_policy.RECHOOSE_EVERY)
+    short_solves, short_history = solves_and_history()
+    assert history == short_history and solves < 0.65 * short_solves, (solves, short_solves)
+
+
 def test_a_decision_to_draft_stands_a_few_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """Solved every step, the choice cost ~2% of a drafting step. A decision that drafts,
     where the solve before chose to draft too, stands for `DRAFTING_STANDS` steps: the
