@@ -496,8 +496,9 @@ def test_a_new_request_stands_in_the_place_of_one_that_left(monkeypatch: pytest.
     """At batch 1 every request was solved afresh at its first two decoding steps (a new
     signature, then a first choice to draft to confirm). A request with no trees of its own
     is priced as its kind, so one of the same kind and options takes the place of one that
-    left in a decision that drafts, for at most `DRAFTING_STANDS` steps more; a request
-    with trees of its own does not (its own estimates may move its choice)."""
+    left in a decision that drafts, for at most `DRAFTING_STANDS` steps more (in an
+    all-auto-regressive one, `RECHOOSE_EVERY`); a request with trees of its own does not
+    (its own estimates may move its choice)."""
     p = calibrated(GOOD)
     run(p, GOOD, batch=1, steps=40)
     for _ in range(40):  # up to a decision that drafts and stands one more step, no probe due
@@ -516,6 +517,20 @@ def test_a_new_request_stands_in_the_place_of_one_that_left(monkeypatch: pytest.
     p.requests["known"] = {size: (2.0, 3, p.steps)}  # trees of its own
     p.choose([Offer("known", KIND, "redrafter", BEAMS, LEVELS)])
     assert p.reused == reused + 1  # solved afresh
+
+    q = calibrated(POOR)  # drafting never pays: an all-auto-regressive decision
+    run(q, POOR, batch=1, steps=60)
+    for _ in range(40):  # up to a decision that stands one more step, no probe due
+        s = q._settled
+        fresh = q.steps + 1 - q._measured[KIND] < speculation_policy.PROBE_EVERY
+        if s is not None and not s.drafts and q.steps + 1 - s.step < s.stands - 1 and fresh:
+            break
+        run(q, POOR, batch=1, steps=1)
+    assert s is not None and not s.drafts
+    q.forget("r0")
+    reused = q.reused
+    assert q.choose([Offer("next", KIND, "redrafter", BEAMS, LEVELS)]) == {"next": 1} and q.reused == reused + 1
+    assert s.stands <= q.steps - s.step + speculation_policy.RECHOOSE_EVERY
 
 
 def test_a_requests_last_tokens_cut_its_chain_instead_of_ending_a_decision() -> None:
