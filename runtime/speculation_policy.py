@@ -168,6 +168,16 @@ REQUEST_HALF_LIFE = 8
 """Steps after which an unrefreshed own estimate counts half as much (it drifts back to its kind's)."""
 PROBE_SHARE = 0.02
 """Share of step time that exploration may spend."""
+PROBE_BACKOFF = 2
+"""Halvings of `PROBE_SHARE` while a decision drafts, one per probe in a row that did not
+pay (`futile`; a probe that pays, its step at least as productive as the choice it was
+weighed against, restores the full share). Drafting, a probe asks whether more pays: a
+batch-1 ReDrafter request drafting 6-node chains at T=0 probed its 21-node trees (~3.3 ms
+against a ~1.7 ms step) every ~37 steps, ~2.5% of its time, and they never paid. While
+nothing is drafted the share stays whole: whether drafting pays at all is found again
+within its few probes (halved there too, an unlucky first tree of rsd-c at T=1, batch 1
+kept it auto-regressive ~6x longer, and a batch of 32 whose acceptance rose was not found
+again within 400 steps)."""
 PROBE_BEST_WHILE_PLAIN = True
 """While a request whose sizes are cuts of each other (`Offer.exact`) drafts nothing, its
 probe drafts its best drafting size (by the rate its estimates give), not its largest: the
@@ -560,6 +570,8 @@ class SpeculationPolicy:
     """Steps kept auto-regressive to time a request count's plain step (`_plain_probe`)."""
     credit: float = 0.0
     """Seconds of exploration earned and not spent."""
+    futile: int = 0
+    """Probes in a row, made while drafting, that did not pay (up to `PROBE_BACKOFF`)."""
     steps: int = 0
     idle: int = 0
     """Steps that drafted no tree: the clock by which the trees behind an estimate age (`KIND_HALF_LIFE`)."""
@@ -575,9 +587,10 @@ class SpeculationPolicy:
     """The coming step ends a plain probe's run (`_plain_probe`; its timing counts as `ByRequests.add` says)."""
     _expected: float | None = None
     """Predicted seconds of the coming step (its choice's; None where nothing was chosen)."""
-    _bill: tuple[float, float, int] | None = None
+    _bill: tuple[float, float, int, bool] | None = None
     """The coming step's probe, to settle at what it cost (`_settle_probe`): (its expected
-    loss, charged; the rate it was weighed against; decoding requests in the step)."""
+    loss, charged; the rate it was weighed against; decoding requests in the step; whether
+    the decision it was made in drafts)."""
     _aftermath: int = 0
     """Plain steps after a probe still to settle (`_settle_probe`)."""
     _measured: dict[Hashable, int] = field(default_factory=dict)
@@ -855,7 +868,7 @@ class SpeculationPolicy:
         if probe is not None:
             offer, size, loss = probe
             chosen[offer.key], probed = size, offer.key
-            self._bill = (loss, best.rate, len(offers) + len(fixed))
+            self._bill = (loss, best.rate, len(offers) + len(fixed), max(best.sizes) > 1)
         elif not prefilling and self._plain_probe(batch, others, best):
             chosen, plain = dict.fromkeys(chosen, 1), True  # a probe too: no run ends, nothing settles
         self._settled, expired, self._expired = None, self._expired, None
@@ -903,10 +916,10 @@ class SpeculationPolicy:
         the expected loss; returns the request to probe, the size it drafts and the loss
         charged (or None)."""
         if candidate is None:
-            self.credit = self._earned(best.seconds, None)
+            self.credit = self._earned(best.seconds, None, max(best.sizes) > 1)
             return None
         offer, size, loss = candidate
-        self.credit = self._earned(best.seconds, loss)
+        self.credit = self._earned(best.seconds, loss, max(best.sizes) > 1)
         if loss > self.credit:
             return None
         self._measured[offer.kind] = self.steps
@@ -1111,7 +1124,7 @@ class SpeculationPolicy:
         stale = self.steps - PROBE_EVERY
         can_probe = any(self._measured.get(o.kind, -1) <= stale for o in offers)
         loss = s.probe_loss if can_probe else None
-        credit = self._earned(s.seconds, loss)
+        credit = self._earned(s.seconds, loss, s.drafts)
         if loss is not None and credit >= loss:
             return None  # a probe is due: solve this step in full
         if replaced:
@@ -1121,11 +1134,13 @@ class SpeculationPolicy:
         self.reused += 1
         return s
 
-    def _earned(self, seconds: float, probe_loss: float | None) -> float:
-        """The exploration credit after a step of `seconds`: it earns `PROBE_SHARE` of them,
-        capped at one step, or at the loss of the probe it saves for (None: no probe can run)."""
+    def _earned(self, seconds: float, probe_loss: float | None, drafting: bool = False) -> float:
+        """The exploration credit after a step of `seconds`: it earns `PROBE_SHARE` of them
+        (halved `futile` times while the decision is `drafting`: `PROBE_BACKOFF`), capped at
+        one step, or at the loss of the probe it saves for (None: no probe can run)."""
         cap = seconds if probe_loss is None else max(seconds, probe_loss)
-        return min(self.credit + PROBE_SHARE * seconds, cap)
+        share = PROBE_SHARE * 0.5**self.futile if drafting else PROBE_SHARE
+        return min(self.credit + share * seconds, cap)
 
     @staticmethod
     def _learns_plain(since_heavy: int, requests: int) -> bool:
@@ -1371,9 +1386,12 @@ class SpeculationPolicy:
             return
         seconds = stats.forward_seconds + stats.overhead_seconds + sum(call[-1] for call in stats.drafting.values())
         if bill is not None:
-            charged, rate, decoding = bill
+            charged, rate, decoding, drafting = bill
             tokens = decoding + sum(o.accepted for o in stats.outcomes)
-            self.credit -= max(seconds - tokens / max(rate, 1e-12), 0.0) - charged
+            loss = seconds - tokens / max(rate, 1e-12)
+            self.credit -= max(loss, 0.0) - charged
+            if drafting:
+                self.futile = min(self.futile + 1, PROBE_BACKOFF) if loss > 0 else 0
             self._aftermath = AFTER_PREFILL
         elif self._aftermath:
             if trees or self._expected is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -298,6 +299,60 @@ def test_a_batch_that_drafts_nothing_finds_acceptance_that_rose(monkeypatch: pyt
     monkeypatch.setattr(speculation_policy, "KIND_HALF_LIFE", float("inf"))
     share_before, back_before = after_shift()
     assert share > 0.9 and share_before < 0.9 and back < back_before, (share, back, share_before, back_before)
+
+
+def test_probes_while_drafting_back_off_where_they_do_not_pay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`PROBE_BACKOFF`: a batch-1 request drafts its chain (5 nodes) and probes the 17-node
+    tree, which never pays. Each probe in a row that did not pay halves what exploration
+    earns while the decision drafts (twice at most): about half the probes, and no slower.
+    While nothing is drafted the share stays whole, so a batch of 32 that turned
+    auto-regressive finds acceptance that rose again as before; backing off there too, it
+    did not within 400 steps."""
+    world = World(a=4.0, b=0.4, c=0.5, d=0.1, alpha=0.8)
+
+    def drafting(backoff: int) -> tuple[float, int]:
+        monkeypatch.setattr(speculation_policy, "PROBE_BACKOFF", backoff)
+        rates, probes = [], 0
+        for seed in range(4):
+            p = calibrated(world)
+            rate, _ = run(p, world, batch=1, steps=600, seed=seed)
+            rates, probes = [*rates, rate], probes + p.probes
+        return float(np.mean(rates)), probes
+
+    rate, probes = drafting(speculation_policy.PROBE_BACKOFF)
+    full_rate, full_probes = drafting(0)
+    assert probes < 0.6 * full_probes and rate >= full_rate, (probes, full_probes, rate, full_rate)
+
+    def found_again() -> int:
+        p = calibrated(POOR)
+        run(p, [POOR] * 300, batch=32, steps=300, seed=10)
+        _, later = run(p, [GOOD] * 400, batch=32, steps=400, seed=20)
+        return next((i for i, h in enumerate(later) if sum(s > 1 for s in h) >= 16), len(later))
+
+    monkeypatch.setattr(speculation_policy, "PROBE_BACKOFF", 2)
+    back = found_again()
+    earned = SpeculationPolicy._earned
+    monkeypatch.setattr(  # backing off while plain too
+        SpeculationPolicy, "_earned", lambda self, seconds, loss, drafting=False: earned(self, seconds, loss, True)
+    )
+    monkeypatch.setattr(
+        SpeculationPolicy,
+        "_settle_probe",
+        _futile_always(SpeculationPolicy._settle_probe),
+    )
+    assert back < 400 <= found_again(), back
+
+
+def _futile_always(settle: Callable[[SpeculationPolicy, StepStats, bool], None]) -> Callable[..., None]:
+    """`_settle_probe` that counts every probe that did not pay, drafting or not."""
+
+    def wrapped(self: SpeculationPolicy, stats: StepStats, trees: bool) -> None:
+        bill = self._bill
+        if bill is not None:
+            self._bill = (*bill[:3], True)
+        settle(self, stats, trees)
+
+    return wrapped
 
 
 def test_one_step_measures_every_smaller_size() -> None:
@@ -1444,9 +1499,11 @@ def test_while_it_drafts_nothing_a_probe_drafts_its_best_size_not_its_largest(mo
     world = World(a=1.5, b=0.05, c=0.2, d=0.35, alpha=0.6, h=0.5, k=0.6)
     # trees that never age (`KIND_HALF_LIFE`, which also lets a probe's tree after a plain run
     # count more, whatever it drafted) and decisions that stand no longer when made again
-    # (`DRAFTING_STANDS_MOST`, which moves when probes come): the probe's size alone decides here
+    # (`DRAFTING_STANDS_MOST`, which moves when probes come), nor a share that moves with the
+    # drafting probes (`PROBE_BACKOFF`): the probe's size alone decides here
     monkeypatch.setattr(speculation_policy, "KIND_HALF_LIFE", float("inf"))
     monkeypatch.setattr(speculation_policy, "DRAFTING_STANDS_MOST", speculation_policy.DRAFTING_STANDS)
+    monkeypatch.setattr(speculation_policy, "PROBE_BACKOFF", 0)
 
     def runs(best_while_plain: bool) -> list[tuple[float, list[int], list[int]]]:
         monkeypatch.setattr(speculation_policy, "PROBE_BEST_WHILE_PLAIN", best_while_plain)
