@@ -67,7 +67,10 @@ most once per `PROBE_EVERY` steps per kind of request whose largest size is not 
 anyway. So at batch 1 after a run of
 bad drafts it re-probes every few dozen steps, at batch 32 every few steps, and throughput
 lost to probing stays near 2% even when no probe pays: a probe is charged what it cost once
-its step is timed, the slow plain steps after it included (`_settle_probe`). A probe's tree
+its step is timed, the slow plain steps after it included (`_settle_probe`). While a
+decision drafts, each probe in a row that did not pay halves that share, twice at most
+(`PROBE_BACKOFF`: whether *more* pays, where probes keep saying no); while nothing is
+drafted it stays whole (whether drafting pays at all must be found again soon). A probe's tree
 after a run of steps without trees counts against the trees behind its kind's estimate as
 they have aged (`KIND_HALF_LIFE`), so an estimate set low long ago gives way within a few
 probes where acceptance rose, instead of moving by `GROUP_EMA` a probe. Optimism (an
