@@ -472,30 +472,26 @@ class _Settled:
     given: dict[str, int] = field(default_factory=dict)
     """request -> the size it was given in the step under way (`give`: `_within` may cut a chain)."""
 
-    def give(self, offers: list[Offer], sizes: list[int] | None = None) -> dict[str, int]:
-        """Each request's size in a step it stands for (`sizes`: the step that made it),
-        chains cut to what their requests may still emit (`_within`); notes what the step's
-        trees should yield (`expecting`)."""
+    def give(self, offers: list[Offer], cut: bool = True) -> dict[str, int]:
+        """Each request's size in a step it stands for, chains cut to what their requests
+        may still emit (`_within`; not `cut`: the step that made it, whose sizes the solve
+        chose); notes what the step's trees should yield (`expecting`)."""
         if not self.drafts:
             self.given = dict.fromkeys([o.key for o in offers], 1)
             return self.given
-        given, bounded = {}, False
-        for o, size, most in zip(offers, sizes or self.sizes, self.most, strict=True):
-            if o.left is not None and o.left < most:
-                bounded = True
-                if sizes is None:
-                    size = _within(o, size)
-            given[o.key] = size
-        self.given = given
+        given: dict[str, int] = {}
         tokens = variance = 0.0
         for o, size, tau, most in zip(offers, self.sizes, self.taus, self.most, strict=True):
+            if o.left is not None and o.left < most:  # its last tokens: fewer than the tree may yield
+                most = float(o.left)
+                if cut:
+                    size = _within(o, size)
+            given[o.key] = size
             if size > 1:
-                if bounded and o.left is not None and o.left < most:
-                    most = float(o.left)
                 e = min(tau, most)
                 tokens += e
                 variance += max(e - 1.0, 0.0) * (most - e) + 0.25
-        self.expecting = (tokens, variance)
+        self.given, self.expecting = given, (tokens, variance)
         return given
 
     def strays(self, z: float = STAND_Z) -> bool:
@@ -526,6 +522,12 @@ def _signature(offers: list[Offer], others: int, chains: Sequence[bool] | None =
         others,
         *((o.kind, o.sizes, o.levels, None if chain else _bound(o)) for o, chain in zip(offers, chains, strict=True)),
     )
+
+
+def _first_stand(drafts: bool) -> int:
+    """Steps a decision stands before it is made again (`_Settled.stands`): `DRAFTING_STANDS`
+    if it drafts, else `RECHOOSE_EVERY`."""
+    return DRAFTING_STANDS if drafts else RECHOOSE_EVERY
 
 
 def _chain(offer: Offer, size: int) -> bool:
@@ -865,13 +867,13 @@ class SpeculationPolicy:
         best = self._best(batch, others)
         chosen = {o.key: size for (_, members), size in zip(groups.items(), best.sizes, strict=True) for o in members}
         self._expected = best.seconds
-        members = list(groups.values())
+        members, drafting = list(groups.values()), max(best.sizes) > 1
         candidate = self._probe(members, batch, others, best)  # among kinds not measured lately
-        probe = self._explore(candidate, best)
+        probe = self._explore(candidate, best, drafting)
         if probe is not None:
             offer, size, loss = probe
             chosen[offer.key], probed = size, offer.key
-            self._bill = (loss, best.rate, len(offers) + len(fixed), max(best.sizes) > 1)
+            self._bill = (loss, best.rate, len(offers) + len(fixed), drafting)
         elif not prefilling and self._plain_probe(batch, others, best):
             chosen, plain = dict.fromkeys(chosen, 1), True  # a probe too: no run ends, nothing settles
         self._settled, expired, self._expired = None, self._expired, None
@@ -914,15 +916,17 @@ class SpeculationPolicy:
             rate = cand.rate
         return best
 
-    def _explore(self, candidate: tuple[Offer, int, float] | None, best: _Choice) -> tuple[Offer, int, float] | None:
+    def _explore(
+        self, candidate: tuple[Offer, int, float] | None, best: _Choice, drafting: bool
+    ) -> tuple[Offer, int, float] | None:
         """Spend the exploration credit on the probe `candidate` (`_probe`) when it covers
-        the expected loss; returns the request to probe, the size it drafts and the loss
-        charged (or None)."""
+        the expected loss (`drafting`: whether `best` drafts, `_earned`); returns the request
+        to probe, the size it drafts and the loss charged (or None)."""
         if candidate is None:
-            self.credit = self._earned(best.seconds, None, max(best.sizes) > 1)
+            self.credit = self._earned(best.seconds, None, drafting)
             return None
         offer, size, loss = candidate
-        self.credit = self._earned(best.seconds, loss, max(best.sizes) > 1)
+        self.credit = self._earned(best.seconds, loss, drafting)
         if loss > self.credit:
             return None
         self._measured[offer.kind] = self.steps
@@ -1069,7 +1073,7 @@ class SpeculationPolicy:
         sizes = [chosen[o.key] for o in offers]
         chains = [_chain(o, size) for o, size in zip(offers, sizes, strict=True)]
         signature = _signature(offers, others, chains if drafts else None)
-        stands = DRAFTING_STANDS if drafts else RECHOOSE_EVERY
+        stands = _first_stand(drafts)
         if expired is not None and expired.sizes == sizes:  # made again at the end of its stand
             if not drafts:
                 stands = min(2 * expired.stands, PLAIN_STANDS_MOST)
@@ -1089,7 +1093,7 @@ class SpeculationPolicy:
             [ceiling(o, size) for o, size in zip(offers, sizes, strict=True)],
             chains,
         )
-        self._settled.give(offers, sizes)  # what this step gives and expects
+        self._settled.give(offers, cut=False)  # what this step gives and expects
 
     def _may_stand_long(self, offers: list[Offer], sizes: list[int], others: int) -> bool:
         """Whether a decision that drafts `sizes` may stand past `DRAFTING_STANDS` steps: each
@@ -1132,7 +1136,7 @@ class SpeculationPolicy:
             return None  # a probe is due: solve this step in full
         if replaced:
             s.keys = keys
-            s.stands = min(s.stands, age + (DRAFTING_STANDS if s.drafts else RECHOOSE_EVERY))
+            s.stands = min(s.stands, age + _first_stand(s.drafts))
         self.credit = credit
         self.reused += 1
         return s

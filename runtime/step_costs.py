@@ -282,15 +282,11 @@ class LinearCost:
             if old_x == x:  # a steady choice's call: A^T A stays, only A^T t moves (~half the work)
                 kept.append((x, seconds))
                 self._account_seconds(x, seconds - old_seconds)
-                self._invalidate()
+                self._stale = True  # refit at the next query (`_fitted`); `recent` keeps the last fit
                 return
             self._account(old_x, old_seconds, -1.0)
         kept.append((x, seconds))
         self._account(x, seconds, 1.0)
-        self._invalidate()
-
-    def _invalidate(self) -> None:
-        """A sample came or went: refit at the next query (`_fitted`); `recent` keeps the last fit."""
         self._stale = True
 
     def _account_seconds(self, x: tuple[float, ...], seconds: float) -> None:
