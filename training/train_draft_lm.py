@@ -70,8 +70,9 @@ class DraftLMTrainConfig:
     """Training window."""
     batch_size: int = 16
     """Windows per step."""
-    steps: int = 450
-    """Optimiser steps (sized so the default run takes <= 15 min on 2 CPU cores)."""
+    steps: int = 1000
+    """Optimiser steps (~16 min on 2 CPU cores; 450 steps, 0.824 held-out acceptance, were
+    still climbing: 1000 reach 0.867)."""
     lr: float = 3e-3
     """Peak learning rate."""
     min_lr_ratio: float = 0.1
