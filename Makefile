@@ -163,12 +163,12 @@ bench-redrafter: engine  ## W x L x T sweep: tau, acceptance, compression, speed
 bench-batch: engine  ## throughput + tau vs batch size: AR, fixed (W=4 and W=1) and load-aware ReDrafter -> benchmarks/results/
 	$(BIN)/python -m benchmarks.batch_sweep --engine $(SPEC_ENGINE) --fixed-also beam_width=1
 
-bench-batch-methods: engine  ## the same at batch 1 and 8, T=0 and T=1, for sd, rsd-c, rsd-s (draft LM) and lyanna (~10 min) -> benchmarks/results/batch_sweep_<method>[_t1].*
+bench-batch-methods: engine  ## the same at batch 1 and 8, T=0 and T=1, for sd, rsd-c, rsd-s (draft LM) and lyanna (~4 min on 2 cores) -> benchmarks/results/batch_sweep_<method>[_t1].*
 	for m in sd rsd-c rsd-s; do for t in 0 1; do \
-	  $(BIN)/python -m benchmarks.batch_sweep --engine $(DRAFT_ENGINE) --method $$m --batch-sizes 1,8 --temperature $$t --rounds 5 \
+	  $(BIN)/python -m benchmarks.batch_sweep --engine $(DRAFT_ENGINE) --method $$m --batch-sizes 1,8 --temperature $$t --rounds 9 \
 	    --out benchmarks/results/batch_sweep_$$m$$([ $$t = 0 ] || echo _t1) || exit 1; done; done
 	for t in 0 1; do \
-	  $(BIN)/python -m benchmarks.batch_sweep --engine $(LYANNA_ENGINE) --method lyanna --batch-sizes 1,8 --temperature $$t --rounds 5 \
+	  $(BIN)/python -m benchmarks.batch_sweep --engine $(LYANNA_ENGINE) --method lyanna --batch-sizes 1,8 --temperature $$t --rounds 9 \
 	    --out benchmarks/results/batch_sweep_lyanna$$([ $$t = 0 ] || echo _t1) || exit 1; done
 
 bench-triton-overhead: engine  ## batch-1 tokens/s through Triton (gRPC streaming) vs in-process, AR and ReDrafter -> benchmarks/results/triton_overhead.*

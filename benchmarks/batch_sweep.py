@@ -236,7 +236,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch-sizes", default="1,2,4,8,16,32", help="batch sizes (default: %(default)s)")
     ap.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default: %(default)s)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
-    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per batch size (default: %(default)s)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=7,
+        help="alternating rounds per batch size: the report takes the median of the rounds' ratios, and a shared "
+        "machine's speed moves within a sweep (default: %(default)s)",
+    )
     ap.add_argument("--min-prompts", type=int, default=8, help="prompts per batch size at least (default: %(default)s)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/batch_sweep"), help="output path stem")
     ap.add_argument(
