@@ -71,8 +71,8 @@ class DraftLMTrainConfig:
     batch_size: int = 16
     """Windows per step."""
     steps: int = 2000
-    """Optimiser steps (~31 min on 2 CPU cores; held-out acceptance 0.824 after 450 steps,
-    0.867 after 1000, 0.886 after 2000)."""
+    """Optimiser steps (~31 min on 2 CPU cores). The cosine schedule spans them: runs of 450,
+    1000 and 2000 steps ended at held-out acceptance 0.824, 0.867 and 0.886."""
     lr: float = 3e-3
     """Peak learning rate."""
     min_lr_ratio: float = 0.1
