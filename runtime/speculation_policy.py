@@ -1141,7 +1141,7 @@ class SpeculationPolicy:
         self.reused += 1
         return s
 
-    def _earned(self, seconds: float, probe_loss: float | None, drafting: bool = False) -> float:
+    def _earned(self, seconds: float, probe_loss: float | None, drafting: bool) -> float:
         """The exploration credit after a step of `seconds`: it earns `PROBE_SHARE` of them
         (halved `futile` times while the decision is `drafting`: `PROBE_BACKOFF`), capped at
         one step, or at the loss of the probe it saves for (None: no probe can run)."""
