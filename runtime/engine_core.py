@@ -152,6 +152,7 @@ class EngineCore:
         work = self._schedule()
         self.faults.check("step", (item.request.params for item in work))
         self.faults.check("hang", (item.request.params for item in work))
+        self.faults.check("slow", (item.request.params for item in work))
         clock.lap("schedule")
         trees, failures, drafting = self._propose([item for item in work if not item.prefill])
         finished += [self._finish(r, "error", message) for r, message in failures]

@@ -16,6 +16,8 @@ A seed is a per-request value every door already carries (`--seed`, Triton's
                 requests; under tensor parallelism it is fatal for the engine)
     step        anywhere in a step that holds the request (fails every request in flight)
     hang        a step that holds the request never returns (a wedged engine: HANG_S)
+    slow        a step that holds the request takes SLOW_S longer (a request that cannot
+                finish before a client gives up on it, however fast the machine)
     detokenize  the server's response thread turning the request's tokens into text
 """
 
@@ -35,9 +37,12 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 ENV = "SPECPIPE_INJECT_FAULTS"
-STAGES = ("draft", "verify", "sample", "forward", "step", "hang", "detokenize")
+STAGES = ("draft", "verify", "sample", "forward", "step", "hang", "slow", "detokenize")
 HANG_S = 3600.0
 """How long a `hang` fault blocks its step: longer than any test waits."""
+SLOW_S = 0.05
+"""How much longer a `slow` fault makes each of its steps: 80 steps (400 tokens at 5 a
+step) take 4 s."""
 
 
 class InjectedFault(RuntimeError):
@@ -62,13 +67,16 @@ class FaultInjector:
 
     def check(self, stage: str, params: Iterable[SamplingParams]) -> None:
         """Raise InjectedFault if a request with one of these settings is to fail at `stage`
-        (stage `hang`: block for HANG_S instead)."""
+        (stage `hang`: block for HANG_S instead; stage `slow`: sleep SLOW_S, then go on)."""
         if not self.seeds:
             return
         victims = self.seeds.get(stage, frozenset())
         for p in params:
             if p.seed in victims and stage == "hang":
                 time.sleep(HANG_S)
+            if p.seed in victims and stage == "slow":
+                time.sleep(SLOW_S)
+                return
             if p.seed in victims:
                 raise InjectedFault(f"fault injected at {stage} for seed {p.seed} ({ENV})")
 

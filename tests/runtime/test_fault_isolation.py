@@ -10,13 +10,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import time
+
 import pytest
 
 from build.engine import build_engine
 from runtime import llm_engine
 from runtime.config import RuntimeConfig
 from runtime.engine_dir import BuildConfig
-from runtime.faults import FaultInjector
+from runtime.faults import SLOW_S, FaultInjector
 from runtime.llm_engine import MAX_STEP_FAILURES, EngineDeadError, LLMEngine
 from runtime.loaded_engine import LoadedEngine
 from runtime.sampling import SamplingParams
@@ -143,6 +145,19 @@ def test_a_fault_that_keeps_failing_every_step_makes_the_engine_dead(
         llm.add_request(prompts[1], SamplingParams(max_tokens=4))
     with pytest.raises(EngineDeadError):
         llm.step()
+
+
+def test_a_slow_fault_slows_each_step_of_its_request_and_changes_nothing(
+    engines: dict[str, LoadedEngine], prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    """What the serving tests lean on to cancel a request before it can finish."""
+    llm = LLMEngine(engines["rnn"], FIXED)
+    llm.faults = FaultInjector({"slow": frozenset({VICTIM_SEED})})
+    start = time.monotonic()
+    results = llm.generate(prompts, with_victim(len(prompts), 1), "redrafter")
+    elapsed = time.monotonic() - start
+    assert [r.output_ids for r in results] == reference
+    assert results[1].num_forwards > 1 and elapsed >= results[1].num_forwards * SLOW_S
 
 
 def test_fault_spec_from_the_environment() -> None:

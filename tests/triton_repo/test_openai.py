@@ -49,6 +49,8 @@ CHAT_PROMPT = "# Fibonacci numbers\n" + PROMPT
 """What the demo model's chat template (models/demo-target/tokenizer_config.json) makes of CHAT."""
 FAIL_AT_START, FAIL_MIDWAY = 4242, 4243
 """Seeds of requests the engine fails (runtime/faults.py): at their first token, after it."""
+SLOW = 4244
+"""Seed of requests whose every step the engine makes 50 ms longer (runtime/faults.py)."""
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +78,7 @@ def served(engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     http, grpc, metrics = free_ports(3)
     args = ["--engine", str(engine_dir), "--run-dir", str(run_dir), "--log-level", "warning"]
     args += ["--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
-    faults = {ENV: f"sample:{FAIL_AT_START},verify:{FAIL_MIDWAY}"}  # only requests with these seeds fail
+    faults = {ENV: f"sample:{FAIL_AT_START},verify:{FAIL_MIDWAY},slow:{SLOW}"}  # only requests with these seeds fail
     with OpenAIFrontend(args, run_dir / "frontend.log", env=faults) as running:
         yield Served(running, f"http://localhost:{metrics}/metrics")
 
@@ -252,7 +254,11 @@ def wait_until_running(served: Served) -> None:
 
 
 def test_a_client_that_goes_away_frees_the_engine(client: Any, served: Served) -> None:
-    long = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    """The request is slowed (seed SLOW: >= 4 s for its 400 tokens) so that it cannot finish
+    before the client leaves, however fast the machine: unslowed, ReDrafter's drafts made its
+    400 tokens take ~0.2 s, and it sometimes ended before the server saw the stream close."""
+    long = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "seed": SLOW}
+    long |= {"extra_body": {"ignore_eos": True}}
     before = engine_gauges(served).get('specpipe_requests_total{outcome="cancelled"}', 0.0)
     stream = client.completions.create(stream=True, **long)
     for i, _ in enumerate(stream):
@@ -261,15 +267,8 @@ def test_a_client_that_goes_away_frees_the_engine(client: Any, served: Served) -
     wait_until_running(served)  # the gauges are published every 0.1 s: the first read may predate the request
     stream.close()  # closes the HTTP response: the server closes its Triton stream
     wait_until_freed(served, before)
-    # non-streaming: the client gives up waiting. Auto-regressive (ReDrafter's drafts made it
-    # finish inside the timeout on a fast machine), and the timeout a quarter of what its 400
-    # tokens take here: a fixed 0.5 s let them finish on a 2-thread AMD EPYC (~1 ms a token)
-    slow = long | {"extra_body": {"ignore_eos": True, "method": "ar"}}
-    start = time.monotonic()
-    client.completions.create(**(slow | {"max_tokens": 64}))
-    timeout = min(0.5, max(0.05, 400 / 64 * (time.monotonic() - start) / 4))
-    with pytest.raises(openai.APITimeoutError):
-        client.with_options(timeout=timeout).completions.create(**slow)
+    with pytest.raises(openai.APITimeoutError):  # non-streaming: the client gives up waiting
+        client.with_options(timeout=0.5).completions.create(**long)
     wait_until_freed(served, before + 1)
 
 

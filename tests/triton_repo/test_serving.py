@@ -25,6 +25,7 @@ from tritonclient.utils import InferenceServerException
 
 from runtime.config import RuntimeConfig
 from runtime.engine_dir import BuildConfig
+from runtime.faults import ENV as FAULTS
 from runtime.llm_engine import OTHER_THREAD, LLMEngine
 from runtime.loaded_engine import LoadedEngine
 from runtime.sampling import SamplingParams
@@ -45,6 +46,9 @@ from triton_repo.server import TritonServer
 
 INFER_MODEL = "specpipe_infer"
 MAX_TOKENS = 24
+SLOW = 4244
+"""Seed of requests whose every step `server` makes 50 ms longer (runtime/faults.py): a
+request a test cancels cannot finish first, however fast the machine."""
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +64,10 @@ def engine(engine_dir: Path) -> LoadedEngine:
 @pytest.fixture(scope="module")
 def server(engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
     skip_without_tritonserver()
-    with TritonServer(ServingConfig(engine_dir=engine_dir), tmp_path_factory.mktemp("triton")) as running:
-        yield running
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(FAULTS, f"slow:{SLOW}")  # only requests with this seed are slowed
+        with TritonServer(ServingConfig(engine_dir=engine_dir), tmp_path_factory.mktemp("triton")) as running:
+            yield running
 
 
 @pytest.fixture(scope="module")
@@ -296,7 +302,7 @@ def test_cancelled_stream_frees_its_blocks(server: TritonServer) -> None:
     received: queue.Queue[Any] = queue.Queue()
     client.start_stream(callback=lambda result, error: received.put((result, error)))
     before = metrics(server).get('specpipe_requests_total{outcome="cancelled"}', 0.0)
-    client.async_stream_infer(MODEL, make_inputs(PROMPTS[0], max_tokens=500, ignore_eos=True, stream=True))
+    client.async_stream_infer(MODEL, make_inputs(PROMPTS[0], max_tokens=500, ignore_eos=True, seed=SLOW, stream=True))
     for _ in range(3):
         assert received.get(timeout=60)[1] is None
     client.stop_stream(cancel_requests=True)
@@ -309,16 +315,9 @@ def test_a_cancelled_grpc_infer_stops_its_engine_request(server: TritonServer) -
     cannot cancel; the front forwards the client's cancellation as a control request."""
     before = metrics(server).get('specpipe_requests_total{outcome="cancelled"}', 0.0)
     client = grpcclient.InferenceServerClient(server.grpc_url)
-    # auto-regressive (with ReDrafter's drafts 500 tokens could finish inside the deadline),
-    # and the deadline a quarter of what 500 tokens take here: a fixed 0.5 s was too long for
-    # a 2-thread AMD EPYC, which decodes the demo model at ~1 ms a token
-    short = make_inputs(PROMPTS[0], max_tokens=64, ignore_eos=True, stream=False, method="ar")
-    start = time.monotonic()
-    client.infer(INFER_MODEL, short)
-    deadline = min(0.5, max(0.05, 500 / 64 * (time.monotonic() - start) / 4))
-    inputs = make_inputs(PROMPTS[0], max_tokens=500, ignore_eos=True, stream=False, method="ar")
+    inputs = make_inputs(PROMPTS[0], max_tokens=500, ignore_eos=True, seed=SLOW, stream=False)
     with pytest.raises(InferenceServerException, match="Deadline"):
-        client.infer(INFER_MODEL, inputs, client_timeout=deadline)
+        client.infer(INFER_MODEL, inputs, client_timeout=0.5)
     wait_for_cancelled(server, before)
     assert stream_grpc(server.grpc_url, [{"prompt": "x", "max_tokens": 4}])[0]["finals"] == 1
 
