@@ -8,9 +8,8 @@ the next requests; a fault that keeps coming back makes the engine dead, and it 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import time
+from pathlib import Path
 
 import pytest
 
