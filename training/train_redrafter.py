@@ -56,7 +56,7 @@ class DrafterTrainConfig:
     """Residual blocks."""
     draft_len: int = 5
     """Draft positions trained (T); inference may use any L <= T."""
-    train_sequences: int = 9216
+    train_sequences: int = 18432
     """Corpus windows continued by the target for training data."""
     heldout_sequences: int = 128
     """Held-out windows for evaluation."""
