@@ -94,29 +94,28 @@ void tile(const float* x, int64_t ldx, const float* wb, int64_t I, float* out, i
   }
 }
 
-// All M rows times NB consecutive blocks: one streamed tile of 2-6 rows, else tiles of kRows
-// rows, then the rest.
+// All M rows times NB consecutive blocks: tiles of kRows rows, then the rest.
+template <int NB, bool kStream>
+void tiles(const float* x, int64_t M, const float* wb, int64_t I, float* out, int64_t O, int64_t cols) {
+  int64_t r = 0;
+  for (; r + kRows <= M; r += kRows) tile<kRows, NB, kStream>(x + r * I, I, wb, I, out + r * O, O, cols);
+  switch (M - r) {
+    case 5: tile<5, NB, kStream>(x + r * I, I, wb, I, out + r * O, O, cols); break;
+    case 4: tile<4, NB, kStream>(x + r * I, I, wb, I, out + r * O, O, cols); break;
+    case 3: tile<3, NB, kStream>(x + r * I, I, wb, I, out + r * O, O, cols); break;
+    case 2: tile<2, NB, kStream>(x + r * I, I, wb, I, out + r * O, O, cols); break;
+    case 1: tile<1, NB, kStream>(x + r * I, I, wb, I, out + r * O, O, cols); break;
+    default: break;
+  }
+}
+
+// All M rows times NB consecutive blocks; one tile of 2-6 rows streamed (the header's note).
 template <int NB>
 void rows(const float* x, int64_t M, const float* wb, int64_t I, float* out, int64_t O, int64_t cols) {
-  static_assert(kRows == 6, "the streamed cases below list the rows of one tile");
-  switch (M) {  // one tile of 2-6 rows: streamed (the header's note)
-    case 6: return tile<6, NB, true>(x, I, wb, I, out, O, cols);
-    case 5: return tile<5, NB, true>(x, I, wb, I, out, O, cols);
-    case 4: return tile<4, NB, true>(x, I, wb, I, out, O, cols);
-    case 3: return tile<3, NB, true>(x, I, wb, I, out, O, cols);
-    case 2: return tile<2, NB, true>(x, I, wb, I, out, O, cols);
-    default: break;
-  }
-  int64_t r = 0;
-  for (; r + kRows <= M; r += kRows) tile<kRows, NB, false>(x + r * I, I, wb, I, out + r * O, O, cols);
-  switch (M - r) {
-    case 5: tile<5, NB, false>(x + r * I, I, wb, I, out + r * O, O, cols); break;
-    case 4: tile<4, NB, false>(x + r * I, I, wb, I, out + r * O, O, cols); break;
-    case 3: tile<3, NB, false>(x + r * I, I, wb, I, out + r * O, O, cols); break;
-    case 2: tile<2, NB, false>(x + r * I, I, wb, I, out + r * O, O, cols); break;
-    case 1: tile<1, NB, false>(x + r * I, I, wb, I, out + r * O, O, cols); break;
-    default: break;
-  }
+  if (M > 1 && M <= kRows)
+    tiles<NB, true>(x, M, wb, I, out, O, cols);
+  else
+    tiles<NB, false>(x, M, wb, I, out, O, cols);
 }
 
 }  // namespace fp32_linear_detail
