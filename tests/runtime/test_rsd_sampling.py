@@ -19,7 +19,7 @@ from plugins.int8_linear import vectorized
 from plugins.llama_forward import Int8DraftLM
 from runtime import llm_engine, verify
 from runtime.config import RuntimeConfig
-from runtime.proposers import rsd
+from runtime.proposers import level_drafters, rsd
 from runtime.proposers.level_drafters import DraftLMLevels
 from runtime.sampling import SamplingParams
 from tests import toy_sampling
@@ -170,6 +170,50 @@ def test_chains_fed_from_the_roots_draft_what_first_and_chain_draft(
     monkeypatch.setattr(Int8DraftLM, "sampled_chain", early_roots)  # sampled chains
     early = llm_engine.generate(engine, [toy_sampling.PROMPT] * n, params, "sd", config)
     assert [r.num_accepted for r in early] != [r.num_accepted for r in plain]
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu" or not vectorized(), reason="the draft LM's C++ chain ops run on the CPU")
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_request_a_token_behind_is_caught_up_by_a_chain_level(
+    temperature: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`DraftLMLevels._feed_behind`: a request that kept its whole chain is behind by the
+    chain's last draft (never fed to the draft LM); that token goes in as a chain level,
+    then the chains start at the roots, in place of `first`'s forward over every request's
+    catch-up. The K/V it writes and the roots' logits after it are the general forward's
+    bits, so output and acceptances are those with the general forward (`SHORT_CATCH_UP`
+    0), token for token and seed for seed; the short path ran. Test of the test: token 0
+    fed in place of each behind token draws other sampled chains."""
+    engine = toy_sampling.toy_engine("draft-lm", SETTINGS, int8=True)
+    n = 48
+    params = [SamplingParams(temperature=temperature, max_tokens=12, seed=i, ignore_eos=True) for i in range(n)]
+    config = RuntimeConfig(speculation="fixed", max_num_tokens=16 * n, max_queue_size=n)
+    real = DraftLMLevels._feed_behind
+    behind: list[int] = []
+
+    def counted(self: DraftLMLevels, b: list[int]) -> None:
+        behind.extend(b)
+        real(self, b)
+
+    def wrong(self: DraftLMLevels, b: list[int]) -> None:  # each behind token fed as token 0
+        level = self.chain_level_at
+        self.chain_level_at = lambda rows, tokens, positions: level(rows, [0] * len(rows), positions)  # type: ignore[method-assign]
+        real(self, b)
+        del self.chain_level_at
+
+    def run() -> list[tuple[list[int], int]]:
+        out = llm_engine.generate(engine, [toy_sampling.PROMPT] * n, params, "sd", config)
+        return [(r.output_ids, r.num_accepted) for r in out]
+
+    monkeypatch.setattr(DraftLMLevels, "_feed_behind", counted)
+    short = run()
+    assert any(k > 0 for k in behind)  # chains kept whole: their last drafts fed as levels
+    monkeypatch.setattr(level_drafters, "SHORT_CATCH_UP", 0)
+    assert run() == short
+    if temperature > 0:  # (the toy draft LM's argmax chains here read the same either way)
+        monkeypatch.setattr(level_drafters, "SHORT_CATCH_UP", 2)
+        monkeypatch.setattr(DraftLMLevels, "_feed_behind", wrong)
+        assert [a for _, a in run()] != [a for _, a in short]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
