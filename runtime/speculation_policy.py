@@ -81,7 +81,8 @@ measured (`_pessimistic`), so a batch does not draft what only optimism supports
 A settled decision stands while the requests and their options are the same and no probe
 is due; exploration credit still accrues, and a probe that comes due ends it (`_Settled`):
 - every request at size 1: for up to `RECHOOSE_EVERY` steps while nothing is drafted, twice
-  as long each time it is made again (up to `PLAIN_STANDS_MOST`). A step without drafting
+  as long each time it is made again (up to `PLAIN_STANDS_MOST`; made again after a probe
+  ended it, as long as before: `PROBE_KEEPS_STAND`). A step without drafting
   brings no acceptance evidence, only a drifting forward time, so re-solving it would cost
   ~0.2 ms a step (2% of a one-token CPU forward) to reach the same answer;
 - one that drafts, where the solve before drafted too: for `DRAFTING_STANDS` steps, while
@@ -239,6 +240,15 @@ stand, it stands twice as long (from `RECHOOSE_EVERY`). Its steps bring no accep
 evidence, so re-solving it only follows the plain step's drifting price (a probe that
 comes due still ends it): at batch 1, T=1 (ReDrafter, drafting never pays), solves every
 `RECHOOSE_EVERY` + 1 steps were ~40% of the full solves, each ~0.4 ms on a ~1.25 ms step."""
+
+PROBE_KEEPS_STAND = True
+"""An all-auto-regressive decision that a probe ended, made again by the solve after the
+probe, stands as long as it stood before (`_settle`), instead of `RECHOOSE_EVERY` doubled
+back up to `PLAIN_STANDS_MOST`: each probe then cost its own two solves (the step it runs
+in and the next, which takes its tree in) and no more. ReDrafter at T=1, batch 8 (demo
+engine, drafting never pays, a probe every ~60 steps; its policy after 40 live steps asked
+again and again for the same 8 requests): 68 -> 36 full solves in 1000 steps, each ~0.3 ms
+on a ~3 ms step."""
 DRAFTING_STANDS = 4
 """Steps a decision that drafts stands while the requests and their options are the same
 (and no probe is due; `_Settled`). Unlike an all-auto-regressive decision, each of its
@@ -610,6 +620,9 @@ class SpeculationPolicy:
     """The standing decision, if any (module docstring)."""
     _expired: _Settled | None = None
     """The settled decision whose stand ran out at this step (`_settle`: made again, it stands longer)."""
+    _probed_plain: _Settled | None = None
+    """The all-auto-regressive decision a probe ended (`_settle`: made again by the next
+    solve, it stands as long as it stood before the probe)."""
     _drafted: bool = False
     """Whether the last full solve chose to draft (`_settle`)."""
     reused: int = 0
@@ -876,6 +889,8 @@ class SpeculationPolicy:
             self._bill = (loss, best.rate, len(offers) + len(fixed), drafting)
         elif not prefilling and self._plain_probe(batch, others, best):
             chosen, plain = dict.fromkeys(chosen, 1), True  # a probe too: no run ends, nothing settles
+        if probe is not None and self._settled is not None and not self._settled.drafts:
+            self._probed_plain = self._settled  # ended by its probe, not by what it was made for
         self._settled, expired, self._expired = None, self._expired, None
         if probe is None and not plain:
             self._settle(members, batch, others, best, offers, chosen, expired, candidate)
@@ -1062,6 +1077,7 @@ class SpeculationPolicy:
         `candidate`: the probe a kind not measured lately would make now (`_probe`), if any."""
         drafts = max(best.sizes) > 1
         confirmed, self._drafted = self._drafted, drafts
+        probed, self._probed_plain = self._probed_plain, None
         if drafts and not confirmed:
             return  # a first choice to draft (optimism about sizes barely measured): its trees may end it
         # the probe that would come next: the one a kind not measured lately has now, else
@@ -1074,6 +1090,8 @@ class SpeculationPolicy:
         chains = [_chain(o, size) for o, size in zip(offers, sizes, strict=True)]
         signature = _signature(offers, others, chains if drafts else None)
         stands = _first_stand(drafts)
+        if PROBE_KEEPS_STAND and not drafts and probed is not None and probed.signature == signature:
+            stands = probed.stands  # made again after a probe ended it
         if expired is not None and expired.sizes == sizes:  # made again at the end of its stand
             if not drafts:
                 stands = min(2 * expired.stands, PLAIN_STANDS_MOST)

@@ -463,6 +463,34 @@ def test_an_auto_regressive_decision_made_again_stands_longer(monkeypatch: pytes
     assert history == short_history and solves < 0.65 * short_solves, (solves, short_solves)
 
 
+def test_a_probe_does_not_restart_an_auto_regressive_decisions_stand(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`PROBE_KEEPS_STAND`: drafting never pays and probes come every few dozen steps
+    (ReDrafter at T=1, batch 8: ~60). The all-auto-regressive decision a probe ended, made
+    again by the solve after it, stands as long as it stood before the probe instead of
+    starting again at `RECHOOSE_EVERY`: the same choices, probes included, with fewer
+    solves, and once its stand has doubled it never starts at `RECHOOSE_EVERY` again."""
+    monkeypatch.setattr(speculation_policy, "DRAFTING_STANDS", 0)
+    world = World(a=8.0, b=0.5, c=2.0, d=0.5, alpha=0.2)
+
+    def solves_and_history() -> tuple[int, list, int, list[int]]:
+        p = calibrated(world)
+        stands = []
+        history = []
+        for _ in range(800):
+            _, h = run(p, world, batch=8, steps=1)
+            history += h
+            if p._settled is not None:
+                stands.append(p._settled.stands)
+        return p.steps - p.reused, history, p.probes, stands
+
+    solves, history, probes, stands = solves_and_history()
+    monkeypatch.setattr(speculation_policy, "PROBE_KEEPS_STAND", False)
+    restarted, restarted_history, restarted_probes, _ = solves_and_history()
+    assert probes == restarted_probes > 10 and history == restarted_history
+    assert solves < 0.75 * restarted, (solves, restarted)
+    assert min(stands[len(stands) // 2 :]) > speculation_policy.RECHOOSE_EVERY  # never started again
+
+
 def test_a_decision_to_draft_stands_a_few_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """Solved every step, the choice cost ~2% of a drafting step. A decision that drafts,
     where the solve before chose to draft too, stands for `DRAFTING_STANDS` steps: the
