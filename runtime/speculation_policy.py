@@ -62,7 +62,8 @@ the time its tokens would take at the chosen rate), one request not at its large
 drafts its largest tree (the one with the least to catch up, then the one measured
 longest ago: nested sizes are all measured by it; where sizes are not cuts of each other,
 rsd-s's beams of each width, the size its kind measured longest ago: `_probe_size`; while
-it drafts nothing, nested sizes' best: `PROBE_BEST_WHILE_PLAIN`), at
+it drafts nothing, nested sizes' best: `PROBE_BEST_WHILE_PLAIN`, and where only the smaller
+sizes are cuts, the largest cut: `PROBE_CHAINS_WHILE_PLAIN`), at
 most once per `PROBE_EVERY` steps per kind of request whose largest size is not measured
 anyway. So at batch 1 after a run of
 bad drafts it re-probes every few dozen steps, at batch 32 every few steps, and throughput
@@ -193,6 +194,19 @@ load-aware rsd-c at T=1, batch 1 stayed auto-regressive after an unlucky first t
 read 1.16-1.22x). Five alternating A/B processes of that cell, largest -> best: medians
 1.17 / 1.19 / 0.96 / 1.23 / 1.23x -> 1.29 / 1.27 / 1.24 / 1.33 / 1.32x (the rest of the
 A/B is in issue 16's notes). Drafting, it probes its largest as before (does more pay?)."""
+PROBE_CHAINS_WHILE_PLAIN = True
+"""While a request whose smaller sizes are cuts of each other but its larger ones are not
+(ReDrafter's one-beam chains below its wider beams, rsd-s's chains below its beam widths:
+`Offer.cuts`) drafts nothing, its probe drafts its largest cut, which measures every cut
+below it: whether drafting pays at all is a question about its chains, and its wider beams
+are probed in turn once it drafts (`_probe_size`). Probed in turn while plain, a 21-node
+W=4 tree (ReDrafter at T=1, batch 2, demo engine, 2-thread EPYC) cost its step +3.5 ms and
+the steps after it ~1.7 ms more, on ~1.4 ms steps, where a 6-node chain costs about a
+third. Load-aware / AR, 10 alternating rounds each, rotation -> largest cut: T=1 batch 1
+0.931 -> 0.939 (mean 0.935 -> 0.965), batch 2 0.938 -> 0.960, batch 8 0.969 -> 0.953 (mean
+0.954 -> 0.953); T=0 batch 8 1.171 -> 1.165, its slowest round 1.02 -> 1.10 (after the
+warm-up the first batch-8 trees, which keep fewer drafts, switched drafting off; a chain
+probe, cheaper, came ~15 steps sooner and switched it back on)."""
 PROBE_EVERY = 32
 """Fewest steps between probes of one kind of request (while its largest size is measured
 no more often than this)."""
@@ -1041,15 +1055,19 @@ class SpeculationPolicy:
     def _probe_size(self, offer: Offer, chosen: int) -> int | None:
         """The size a probe of `offer` drafts instead of `chosen`: its largest, which
         measures every smaller size where they are cuts of it (`Offer.exact`; while the
-        request drafts nothing, `_probe` drafts its best size: `PROBE_BEST_WHILE_PLAIN`); else the
-        size its kind measured longest ago (the larger of a tie: a chain measures the
-        shorter chains in it), so that every size is measured in turn. Measured only when
+        request drafts nothing, `_probe` drafts its best size: `PROBE_BEST_WHILE_PLAIN`);
+        while it drafts nothing, its largest cut where only smaller sizes are cuts
+        (`PROBE_CHAINS_WHILE_PLAIN`); else the size its kind measured longest ago (the
+        larger of a tie: a chain measures the shorter chains in it), so that every size is
+        measured in turn. Measured only when
         drafted, rsd-s's chains kept the estimate of a few unlucky first chains (2.3 tokens
         a step at T=1, batch 1, where they make ~3.1) while its 9-node beams were chosen
         and re-measured, and load-aware rsd-s ran 1.45x auto-regression where chains ran
         1.76x. None: nothing to probe."""
         if offer.exact:
             return offer.sizes[-1] if chosen < offer.sizes[-1] else None
+        if PROBE_CHAINS_WHILE_PLAIN and chosen == 1 and offer.cuts is not None and offer.cuts > 1:
+            return largest_fitting(offer.sizes, offer.cuts)
         sizes = [s for s in offer.sizes if s > 1 and s != chosen]
         if not sizes:
             return None

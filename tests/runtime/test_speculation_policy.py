@@ -1250,6 +1250,25 @@ def test_probes_visit_sizes_that_are_not_cuts_of_each_other_in_turn() -> None:
     assert p._probe_size(dataclasses.replace(beams, cuts=None), 17) is None
 
 
+def test_while_it_drafts_nothing_a_probe_drafts_its_largest_cut_not_a_wider_beam(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`PROBE_CHAINS_WHILE_PLAIN`: ReDrafter's one-beam chains (2-6 nodes) are cuts of each
+    other, its 11- and 21-node beams are not. While the request drafts nothing, its probe
+    drafts the 6-node chain (it measures every chain) however long ago the beams were
+    measured; while it drafts, probes visit the sizes measured longest ago, beams included.
+    Test of the test: without the rule, the plain request's probe drafts the 21-node tree
+    (its kind measured it longest ago), ~3x a chain's cost at T=1, batch 2."""
+    p = SpeculationPolicy()
+    for size, last in {2: 100, 3: 100, 4: 100, 5: 100, 6: 100, 11: 90, 21: 60}.items():
+        p.kinds[(KIND, size)] = speculation_policy.Estimate(1.4, size, trees=10, last=last)
+    offer = Offer("r", KIND, "redrafter", RD_SIZES, RD_LEVELS, cuts=6)
+    assert p._probe_size(offer, 1) == 6
+    assert p._probe_size(offer, 6) == 21  # drafting: the size measured longest ago
+    monkeypatch.setattr(speculation_policy, "PROBE_CHAINS_WHILE_PLAIN", False)
+    assert p._probe_size(offer, 1) == 21
+
+
 def test_calibration_times_few_tokens_apart_from_the_slow_forwards_after_large_ones(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
