@@ -218,6 +218,7 @@ class EngineCore:
             # at batch 32) price auto-regression ~7% high
             spent = stats.forward_seconds + drafted_seconds + self._choose_seconds
             stats.overhead_seconds = max(sum(clock.step.values()) - spent, 0.0)
+            stats.choose_seconds = self._choose_seconds
         self.policy.observe(stats)
         return finished
 

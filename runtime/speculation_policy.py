@@ -405,6 +405,9 @@ class StepStats:
     committing; not the policy's own choice, paid whatever it chooses. Paid once a step
     whatever is drafted (`SpeculationPolicy.overhead`). None: not measured (a step that
     also calibrated the policy)."""
+    choose_seconds: float = 0.0
+    """The step's `SpeculationPolicy.choose`: a probe is charged the full solves it causes
+    (its own step's and the next's, `_settle_probe`)."""
 
 
 @dataclass
@@ -1422,12 +1425,18 @@ class SpeculationPolicy:
         that prefills or drafts trees ends that). Charged its prediction alone, exploration
         spent ~2x its share: ReDrafter at batch 8, T=0, a probe of one request's 21-node
         tree cost 2.6-3.2 ms in its step, and the 4 plain steps after it 2 ms more than
-        their ~2.5 ms each (2-core Sapphire Rapids)."""
+        their ~2.5 ms each (2-core Sapphire Rapids). The policy's own choice counts in these
+        steps too (`StepStats.choose_seconds`): a probe ends a standing decision, so its step
+        and the next solve in full (~0.3 ms each at batch 8), and uncharged, cheap probes (a
+        6-node chain's, `PROBE_CHAINS_WHILE_PLAIN`) came ~3x as often as the 21-node trees
+        before them (ReDrafter at T=1, batch 8, 10 alternating rounds: 0.957 -> 0.978x AR
+        charged; batch 1, 26 rounds: ~0.97 -> ~0.98)."""
         bill, self._bill = self._bill, None
         if stats.overhead_seconds is None or stats.prefill:
             self._aftermath = 0
             return
         seconds = stats.forward_seconds + stats.overhead_seconds + sum(call[-1] for call in stats.drafting.values())
+        seconds += stats.choose_seconds  # the full solves a probe causes: its step's and the next's
         if bill is not None:
             charged, rate, decoding, drafting = bill
             tokens = decoding + sum(o.accepted for o in stats.outcomes)

@@ -140,11 +140,13 @@ def run(
     lag: Lag | None = None,
     host: bool = True,
     slow_after_trees: float = 1.0,
+    solve_ms: float = 0.0,
 ) -> tuple[float, list]:
     """Tokens per second over `steps` steps (a list of worlds: one per step), and the sizes
     chosen per step. `host` False: the engine as it was, not reporting its host work.
     `slow_after_trees`: how much slower plain steps run (forward and host work) until
-    `SLOW_STEPS` + 1 of them followed the last step with trees (a CPU after heavy GEMMs)."""
+    `SLOW_STEPS` + 1 of them followed the last step with trees (a CPU after heavy GEMMs).
+    `solve_ms`: what a full solve of the policy costs (a step whose decision stood: nothing)."""
     rng = np.random.default_rng(seed)
     tokens = seconds = 0.0
     history = []
@@ -157,8 +159,10 @@ def run(
             for key in behind:
                 p.forget(key)
             behind = {f"r{t}.{i}": lag.start for i in range(batch)}
+        reused = p.reused
         chosen = p.choose([Offer(k, KIND, "redrafter", BEAMS, LEVELS, n if report else 0) for k, n in behind.items()])
-        stats = StepStats(0, 0.0)
+        stats = StepStats(0, 0.0, choose_seconds=0.0 if p.reused > reused else solve_ms / 1000)
+        seconds += stats.choose_seconds
         drafted = caught_up = 0
         for key, size in chosen.items():
             if size > 1:
@@ -1455,6 +1459,27 @@ def test_a_probe_is_charged_what_it_cost_slow_steps_after_it_included() -> None:
     q._settle_probe = lambda stats, trees: None  # type: ignore[method-assign]
     unsettled, _ = run(q, POOR, batch=8, steps=600, slow_after_trees=1.5)
     assert unsettled < 0.95 * ar and q.probes > 2 * p.probes, (unsettled / ar, q.probes, p.probes)
+
+
+def test_a_probe_is_charged_the_full_solves_it_causes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`StepStats.choose_seconds`: a probe ends the standing decision, so its step and the
+    next solve in full (here 3 ms each on a ~10 ms step of 8 requests, where drafting never
+    pays). Charged them, exploration stays near `PROBE_SHARE` of throughput (0.977x
+    auto-regression); not charged (the engine reporting no choose time), it probed 25
+    times instead of 15 and ran 0.966x."""
+    ar = fixed(POOR, 8, 1, 800)
+    p = calibrated(POOR)
+    rate, _ = run(p, POOR, batch=8, steps=800, solve_ms=3.0)
+    assert rate >= (1 - 1.5 * PROBE_SHARE) * ar, rate / ar
+    real = SpeculationPolicy._settle_probe
+
+    def blind(self: SpeculationPolicy, stats: StepStats, trees: bool) -> None:
+        real(self, dataclasses.replace(stats, choose_seconds=0.0), trees)
+
+    monkeypatch.setattr(SpeculationPolicy, "_settle_probe", blind)
+    q = calibrated(POOR)
+    uncharged, _ = run(q, POOR, batch=8, steps=800, solve_ms=3.0)
+    assert q.probes > 1.4 * p.probes and uncharged < rate, (q.probes, p.probes, uncharged / ar, rate / ar)
 
 
 @pytest.mark.parametrize("trees", [False, True])
