@@ -254,7 +254,6 @@ stand, it stands twice as long (from `RECHOOSE_EVERY`). Its steps bring no accep
 evidence, so re-solving it only follows the plain step's drifting price (a probe that
 comes due still ends it): at batch 1, T=1 (ReDrafter, drafting never pays), solves every
 `RECHOOSE_EVERY` + 1 steps were ~40% of the full solves, each ~0.4 ms on a ~1.25 ms step."""
-
 PROBE_KEEPS_STAND = True
 """An all-auto-regressive decision that a probe ended, made again by the solve after the
 probe, stands as long as it stood before (`_settle`), instead of `RECHOOSE_EVERY` doubled
