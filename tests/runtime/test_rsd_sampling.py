@@ -11,6 +11,8 @@ a rejection (a plausible bug in recursive rejection sampling) is rejected.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -21,6 +23,7 @@ from runtime import llm_engine, verify
 from runtime.config import RuntimeConfig
 from runtime.proposers import level_drafters, rsd
 from runtime.proposers.level_drafters import DraftLMLevels
+from runtime.results import GenerationResult
 from runtime.sampling import SamplingParams
 from tests import toy_sampling
 from tests.device import TEST_DEVICE
@@ -129,6 +132,16 @@ def test_unnormalised_draft_law_fails_the_same_test(monkeypatch: pytest.MonkeyPa
     assert not passes_chi_square(counts, toy_sampling.exact_first_three(engine.model, PARAMS))
 
 
+def sd_runs(temperature: float) -> Callable[[], list[GenerationResult]]:
+    """A run of 48 seeded sd requests of 12 tokens at `temperature` on the toy engine's int8
+    draft LM (its forward the one C++ call built engines make), fixed speculation."""
+    engine = toy_sampling.toy_engine("draft-lm", SETTINGS, int8=True)
+    n = 48
+    params = [SamplingParams(temperature=temperature, max_tokens=12, seed=i, ignore_eos=True) for i in range(n)]
+    config = RuntimeConfig(speculation="fixed", max_num_tokens=16 * n, max_queue_size=n)
+    return lambda: llm_engine.generate(engine, [toy_sampling.PROMPT] * n, params, "sd", config)
+
+
 @pytest.mark.skipif(TEST_DEVICE != "cpu" or not vectorized(), reason="the draft LM's C++ chain ops run on the CPU")
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_chains_fed_from_the_roots_draft_what_first_and_chain_draft(
@@ -141,10 +154,7 @@ def test_chains_fed_from_the_roots_draft_what_first_and_chain_draft(
     request accepts as many) and the output is the same, token for token and seed for
     seed, as with `first`; the roots' path ran. Roots fed one position early draft other
     chains."""
-    engine = toy_sampling.toy_engine("draft-lm", SETTINGS, int8=True)
-    n = 48
-    params = [SamplingParams(temperature=temperature, max_tokens=12, seed=i, ignore_eos=True) for i in range(n)]
-    config = RuntimeConfig(speculation="fixed", max_num_tokens=16 * n, max_queue_size=n)
+    generate = sd_runs(temperature)
     real = DraftLMLevels.feeds_roots
     fed: list[bool] = []
 
@@ -153,13 +163,13 @@ def test_chains_fed_from_the_roots_draft_what_first_and_chain_draft(
         return fed[-1]
 
     monkeypatch.setattr(DraftLMLevels, "feeds_roots", counted)
-    rooted = llm_engine.generate(engine, [toy_sampling.PROMPT] * n, params, "sd", config)
+    rooted = generate()
     monkeypatch.setattr(DraftLMLevels, "feeds_roots", lambda self: False)
-    plain = llm_engine.generate(engine, [toy_sampling.PROMPT] * n, params, "sd", config)
+    plain = generate()
     assert any(fed) and not all(fed)  # steady steps from the roots; first drafts (a prompt to read) not
     assert [r.output_ids for r in rooted] == [r.output_ids for r in plain]
     assert [r.num_accepted for r in rooted] == [r.num_accepted for r in plain]
-    assert sum(r.num_accepted for r in rooted) > n  # drafts were accepted: the chains mattered
+    assert sum(r.num_accepted for r in rooted) > len(rooted)  # drafts were accepted: the chains mattered
     fed_at, sampled_chain = DraftLMLevels._roots_fed, Int8DraftLM.sampled_chain
 
     def early_roots(self: Int8DraftLM, first: object, roots: object, starts: list[int], *rest: object) -> object:
@@ -168,7 +178,7 @@ def test_chains_fed_from_the_roots_draft_what_first_and_chain_draft(
     monkeypatch.setattr(DraftLMLevels, "feeds_roots", real)
     monkeypatch.setattr(DraftLMLevels, "_roots_fed", lambda self: [p - 1 for p in fed_at(self)])  # greedy chains
     monkeypatch.setattr(Int8DraftLM, "sampled_chain", early_roots)  # sampled chains
-    early = llm_engine.generate(engine, [toy_sampling.PROMPT] * n, params, "sd", config)
+    early = generate()
     assert [r.num_accepted for r in early] != [r.num_accepted for r in plain]
 
 
@@ -184,10 +194,7 @@ def test_a_request_a_token_behind_is_caught_up_by_a_chain_level(
     bits, so output and acceptances are those with the general forward (`SHORT_CATCH_UP`
     0), token for token and seed for seed; the short path ran. Test of the test: token 0
     fed in place of each behind token draws other sampled chains."""
-    engine = toy_sampling.toy_engine("draft-lm", SETTINGS, int8=True)
-    n = 48
-    params = [SamplingParams(temperature=temperature, max_tokens=12, seed=i, ignore_eos=True) for i in range(n)]
-    config = RuntimeConfig(speculation="fixed", max_num_tokens=16 * n, max_queue_size=n)
+    generate = sd_runs(temperature)
     real = DraftLMLevels._feed_behind
     behind: list[int] = []
 
@@ -202,8 +209,7 @@ def test_a_request_a_token_behind_is_caught_up_by_a_chain_level(
         del self.chain_level_at
 
     def run() -> list[tuple[list[int], int]]:
-        out = llm_engine.generate(engine, [toy_sampling.PROMPT] * n, params, "sd", config)
-        return [(r.output_ids, r.num_accepted) for r in out]
+        return [(r.output_ids, r.num_accepted) for r in generate()]
 
     monkeypatch.setattr(DraftLMLevels, "_feed_behind", counted)
     short = run()
