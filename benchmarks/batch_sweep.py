@@ -19,8 +19,11 @@ apart from the other rounds', the same for every configuration: `round_runs`). R
 - tau: tokens emitted per decoding step per request (bonus included; 1 for AR);
 - the tree sizes (nodes, root included) load-aware speculation chose, as a histogram over request-steps;
 - no-draft step / AR step: the mean time of load-aware's decoding steps in which no request
-  drafted over the mean time of AR's decoding steps, same rounds (`StepClock.count_plain`):
-  what speculation costs while it is switched off (probing steps are not in it);
+  drafted over the mean time of AR's decoding steps, same rounds, first of the steady ones
+  (more than 4 steps after a step that prefilled or verified trees, on both sides:
+  `StepClock.steady_steps`), then of all (`StepClock.count_plain`): what speculation costs
+  while it is switched off. Probing steps are in neither; the slow steps right after a
+  probe's (its cost: the CPU's caches hold the probe step's data) are in the second;
 - where the time goes, per configuration: the share of its time in steps whose forward
   held prompt chunks (the ramp while a batch's prompts prefill, chunked by the token
   budget) and the milliseconds per emitted token in those steps and in decode-only steps
@@ -103,6 +106,10 @@ class Row:
     """Load-aware's no-draft decoding step over AR's decoding step (None: it always drafted)."""
     plain_steps: int = 0
     """Load-aware's no-draft decoding steps that ratio averages."""
+    steady_step_ratio: float | None = None
+    """The same of the steady steps on both sides (`StepClock.steady_steps`)."""
+    steady_steps: int = 0
+    """Load-aware's steady no-draft decoding steps that ratio averages."""
     phases: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     """configuration -> "prefilling" / "decoding" -> share of its time, ms per emitted token."""
     round_ratios: dict[str, list[float]] = field(default_factory=dict)
@@ -184,12 +191,15 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
         + "".join(f" | {n} / AR" for n in fixed)
         + " | load-aware / AR | load-aware / best of AR and fixed | "
         + "".join(f"tau {n} | " for n in fixed)
-        + "tau load-aware | load-aware tree sizes (request-steps) | no-draft step / AR step (steps) |",
+        + "tau load-aware | load-aware tree sizes (request-steps) | "
+        + "no-draft step / AR step: steady (steps); all (steps) |",
         "|---|" + "---|" * (len(names) + 2 * len(fixed) + 5),
     ]
     for r in rows:
         widths = ", ".join(f"{b} nodes: {n}" for b, n in sorted(r.load_aware_budgets.items()))
-        plain = f"{r.plain_step_ratio:.3f} ({r.plain_steps})" if r.plain_step_ratio is not None else "-"
+        steady = f"{r.steady_step_ratio:.3f} ({r.steady_steps})" if r.steady_step_ratio is not None else "-"
+        every = f"{r.plain_step_ratio:.3f} ({r.plain_steps})" if r.plain_step_ratio is not None else "-"
+        plain = f"{steady}; all {every}"
         best = max(1.0, *(r.ratio_to_ar[n] for n in fixed))
         lines.append(
             f"| {r.batch_size} | "
@@ -288,8 +298,15 @@ def main(argv: list[str] | None = None) -> None:
         plain, ar = engines[f"{method}-load-aware"].clock, engines["ar"].clock
         plain_ms, ar_ms = plain.plain_ms(), ar.plain_ms()
         plain_ratio = plain_ms / ar_ms if plain_ms and ar_ms else None
+        steady_ms, ar_steady_ms = plain.steady_ms(), ar.steady_ms()
+        steady_ratio = steady_ms / ar_steady_ms if steady_ms and ar_steady_ms else None
         split = {name: phases(llm.clock) for name, llm in engines.items()}
-        rows.append(Row(size, rate, ratio, taus, dict(widths), plain_ratio, plain.plain_steps, split, per_round))
+        rows.append(
+            Row(
+                size, rate, ratio, taus, dict(widths), plain_ratio, plain.plain_steps,
+                steady_ratio, plain.steady_steps, split, per_round,
+            )
+        )  # fmt: skip
         tqdm.write(str(asdict(rows[-1])))
     meta = {
         "engine": str(args.engine),

@@ -208,7 +208,7 @@ class EngineCore:
             if request.finished:
                 finished.append(self._finish(request, request.result.finish_reason))
         clock.lap("commit")
-        clock.count_step(stats.prefill)
+        clock.count_step(stats.prefill, trees=stats.num_tokens > stats.num_requests)
         if not drafting and not stats.prefill:
             clock.count_plain()
         if not (calibrating and self._calibrated):

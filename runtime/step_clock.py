@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from runtime.speculation_policy import AFTER_PREFILL
+
 PHASES = ("schedule", "draft", "assemble", "forward", "verify", "commit", "emit")
 
 
@@ -55,6 +57,14 @@ class StepClock:
         self.plain_seconds = 0.0
         """Decoding steps that drafted nothing (`count_plain`), and their seconds: what a
         step costs when speculation is off, to set beside an auto-regressive step."""
+        self.steady_steps = 0
+        self.steady_seconds = 0.0
+        """Those of them more than `AFTER_PREFILL` steps after the last step that prefilled or
+        verified trees: after such a step the CPU runs the next few slow (its caches hold
+        the heavy step's data: a batch-2 ReDrafter step after a 21-node probe +0.55 ms, then
+        +0.14, +0.10 on ~1.4 ms), a cost of that step (load-aware speculation charges it to
+        the probe), not of speculation switched off."""
+        self._since_heavy = 0
         self.kinds: dict[str, StepKind] = {}
         """"prefilling" (steps whose forward held prompt chunks) and "decoding" (the others):
         their steps, seconds and tokens emitted (`count_step`)."""
@@ -64,27 +74,38 @@ class StepClock:
         self.totals = dict.fromkeys(PHASES, 0.0)
         self.steps = 0
         self.plain_steps, self.plain_seconds = 0, 0.0
+        self.steady_steps, self.steady_seconds, self._since_heavy = 0, 0.0, 0
         self.kinds = {}
 
     def count_plain(self) -> None:
-        """The step just timed decoded without drafting and without prefill."""
+        """The step just timed decoded without drafting and without prefill (after `count_step`)."""
+        seconds = sum(self.step.values())
         self.plain_steps += 1
-        self.plain_seconds += sum(self.step.values())
+        self.plain_seconds += seconds
+        if self._since_heavy > AFTER_PREFILL:
+            self.steady_steps += 1
+            self.steady_seconds += seconds
 
     def emitted(self, tokens: int) -> None:
         """The current step sent `tokens` tokens to a request."""
         self._emitted += tokens
 
-    def count_step(self, prefill: bool) -> None:
-        """The step just timed ends; it held prompt chunks (`prefill`) or only decoding."""
+    def count_step(self, prefill: bool, trees: bool = False) -> None:
+        """The step just timed ends; it held prompt chunks (`prefill`) or only decoding,
+        and verified draft trees (`trees`) or roots alone."""
         kind = self.kinds.setdefault("prefilling" if prefill else "decoding", StepKind())
         kind.steps += 1
         kind.seconds += sum(self.step.values())
         kind.tokens += self._emitted
+        self._since_heavy = 0 if prefill or trees else self._since_heavy + 1
 
     def plain_ms(self) -> float | None:
         """Milliseconds per step of the steps `count_plain` counted (None: there were none)."""
         return 1e3 * self.plain_seconds / self.plain_steps if self.plain_steps else None
+
+    def steady_ms(self) -> float | None:
+        """The same of the steady ones (`steady_steps`)."""
+        return 1e3 * self.steady_seconds / self.steady_steps if self.steady_steps else None
 
     def start(self) -> None:
         """A step begins."""

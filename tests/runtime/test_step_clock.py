@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+from runtime.speculation_policy import AFTER_PREFILL
 from runtime.step_clock import StepClock
 
 
@@ -33,3 +34,23 @@ def test_the_forward_lap_waits_for_the_device_and_the_others_do_not() -> None:
     for phase in ("draft", "forward", "verify"):
         profiling.lap(phase)
     assert device.syncs == 1 + 4  # start and every lap
+
+
+def test_steady_plain_steps_leave_out_the_few_after_a_heavy_step() -> None:
+    """`StepClock.steady_steps`: a plain decoding step counts as steady only when more than
+    `AFTER_PREFILL` steps came after the last that prefilled or verified trees (the CPU runs
+    the next few slow); every plain step counts in `plain_steps`."""
+    clock = StepClock()
+    kinds = [(True, False)] + [(False, False)] * 6 + [(False, True)] + [(False, False)] * 5
+    steady = []
+    for prefill, trees in kinds:
+        clock.start()
+        clock.lap("forward")
+        clock.count_step(prefill, trees)
+        if not prefill and not trees:
+            before = clock.steady_steps
+            clock.count_plain()
+            steady.append(clock.steady_steps > before)
+    assert clock.plain_steps == 11
+    assert steady == [False] * AFTER_PREFILL + [True] * 2 + [False] * AFTER_PREFILL + [True]
+    assert clock.steady_ms() is not None and clock.plain_ms() is not None
