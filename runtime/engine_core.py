@@ -42,7 +42,15 @@ from runtime.proposers.registry import methods_for, proposer_class
 from runtime.request import Request
 from runtime.sampling import next_token
 from runtime.scheduler import ScheduledWork, Scheduler
-from runtime.speculation_policy import DraftCall, Offer, Outcome, SpeculationPolicy, StepStats, draft_fit
+from runtime.speculation_policy import (
+    AFTER_PREFILL,
+    DraftCall,
+    Offer,
+    Outcome,
+    SpeculationPolicy,
+    StepStats,
+    draft_fit,
+)
 from runtime.step_batch import Batch, assemble, step_input
 from runtime.step_clock import StepClock
 from runtime.tree import DraftTree
@@ -208,9 +216,7 @@ class EngineCore:
             if request.finished:
                 finished.append(self._finish(request, request.result.finish_reason))
         clock.lap("commit")
-        clock.count_step(stats.prefill, trees=stats.num_tokens > stats.num_requests)
-        if not drafting and not stats.prefill:
-            clock.count_plain()
+        clock.count_step(stats.prefill)
         if not (calibrating and self._calibrated):
             drafted_seconds = sum(seconds for *_, seconds in drafting.values())
             # less the policy's own choice: paid whatever it chooses (and far less on steps whose
@@ -220,6 +226,8 @@ class EngineCore:
             stats.overhead_seconds = max(sum(clock.step.values()) - spent, 0.0)
             stats.choose_seconds = self._choose_seconds
         self.policy.observe(stats)
+        if not drafting and not stats.prefill:
+            clock.count_plain(steady=self.policy.since_heavy > AFTER_PREFILL)
         return finished
 
     def _schedule(self) -> list[ScheduledWork]:

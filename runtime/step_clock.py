@@ -26,8 +26,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from runtime.speculation_policy import AFTER_PREFILL
-
 PHASES = ("schedule", "draft", "assemble", "forward", "verify", "commit", "emit")
 
 
@@ -59,12 +57,12 @@ class StepClock:
         step costs when speculation is off, to set beside an auto-regressive step."""
         self.steady_steps = 0
         self.steady_seconds = 0.0
-        """Those of them more than `AFTER_PREFILL` steps after the last step that prefilled or
-        verified trees: after such a step the CPU runs the next few slow (its caches hold
-        the heavy step's data: a batch-2 ReDrafter step after a 21-node probe +0.55 ms, then
-        +0.14, +0.10 on ~1.4 ms), a cost of that step (load-aware speculation charges it to
-        the probe), not of speculation switched off."""
-        self._since_heavy = 0
+        """Those of them the engine calls steady (`count_plain`): more than
+        `speculation_policy.AFTER_PREFILL` steps after the last step that prefilled or
+        verified trees (`SpeculationPolicy.since_heavy`). After such a step the CPU runs the
+        next few slow (its caches hold the heavy step's data: a batch-2 ReDrafter step after
+        a 21-node probe +0.55 ms, then +0.14, +0.10 on ~1.4 ms), a cost of that step
+        (load-aware speculation charges it to the probe), not of speculation switched off."""
         self.kinds: dict[str, StepKind] = {}
         """"prefilling" (steps whose forward held prompt chunks) and "decoding" (the others):
         their steps, seconds and tokens emitted (`count_step`)."""
@@ -74,15 +72,16 @@ class StepClock:
         self.totals = dict.fromkeys(PHASES, 0.0)
         self.steps = 0
         self.plain_steps, self.plain_seconds = 0, 0.0
-        self.steady_steps, self.steady_seconds, self._since_heavy = 0, 0.0, 0
+        self.steady_steps, self.steady_seconds = 0, 0.0
         self.kinds = {}
 
-    def count_plain(self) -> None:
-        """The step just timed decoded without drafting and without prefill (after `count_step`)."""
+    def count_plain(self, steady: bool) -> None:
+        """The step just timed decoded without drafting and without prefill; `steady`: far
+        enough from the last heavy step (`steady_steps`)."""
         seconds = sum(self.step.values())
         self.plain_steps += 1
         self.plain_seconds += seconds
-        if self._since_heavy > AFTER_PREFILL:
+        if steady:
             self.steady_steps += 1
             self.steady_seconds += seconds
 
@@ -90,14 +89,12 @@ class StepClock:
         """The current step sent `tokens` tokens to a request."""
         self._emitted += tokens
 
-    def count_step(self, prefill: bool, trees: bool = False) -> None:
-        """The step just timed ends; it held prompt chunks (`prefill`) or only decoding,
-        and verified draft trees (`trees`) or roots alone."""
+    def count_step(self, prefill: bool) -> None:
+        """The step just timed ends; it held prompt chunks (`prefill`) or only decoding."""
         kind = self.kinds.setdefault("prefilling" if prefill else "decoding", StepKind())
         kind.steps += 1
         kind.seconds += sum(self.step.values())
         kind.tokens += self._emitted
-        self._since_heavy = 0 if prefill or trees else self._since_heavy + 1
 
     def plain_ms(self) -> float | None:
         """Milliseconds per step of the steps `count_plain` counted (None: there were none)."""
