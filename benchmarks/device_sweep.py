@@ -327,6 +327,9 @@ def run(args: argparse.Namespace) -> None:
             methods, skipped = supported_methods(llm, prompts[0], wanted)  # also the warm-up
             drafter = loaded.config.drafter.kind if loaded.config.drafter else "none"
             engines_meta[str(path)] = {"drafter": drafter, "methods": methods, "skipped": skipped}
+            if llm.runner.graphs is not None:  # which linears each bucket's graph kept, and both replay times
+                graphs = llm.runner.graphs
+                engines_meta[str(path)] |= {"graph_linears": graphs.linears, "graph_replay_ms": graphs.replay_ms}
             for batch in sizes:
                 batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
                 # a batch's first steps pay its set-up (allocator growth; on an H100 the first

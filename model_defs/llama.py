@@ -61,6 +61,7 @@ from model_defs.rope import RopeConfig, RotaryEmbedding, apply_rope
 from plugins import fp32_linear
 from plugins.batch_invariant import bi_linear_nd, bi_rms_norm
 from plugins.cpu_linear import Int8Copy, cpu_packed_linear, int8_linear, pack_cpu_weight, packed_pays, quantize_int8
+from plugins.gpu_linear import gpu_linear_nd
 from plugins.int8_linear import Int8Weight
 
 ARCHITECTURE = "LlamaForCausalLM"
@@ -251,6 +252,9 @@ class Linear(nn.Linear):
 
     batch_invariant = False
     """Set per instance by `LlamaForCausalLM.set_batch_invariant`."""
+    triton = False
+    """CUDA rows take `plugins.gpu_linear` instead of cuBLAS: set per instance by
+    `LlamaForCausalLM.set_triton_linears` (while `runtime/cuda_graphs.py` captures a bucket)."""
     packed: torch.Tensor | None = None
     """oneDNN-layout copy of `weight` (`pack_cpu_weights`), or None."""
     small: torch.Tensor | None = None
@@ -262,10 +266,13 @@ class Linear(nn.Linear):
         return self.product(x, self.bias)
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """`x W^T + bias` by the mode's kernel: `bi_linear`, the int8 copy, the blocked copy,
-        or `F.linear` (the copies only for fp32 CPU rows without autograd)."""
+        """`x W^T + bias` by the mode's kernel: `bi_linear`, `gpu_linear` (CUDA rows, `triton`),
+        the int8 copy, the blocked copy, or `F.linear` (the copies only for fp32 CPU rows
+        without autograd)."""
         if self.batch_invariant:
             return bi_linear_nd(x, self.weight, bias)
+        if self.triton and x.is_cuda:
+            return gpu_linear_nd(x, self.weight, bias)
         if self.int8 is not None and takes_cpu_copy(x):
             return int8_linear(x, self.int8, bias)
         if self.small is not None and fp32_linear.takes(x):
@@ -586,6 +593,15 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear | RMSNorm):
                 module.batch_invariant = on
+        return self
+
+    def set_triton_linears(self, on: bool = True) -> LlamaForCausalLM:
+        """Run this model's linears on CUDA rows as `plugins.gpu_linear` (the Triton matmul)
+        instead of cuBLAS, or back; returns the model. `runtime/cuda_graphs.py` captures
+        each bucket both ways and keeps the faster."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.triton = on
         return self
 
     @property

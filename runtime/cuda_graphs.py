@@ -10,6 +10,11 @@ token 0 at position 0, writing its K/V to the cache's scratch slot and attending
 key, logits at row 0; their outputs are dropped. The attention kernel reads each row's
 key count from the metadata buffers, so one graph serves every context length.
 
+Each bucket is captured twice, its linears on cuBLAS and on the Triton matmul of
+`plugins/gpu_linear.py` (cuBLAS's fp32 kernels for a few rows are far from the weight-
+streaming bound on an H200), and the graph that replays faster is kept
+(`CudaGraphs.linears` says which, per bucket; cuBLAS unless Triton saves `TRITON_SAVES`).
+
 Steps the graphs do not cover run eagerly: more tokens than the largest bucket, more
 requests or longer block tables than the buffers hold, deeper trees than `max_tree`.
 Under tensor parallelism the forwards stay eager (each rank would need to capture its
@@ -18,6 +23,7 @@ all-reduces in the same order).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -28,9 +34,15 @@ from torch import Tensor
 
 from model_defs.llama import LlamaForCausalLM, LlamaOutput
 from model_defs.paged_kv_cache import Attention, PagedBatch, PagedKVCache, RowMetadata
+from plugins import gpu_linear
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 """Token counts a graph is captured for (those up to the step token budget)."""
+TRITON_SAVES = 0.1
+"""The share of a bucket's replay time the Triton linears must save to be kept: near a
+tie cuBLAS stays, so one engine does not flip kernels (and last bits) from start to start."""
+TIMED_REPLAYS = 20
+"""Replays timed per captured alternative (after 3 untimed)."""
 
 
 def bucket_of(n: int, buckets: tuple[int, ...] = BUCKETS) -> int | None:
@@ -128,9 +140,32 @@ class CudaGraphs:
         self.dev32.copy_(self.host32)
         self._copied = torch.cuda.Event()
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, LlamaOutput]] = {}
+        self.linears: dict[int, str] = {}
+        """Per bucket, the linears its graph runs: "cublas" or "triton" (`plugins/gpu_linear.py`)."""
+        self.replay_ms: dict[int, dict[str, float]] = {}
+        """Per bucket, each alternative's measured replay time (ms, padding rows)."""
         pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.buckets):  # largest first: the smaller ones reuse its memory
-            self.graphs[b] = self._capture(b, pool)
+            self.graphs[b] = self._capture_fastest(b, pool)
+
+    def _capture_fastest(self, b: int, pool: Any) -> tuple[torch.cuda.CUDAGraph, LlamaOutput]:
+        """Bucket b's graph with cuBLAS's linears, and with the Triton matmul's where it
+        applies (not in batch-invariant mode, whose linears are `bi_linear` already): the
+        one whose replay is faster, cuBLAS unless Triton saves `TRITON_SAVES` of it."""
+        kinds = ["cublas"]
+        if gpu_linear.applies(self.model.lm_head.weight) and not self.model.batch_invariant:
+            kinds.append("triton")
+        captured = {}
+        for kind in kinds:
+            self.model.set_triton_linears(kind == "triton")
+            try:
+                captured[kind] = self._capture(b, pool)
+            finally:
+                self.model.set_triton_linears(False)
+        self.replay_ms[b] = {kind: _replay_ms(graph) for kind, (graph, _) in captured.items()}
+        ms = self.replay_ms[b]
+        self.linears[b] = "triton" if "triton" in ms and ms["triton"] < (1 - TRITON_SAVES) * ms["cublas"] else "cublas"
+        return captured[self.linears[b]]
 
     def _views(self, buf32: torch.Tensor, b: int) -> RowMetadata:
         """The row metadata of the first b rows over the device's int32 buffer."""
@@ -237,3 +272,16 @@ class CudaGraphs:
         graph, out = self.graphs[b]
         graph.replay()
         return LlamaOutput(out.logits[:, :k].clone(), out.hidden[:, :n].clone())
+
+
+def _replay_ms(graph: torch.cuda.CUDAGraph) -> float:
+    """Milliseconds per replay of `graph` (`TIMED_REPLAYS` after 3 untimed, the device
+    waited for at both ends)."""
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(TIMED_REPLAYS):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3 / TIMED_REPLAYS

@@ -84,6 +84,8 @@ class EngineCore:
                 self.max_batch_size, self.blocks.blocks_for(longest), config.max_draft_tokens + 1, config.max_num_tokens
             )
         graphs = limits.forwards(engine.model, cache) if limits is not None else None
+        if graphs is not None:
+            log.info("target forwards captured per token bucket, linears on: %s", graphs.linears)
         self.runner = ModelRunner(engine.model, cache, broadcast, graphs)
         self.scheduler = Scheduler(self.blocks, self.max_batch_size, config.max_num_tokens, config.max_queue_size)
         self.kind = engine.config.drafter.kind if engine.config.drafter else None

@@ -256,18 +256,23 @@ def test_chains_accepted_as_tensor_ops_accept_what_the_walk_accepts(monkeypatch:
     it must accept the drafts and draw the bonus tokens the walk does, bit for bit, and
     leave each generator where the walk leaves it: sampled and point-mass chains of 2-7
     nodes at three temperatures, stopped at every depth (all accepted included), in
-    batches with a root alone and a branching tree (walked beside it). Test of the test:
-    a variant testing each draft against its own row's target law (q at the node, not at
-    its parent) accepts other drafts."""
+    batches with a root alone and a branching tree (walked beside it). On a GPU
+    (`SPECPIPE_TEST_DEVICE=cuda`) the same on the device, with its generators, where the
+    batched path is the one the engine takes. Test of the test: a variant testing each
+    draft against its own row's target law (q at the node, not at its parent) accepts
+    other drafts."""
     monkeypatch.setattr(verify, "chain_kernel_applies", lambda rows: False)
 
     def accept(seed: int, batched: bool) -> tuple[list[tuple[list[int], list[int]]], list[float]]:
         trees, logits, params = chain_batch(seed)
-        gens = [torch.Generator().manual_seed(1000 * seed + i) for i in range(len(trees))]
+        for t in trees:
+            t.draft_probs = None if t.draft_probs is None else t.draft_probs.to(TEST_DEVICE)
+        logits = [rows.to(TEST_DEVICE) for rows in logits]
+        gens = [torch.Generator(TEST_DEVICE).manual_seed(1000 * seed + i) for i in range(len(trees))]
         with pytest.MonkeyPatch.context() as m:
             m.setattr(verify, "_batched_applies", lambda rows: batched)
             out = verify.accept_sampled_batch(trees, logits, params, gens)
-        return [(a.path, a.tokens) for a in out], [float(torch.rand((), generator=g)) for g in gens]
+        return [(a.path, a.tokens) for a in out], [float(torch.rand((), generator=g, device=g.device)) for g in gens]
 
     calls: list[int] = []  # chains accepted by each call
     real = verify._verify_chains_batched

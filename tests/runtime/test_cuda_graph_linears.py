@@ -1,0 +1,48 @@
+"""On a GPU each token bucket's forward is captured twice, its linears on cuBLAS and on the
+Triton matmul (`plugins/gpu_linear.py`), and the graph that replays faster is kept
+(`runtime/cuda_graphs.py`), for the target and the draft LM alike. Whichever is kept, an
+engine decodes what eager forwards decode: auto-regressive and speculative (sd, its draft
+LM's levels replaying their own graphs), greedy outputs token for token."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime import cuda_graphs
+from runtime.config import RuntimeConfig
+from runtime.llm_engine import LLMEngine
+from runtime.sampling import SamplingParams
+from tests.device import ON_CPU
+from tests.runtime.test_draft_lm_cache import prompts, self_drafting_engine
+
+pytestmark = pytest.mark.skipif(ON_CPU, reason="CUDA graphs need a GPU (SPECPIPE_TEST_DEVICE=cuda)")
+
+
+@pytest.mark.parametrize(
+    ("saves", "kept"),
+    [(-1e9, "triton"), (1.0, "cublas"), (cuda_graphs.TRITON_SAVES, None)],
+    ids=["triton", "cublas", "timed"],
+)
+def test_graphs_of_either_linears_decode_what_eager_forwards_decode(
+    saves: float, kept: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`saves` forces the choice (Triton whatever it costs, cuBLAS whatever it costs) or
+    leaves it to the timing. Test of the test: the forced runs keep what they force, and
+    the timed one timed both alternatives of every bucket."""
+    monkeypatch.setattr(cuda_graphs, "TRITON_SAVES", saves)
+    engine = self_drafting_engine()
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True) for _ in range(6)]
+    outputs: dict[tuple[str, bool], list[list[int]]] = {}
+    for graphs_on in (True, False):
+        config = RuntimeConfig(max_batch_size=6, max_num_tokens=128, speculation="fixed", cuda_graphs=graphs_on)
+        llm = LLMEngine(engine, config)
+        for method in ("ar", "sd"):
+            outputs[(method, graphs_on)] = [r.output_ids for r in llm.generate(prompts()[:6], params, method)]
+        if graphs_on:
+            for graphs in (llm.runner.graphs, llm.proposers["sd"].graphs):
+                assert graphs is not None and set(graphs.linears) == set(graphs.buckets)
+                assert all(set(ms) == {"cublas", "triton"} for ms in graphs.replay_ms.values())
+                if kept is not None:
+                    assert set(graphs.linears.values()) == {kept}
+    assert outputs[("ar", True)] == outputs[("ar", False)]
+    assert outputs[("sd", True)] == outputs[("sd", False)] == outputs[("ar", False)]
