@@ -23,6 +23,7 @@ all-reduces in the same order).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ from torch import Tensor
 from model_defs.llama import LlamaForCausalLM, LlamaOutput
 from model_defs.paged_kv_cache import Attention, PagedBatch, PagedKVCache, RowMetadata
 from plugins import gpu_linear
+
+log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 """Token counts a graph is captured for (those up to the step token budget)."""
@@ -151,20 +154,18 @@ class CudaGraphs:
     def _capture_fastest(self, b: int, pool: Any) -> tuple[torch.cuda.CUDAGraph, LlamaOutput]:
         """Bucket b's graph with cuBLAS's linears, and with the Triton matmul's where it
         applies (not in batch-invariant mode, whose linears are `bi_linear` already): the
-        one whose replay is faster, cuBLAS unless Triton saves `TRITON_SAVES` of it."""
-        kinds = ["cublas"]
+        one `faster_linears` keeps. A Triton capture that fails is logged and left out."""
+        captured = {"cublas": self._capture(b, pool)}
         if gpu_linear.applies(self.model.lm_head.weight) and not self.model.batch_invariant:
-            kinds.append("triton")
-        captured = {}
-        for kind in kinds:
-            self.model.set_triton_linears(kind == "triton")
+            self.model.set_triton_linears(True)
             try:
-                captured[kind] = self._capture(b, pool)
+                captured["triton"] = self._capture(b, pool)
+            except Exception as e:  # any failure of the alternative leaves cuBLAS's graph
+                log.warning("bucket %d: capturing the forward with Triton linears failed, cuBLAS's kept: %r", b, e)
             finally:
                 self.model.set_triton_linears(False)
         self.replay_ms[b] = {kind: _replay_ms(graph) for kind, (graph, _) in captured.items()}
-        ms = self.replay_ms[b]
-        self.linears[b] = "triton" if "triton" in ms and ms["triton"] < (1 - TRITON_SAVES) * ms["cublas"] else "cublas"
+        self.linears[b] = faster_linears(self.replay_ms[b])
         return captured[self.linears[b]]
 
     def _views(self, buf32: torch.Tensor, b: int) -> RowMetadata:
@@ -272,6 +273,13 @@ class CudaGraphs:
         graph, out = self.graphs[b]
         graph.replay()
         return LlamaOutput(out.logits[:, :k].clone(), out.hidden[:, :n].clone())
+
+
+def faster_linears(replay_ms: dict[str, float]) -> str:
+    """The linears a bucket keeps from each alternative's replay time: "triton" where it was
+    timed and saves `TRITON_SAVES` of cuBLAS's time, else "cublas"."""
+    triton = replay_ms.get("triton")
+    return "triton" if triton is not None and triton < (1 - TRITON_SAVES) * replay_ms["cublas"] else "cublas"
 
 
 def _replay_ms(graph: torch.cuda.CUDAGraph) -> float:
