@@ -160,9 +160,7 @@ class EngineCore:
         calibrating = not self._calibrated  # a step that calibrates (`_schedule`) reports no host overhead
         finished = self._drop_cancelled()
         work = self._schedule()
-        self.faults.check("step", (item.request.params for item in work))
-        self.faults.check("hang", (item.request.params for item in work))
-        self.faults.check("slow", (item.request.params for item in work))
+        self.faults.check(("step", "hang", "slow"), (item.request.params for item in work))
         clock.lap("schedule")
         trees, failures, drafting = self._propose([item for item in work if not item.prefill])
         finished += [self._finish(r, "error", message) for r, message in failures]

@@ -65,20 +65,23 @@ class FaultInjector:
             seeds.setdefault(stage, set()).add(int(seed))
         return cls({stage: frozenset(s) for stage, s in seeds.items()})
 
-    def check(self, stage: str, params: Iterable[SamplingParams]) -> None:
-        """Raise InjectedFault if a request with one of these settings is to fail at `stage`
-        (stage `hang`: block for HANG_S instead; stage `slow`: sleep SLOW_S, then go on)."""
+    def check(self, stages: str | tuple[str, ...], params: Iterable[SamplingParams]) -> None:
+        """Raise InjectedFault if a request with one of these settings is to fail at one of
+        `stages`, taken in order (stage `hang`: block for HANG_S first; stage `slow`: sleep
+        SLOW_S once, then go on)."""
         if not self.seeds:
             return
-        victims = self.seeds.get(stage, frozenset())
-        for p in params:
-            if p.seed in victims and stage == "hang":
-                time.sleep(HANG_S)
-            if p.seed in victims and stage == "slow":
+        seeds = [p.seed for p in params]
+        for stage in (stages,) if isinstance(stages, str) else stages:
+            victim = next((seed for seed in seeds if seed in self.seeds.get(stage, ())), None)
+            if victim is None:
+                continue
+            if stage == "slow":
                 time.sleep(SLOW_S)
-                return
-            if p.seed in victims:
-                raise InjectedFault(f"fault injected at {stage} for seed {p.seed} ({ENV})")
+                continue
+            if stage == "hang":
+                time.sleep(HANG_S)
+            raise InjectedFault(f"fault injected at {stage} for seed {victim} ({ENV})")
 
 
 def describe(e: BaseException) -> str:
