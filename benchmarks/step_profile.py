@@ -31,16 +31,18 @@ from runtime.results import tokens_per_step
 from runtime.step_clock import PHASES
 from training.corpus import heldout_prompts
 
-ENGINES = {
-    "ar": "engines/demo-redrafter",
-    "redrafter": "engines/demo-redrafter",
-    "ngram": "engines/demo-redrafter",
-    "sd": "engines/demo-draft-lm",
-    "rsd-c": "engines/demo-draft-lm",
-    "rsd-s": "engines/demo-draft-lm",
-    "lyanna": "engines/demo-lyanna",
+DRAFTERS = {
+    "ar": "redrafter",
+    "redrafter": "redrafter",
+    "ngram": "redrafter",
+    "sd": "draft-lm",
+    "rsd-c": "draft-lm",
+    "rsd-s": "draft-lm",
+    "lyanna": "lyanna",
 }
-"""Method -> the demo engine it runs on (`make engine` builds them)."""
+"""Method -> the drafter kind of the engine it runs on."""
+ENGINES = {"redrafter": "engines/demo-redrafter", "draft-lm": "engines/demo-draft-lm", "lyanna": "engines/demo-lyanna"}
+"""Drafter kind -> its demo engine (`make engine` builds them; `--engine KIND=DIR` another)."""
 
 
 @dataclass
@@ -63,6 +65,10 @@ class Row:
     """Milliseconds per decoding step that drafted nothing (speculation switched off for
     every request; for AR, every decoding step), None if there was none."""
     plain_steps: int = 0
+    steady_ms: float | None = None
+    """The same over steady no-draft steps (`StepClock.steady_steps`: more than
+    `AFTER_PREFILL` steps after one that prefilled or verified trees), None if none."""
+    steady_steps: int = 0
 
 
 def profile(
@@ -95,6 +101,8 @@ def profile(
             sizes=sizes,
             plain_ms=llm.clock.plain_ms(),
             plain_steps=llm.clock.plain_steps,
+            steady_ms=llm.clock.steady_ms(),
+            steady_steps=llm.clock.steady_steps,
         )
         if best is None or row.tokens_per_s > best.tokens_per_s:
             best = row
@@ -109,15 +117,16 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
         f"Held-out prompts, {meta['max_tokens']} tokens per request (EOS ignored), default (load-aware) "
         f"speculation; the faster of two runs. Phases as in `runtime/step_clock.py` (prefill steps included). "
         f"No-draft step: the mean of the decoding steps in which no request drafted (for AR, every decoding "
-        f"step), and its ratio to AR's: what speculation costs while it is switched off. Each method is "
+        f"step), and its ratio to AR's: what speculation costs while it is switched off; steady: the same over "
+        f"the no-draft steps more than a few steps after one that prefilled or verified trees. Each method is "
         f"compared with AR on its own engine, run just before it (the demo engines share the target's weights, "
         f"but a cell run minutes apart on another engine read plain steps 1.14-1.33x AR's where the same engine "
         f"read 1.01-1.04x). "
         f"Command: `{meta['command']}`",
         "",
         "| method | batch | T | ms/step | " + " | ".join(PHASES) + " | tokens/step/request | tok/s | vs AR "
-        "| no-draft ms/step (steps) | no-draft / AR | sizes |",
-        "|---|---|---|---|" + "---|" * len(PHASES) + "---|---|---|---|---|---|",
+        "| no-draft ms/step (steps) | no-draft / AR | steady no-draft / AR (steps) | sizes |",
+        "|---|---|---|---|" + "---|" * len(PHASES) + "---|---|---|---|---|---|---|",
     ]
     ar = {(r.engine, r.batch, r.temperature): r for r in rows if r.method == "ar"}
     for r in rows:
@@ -125,31 +134,49 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
         ratio = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base else "-"
         plain = f"{r.plain_ms:.2f} ({r.plain_steps})" if r.plain_ms is not None else "-"
         plain_ratio = f"{r.plain_ms / base.plain_ms:.3f}" if base and base.plain_ms and r.plain_ms else "-"
+        steady = "-"
+        if base and base.steady_ms and r.steady_ms:
+            steady = f"{r.steady_ms / base.steady_ms:.3f} ({r.steady_steps})"
         sizes = ", ".join(f"{s}: {n}" for s, n in r.sizes.items())
         phases = " | ".join(f"{r.phases_ms[p]:.2f}" for p in PHASES)
         name = r.method if r.method != "ar" else f"ar ({Path(r.engine).name})"
         lines.append(
             f"| {name} | {r.batch} | {r.temperature:g} | {r.ms_per_step:.2f} | {phases} | {r.tau:.2f} "
-            f"| {r.tokens_per_s:.0f} | {ratio} | {plain} | {plain_ratio} | {sizes} |"
+            f"| {r.tokens_per_s:.0f} | {ratio} | {plain} | {plain_ratio} | {steady} | {sizes} |"
         )
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--methods", nargs="+", default=list(ENGINES), choices=list(ENGINES), help="(default: all)")
+    ap.add_argument("--methods", nargs="+", default=list(DRAFTERS), choices=list(DRAFTERS), help="(default: all)")
+    ap.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="KIND=DIR",
+        help=f"the engine of a drafter kind ({', '.join(ENGINES)}), repeatable "
+        f"(default: {', '.join(ENGINES.values())})",
+    )
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32], help="batch sizes (default: %(default)s)")
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0], help="(default: %(default)s)")
     ap.add_argument("--max-tokens", type=int, default=48, help="tokens per request (default: %(default)s)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/step_profile"), help="(default: %(default)s)")
     args = ap.parse_args(argv)
+    paths = dict(ENGINES)
+    for given in args.engine:
+        kind, _, path = given.partition("=")
+        if kind not in ENGINES or not path:
+            ap.error(f"--engine {given!r}: expected KIND=DIR with a kind of {', '.join(ENGINES)}")
+        paths[kind] = path
     prompts_text = heldout_prompts(max(args.batches))
     loaded: dict[str, LoadedEngine] = {}
     rows = []
     # AR on each engine a method runs on, just before that engine's methods
-    order = list(dict.fromkeys(ENGINES[m] for m in args.methods))
-    methods = {path: ["ar", *(m for m in args.methods if m != "ar" and ENGINES[m] == path)] for path in order}
+    engine_of = {m: paths[DRAFTERS[m]] for m in DRAFTERS}
+    order = list(dict.fromkeys(engine_of[m] for m in args.methods))
+    methods = {path: ["ar", *(m for m in args.methods if m != "ar" and engine_of[m] == path)] for path in order}
     settings = [
         (m, path, b, t) for path in order for b in args.batches for t in args.temperatures for m in methods[path]
     ]
