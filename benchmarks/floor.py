@@ -125,6 +125,7 @@ def _measure(engine: LoadedEngine, path: Path, context: int, repeats: int, flush
         levels = list(range(1, LEVELS + 1))
         for mode in ("cold", "hot"):
             times = [1e3 * timing(level(n), repeats, mode == "cold", flush) for n in levels]
+            row[f"levels_ms_{mode}"] = dict(zip(levels, times, strict=True))  # a call of n levels: its time
             row[f"level_ms_{mode}"], row[f"call_ms_{mode}"] = statistics.linear_regression(levels, times)
     return row
 
