@@ -165,15 +165,11 @@ class DraftLMLevels:
         reads the draft LM's weights once more, what the metadata cost). The K/V are those
         the general forward writes (a token attends to the same cache entries; products are
         per row); the levels' logits are not used."""
-        fed = {
-            i: r.tokens[r.num_computed - b : r.num_computed]
-            for i, (r, b) in enumerate(zip(self.requests, behind, strict=True))
-            if b
-        }
         for depth in range(max(behind, default=0), 0, -1):
             rows = [i for i, b in enumerate(behind) if b >= depth]
             positions = [self.requests[i].num_computed - depth for i in rows]
-            self.chain_level_at(rows, [fed[i][-depth] for i in rows], positions)
+            tokens = [self.requests[i].tokens[p] for i, p in zip(rows, positions, strict=True)]
+            self.chain_level_at(rows, tokens, positions)
         for r, b in zip(self.requests, behind, strict=True):
             if b:
                 r.draft_state = r.num_computed
