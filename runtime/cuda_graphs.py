@@ -146,7 +146,7 @@ class CudaGraphs:
         self.linears: dict[int, str] = {}
         """Per bucket, the linears its graph runs: "cublas" or "triton" (`plugins/gpu_linear.py`)."""
         self.replay_ms: dict[int, dict[str, float]] = {}
-        """Per bucket, each alternative's measured replay time (ms, padding rows)."""
+        """Per bucket captured both ways, each alternative's measured replay time (ms, padding rows)."""
         pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.buckets):  # largest first: the smaller ones reuse its memory
             self.graphs[b] = self._capture_fastest(b, pool)
@@ -164,8 +164,9 @@ class CudaGraphs:
                 log.warning("bucket %d: capturing the forward with Triton linears failed, cuBLAS's kept: %r", b, e)
             finally:
                 self.model.set_triton_linears(False)
-        self.replay_ms[b] = {kind: _replay_ms(graph) for kind, (graph, _) in captured.items()}
-        self.linears[b] = faster_linears(self.replay_ms[b])
+        if len(captured) > 1:  # one alternative alone needs no timing
+            self.replay_ms[b] = {kind: _replay_ms(graph) for kind, (graph, _) in captured.items()}
+        self.linears[b] = faster_linears(self.replay_ms.get(b, {}))
         return captured[self.linears[b]]
 
     def _views(self, buf32: torch.Tensor, b: int) -> RowMetadata:
@@ -276,10 +277,10 @@ class CudaGraphs:
 
 
 def faster_linears(replay_ms: dict[str, float]) -> str:
-    """The linears a bucket keeps from each alternative's replay time: "triton" where it was
-    timed and saves `TRITON_SAVES` of cuBLAS's time, else "cublas"."""
-    triton = replay_ms.get("triton")
-    return "triton" if triton is not None and triton < (1 - TRITON_SAVES) * replay_ms["cublas"] else "cublas"
+    """The linears a bucket keeps from each alternative's replay time: "triton" where both
+    were timed and it saves `TRITON_SAVES` of cuBLAS's time, else "cublas"."""
+    triton, cublas = replay_ms.get("triton"), replay_ms.get("cublas")
+    return "triton" if triton is not None and cublas is not None and triton < (1 - TRITON_SAVES) * cublas else "cublas"
 
 
 def _replay_ms(graph: torch.cuda.CUDAGraph) -> float:

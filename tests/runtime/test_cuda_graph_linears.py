@@ -25,6 +25,7 @@ def test_triton_is_kept_only_where_it_saves_its_share() -> None:
     assert cuda_graphs.faster_linears({"cublas": 1.0, "triton": 1.0 - saves / 2}) == "cublas"
     assert cuda_graphs.faster_linears({"cublas": 1.0, "triton": 1.2}) == "cublas"
     assert cuda_graphs.faster_linears({"cublas": 1.0}) == "cublas"
+    assert cuda_graphs.faster_linears({}) == "cublas"  # one alternative alone: not timed
 
 
 @pytest.mark.skipif(ON_CPU, reason="CUDA graphs need a GPU (SPECPIPE_TEST_DEVICE=cuda)")
@@ -51,6 +52,7 @@ def test_graphs_of_either_linears_decode_what_eager_forwards_decode(
         if graphs_on:
             for graphs in (llm.runner.graphs, llm.proposers["sd"].graphs):
                 assert graphs is not None and set(graphs.linears) == set(graphs.buckets)
+                assert set(graphs.replay_ms) == set(graphs.buckets)  # every bucket captured both ways
                 assert all(set(ms) == {"cublas", "triton"} for ms in graphs.replay_ms.values())
                 if kept is not None:
                     assert set(graphs.linears.values()) == {kept}
