@@ -89,6 +89,17 @@ class Request:
         return self.prompt + self.result.output_ids
 
     @property
+    def pending(self) -> int:
+        """`tokens[-1]` (once decoding, the pending token: the root of its next tree) without
+        building `tokens` (~1 us a request and step at a few hundred tokens)."""
+        return (self.result.output_ids or self.prompt)[-1]
+
+    def token_at(self, position: int) -> int:
+        """`tokens[position]` (position >= 0) without building `tokens`."""
+        n = len(self.prompt)
+        return self.prompt[position] if position < n else self.result.output_ids[position - n]
+
+    @property
     def prefill_target(self) -> int:
         """Tokens to have in the cache before decoding: the prompt, or after a preemption
         everything but the pending token."""

@@ -19,4 +19,4 @@ class ARProposer(Proposer):
         return [1]
 
     def propose(self, requests: list[Request], budgets: list[int]) -> list[DraftTree]:
-        return [DraftTree.root(r.tokens[-1]) for r in requests]
+        return [DraftTree.root(r.pending) for r in requests]

@@ -168,7 +168,7 @@ class DraftLMLevels:
         for depth in range(max(behind, default=0), 0, -1):
             rows = [i for i, b in enumerate(behind) if b >= depth]
             positions = [self.requests[i].num_computed - depth for i in rows]
-            tokens = [self.requests[i].tokens[p] for i, p in zip(rows, positions, strict=True)]
+            tokens = [self.requests[i].token_at(p) for i, p in zip(rows, positions, strict=True)]
             self.chain_level_at(rows, tokens, positions)
         for r, b in zip(self.requests, behind, strict=True):
             if b:
@@ -189,7 +189,7 @@ class DraftLMLevels:
         if self.feeds_roots():
             positions = self._roots_fed()
             rows = list(range(len(self.requests)))
-            return self.chain_level_at(rows, [r.tokens[r.num_computed] for r in self.requests], positions)
+            return self.chain_level_at(rows, [r.token_at(r.num_computed) for r in self.requests], positions)
         starts = self._catch_up()
         tokens: list[int] = []
         positions = []
@@ -260,7 +260,7 @@ class DraftLMLevels:
         roots = None
         if first is None:
             self._roots_fed()
-            roots = [r.tokens[r.num_computed] for r in self.requests]
+            roots = [r.token_at(r.num_computed) for r in self.requests]
         starts = [r.num_computed + 1 for r in self.requests]
         return self.fused.sampled_chain(first, roots, starts, self.slots, levels, temperatures, uniforms, self.cache)
 

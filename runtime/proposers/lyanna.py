@@ -240,7 +240,7 @@ class LyannaProposer(Proposer):
             request.draft_state = state
             size = largest_fitting(params.sizes, budget)
             if size == 1:
-                trees[request] = DraftTree.root(request.tokens[-1])
+                trees[request] = DraftTree.root(request.pending)
                 state.resampled = state.chain_logits = None  # rooted at a token this step moves past
             elif size == params.max_nodes and state.resampled is not None and not params.fuse:
                 trees[request], state.chain_logits = state.resampled, None  # verified alone, no new chain
@@ -258,12 +258,12 @@ class LyannaProposer(Proposer):
         drafter, model = self.engine.lyanna_drafter, self.engine.model
         assert drafter is not None
         requests = [r for r, _ in group]
-        roots = torch.tensor([r.tokens[-1] for r in requests], device=self.engine.device)
+        roots = torch.tensor([r.pending for r in requests], device=self.engine.device)
         chain = drafter.draft_chain(target_hidden(requests), roots, model.model.embed_tokens, depth, self.fused)
         head = self.engine.lyanna_head or model.lm_head  # an int8 copy, if the engine has one
         logits = drafter.head_logits(chain, head)  # [B, depth, V]
         drafted = token_info_trees(
-            [r.tokens[-1] for r in requests], logits, self._bias, params.width,
+            [r.pending for r in requests], logits, self._bias, params.width,
             [min(size - 1, params.budget) for _, size in group],
         )  # fmt: skip
         trees = {}
@@ -280,7 +280,9 @@ class LyannaProposer(Proposer):
 
     def on_accept(self, request: Request, tree: DraftTree, accepted: Acceptance, moves: KVMoves | None) -> None:
         """Algorithm 2: candidates for the next step from the chain rows this step left unused."""
-        state: LyannaState = request.draft_state
+        state: LyannaState | None = request.draft_state
+        if state is None:  # it never drafted (the loop verifies a root alone without `propose`)
+            return
         rows, state.resampled, state.chain_logits = state.chain_logits, None, None
         if request.draft_params.resample and rows is not None:
             bonus, bias, params = accepted.tokens[-1], self._bias, request.draft_params

@@ -21,7 +21,7 @@ from typing import Any
 
 from runtime.proposers.proposer import Proposer
 from runtime.request import Request
-from runtime.tree import DraftTree, chain
+from runtime.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -68,9 +68,11 @@ class NgramProposer(Proposer):
     def propose(self, requests: list[Request], budgets: list[int]) -> list[DraftTree]:
         trees = []
         for request, budget in zip(requests, budgets, strict=True):
+            if budget < 2:
+                trees.append(DraftTree.root(request.pending))
+                continue
             tokens = request.tokens
-            drafts = lookup(tokens, request.draft_params)[: budget - 1] if budget > 1 else []
-            tree = chain(tokens[-1], drafts)
-            tree.node_budget = [d + 1 for d in range(len(drafts) + 1)]  # the chain of size d + 1 holds depth d
-            trees.append(tree)
+            drafts = lookup(tokens, request.draft_params)[: budget - 1]
+            # node budgets: the chain of size d + 1 holds depth d
+            trees.append(DraftTree.chain([tokens[-1], *drafts], budgets=True))
         return trees

@@ -7,6 +7,7 @@ A step, as the loop sees it (`runtime/engine_core.py`):
     sizes  = proposer.sizes(request.draft_params)       tree sizes it can draft (ascending)
     budget = scheduler / policy pick one of them        (1 = the root alone: auto-regressive)
     trees  = proposer.propose(requests, budgets)        one DraftTree each, <= its budget
+                                                        (budget 1: the loop's root, no call)
     ... one target forward verifies every tree; `runtime/verify.py` accepts a path ...
     proposer.on_accept(request, tree, acceptance, moves)
 
@@ -72,8 +73,11 @@ class Proposer(ABC):
 
     @abstractmethod
     def propose(self, requests: list[Request], budgets: list[int]) -> list[DraftTree]:
-        """One tree per request, rooted at its pending token (`request.tokens[-1]`): the
-        tree of the largest of its sizes within `budgets[i]` (a budget of 1: the root alone)."""
+        """One tree per request, rooted at its pending token (`request.pending`): the
+        tree of the largest of its sizes within `budgets[i]` (a budget of 1: the root alone).
+        The engine loop asks only for budgets > 1: a request at budget 1 (auto-regression,
+        most of a busy batch) gets the root alone from the loop, without a call here, and
+        `on_accept` as at every step (its draft state may then still be None)."""
 
     def cuts(self, params: Any) -> int:
         """The largest of its sizes up to which the tree of each smaller size is the larger

@@ -285,13 +285,13 @@ class ReDrafterProposer(Proposer):
         groups: dict[tuple[int, int, bool], list[Request]] = {}
         for request, budget in zip(requests, budgets, strict=True):
             if budget < 2:  # the root alone (most requests of a busy batch): nothing to work out
-                trees[request] = DraftTree.root(request.tokens[-1])
+                trees[request] = DraftTree.root(request.pending)
                 continue
             params = request.draft_params
             width, length = self.shape(params, largest_fitting(self.sizes(params), budget))
             groups.setdefault((width, length, params.packing), []).append(request)
         for (width, length, packing), group in groups.items():
             # no draft laws, whatever the temperature: beams are deterministic, verified as point masses
-            drafted = self._draft([r.tokens[-1] for r in group], target_hidden(group), width, length, packing)
+            drafted = self._draft([r.pending for r in group], target_hidden(group), width, length, packing)
             trees |= dict(zip(group, drafted, strict=True))
         return [trees[r] for r in requests]

@@ -826,13 +826,13 @@ class LevelTreeProposer(Proposer):
         for request, budget in zip(requests, budgets, strict=True):
             rung = request.draft_params.rung(budget)
             if rung is None:
-                trees[request] = DraftTree.root(request.tokens[-1])
+                trees[request] = DraftTree.root(request.pending)
             else:
                 groups.setdefault(rung[0], []).append((request, rung[1]))
         for tree_spec, members in groups.items():
             group, lengths = [r for r, _ in members], [d for _, d in members]
             spec = tree_spec.truncated(max(lengths))
-            roots = [r.tokens[-1] for r in group]
+            roots = [r.pending for r in group]
             drafter: RNNLevels | DraftLMLevels
             if self.draft_cache is not None:
                 assert self.engine.draft_model is not None

@@ -16,7 +16,10 @@ from runtime import llm_engine
 from runtime.config import RuntimeConfig
 from runtime.engine_dir import BuildConfig
 from runtime.loaded_engine import LoadedEngine
+from runtime.proposers.lyanna import LyannaProposer
+from runtime.request import Request
 from runtime.sampling import SamplingParams
+from runtime.tree import DraftTree
 from tests.device import TEST_DEVICE
 from training.corpus import heldout_prompts
 
@@ -61,3 +64,28 @@ def test_the_chain_is_one_call_where_the_op_applies(engine: LoadedEngine) -> Non
     `specpipe_cpu::lyanna_chain` (the greedy test above then checks its output)."""
     fused = llm_engine.LLMEngine(engine, FIXED).proposers["lyanna"].fused  # type: ignore[attr-defined]
     assert (fused is not None) == (TEST_DEVICE == "cpu" and cpu_kernels.load() and vectorized())
+
+
+def test_roots_alone_never_reach_the_proposer(
+    engine: LoadedEngine, prompts: list[list[int]], reference: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop verifies a root alone without calling `propose` (the no-draft path): under
+    load-aware speculation every request's last step is one (one token left), and a request
+    of 2 tokens never drafts, so its proposer's `on_accept` meets a request with no draft
+    state. Greedy output stays the target's."""
+    budgets: list[int] = []
+    propose = LyannaProposer.propose
+
+    def spy(self: LyannaProposer, requests: list[Request], sizes: list[int]) -> list[DraftTree]:
+        budgets.extend(sizes)
+        return propose(self, requests, sizes)
+
+    monkeypatch.setattr(LyannaProposer, "propose", spy)
+    params = [SamplingParams(max_tokens=2 if i % 2 else 32) for i in range(16)]
+    results = llm_engine.generate(engine, prompts[:16], params, "lyanna", resample=True)
+    for i, r in enumerate(results):
+        assert r.output_ids == reference[i][: params[i].max_tokens], f"prompt {i} diverged"
+    roots = [s for r in results for s in r.sizes_per_step if s == 1]
+    assert roots and budgets, "both roots alone and drafted trees should have been verified"
+    assert min(budgets) > 1, "a root alone went through the proposer"
+    assert all(r.num_drafted == 0 for r in results[1::2]), "the 2-token requests never drafted"
