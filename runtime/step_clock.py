@@ -63,6 +63,8 @@ class StepClock:
         next few slow (its caches hold the heavy step's data: a batch-2 ReDrafter step after
         a 21-node probe +0.55 ms, then +0.14, +0.10 on ~1.4 ms), a cost of that step
         (load-aware speculation charges it to the probe), not of speculation switched off."""
+        self.steady_phases = dict.fromkeys(PHASES, 0.0)
+        """Seconds per phase of the steady steps (`benchmarks/no_draft.py`)."""
         self.kinds: dict[str, StepKind] = {}
         """"prefilling" (steps whose forward held prompt chunks) and "decoding" (the others):
         their steps, seconds and tokens emitted (`count_step`)."""
@@ -73,6 +75,7 @@ class StepClock:
         self.steps = 0
         self.plain_steps, self.plain_seconds = 0, 0.0
         self.steady_steps, self.steady_seconds = 0, 0.0
+        self.steady_phases = dict.fromkeys(PHASES, 0.0)
         self.kinds = {}
 
     def count_plain(self, steady: bool) -> None:
@@ -84,6 +87,8 @@ class StepClock:
         if steady:
             self.steady_steps += 1
             self.steady_seconds += seconds
+            for phase, spent in self.step.items():
+                self.steady_phases[phase] += spent
 
     def emitted(self, tokens: int) -> None:
         """The current step sent `tokens` tokens to a request."""
