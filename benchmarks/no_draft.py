@@ -31,7 +31,7 @@ from typing import Any
 from tqdm import tqdm
 
 from benchmarks.report import command, machine, write_report
-from benchmarks.step_profile import DRAFTERS, ENGINES
+from benchmarks.step_profile import DRAFTERS, add_engine_argument, engine_paths
 from benchmarks.timing import round_params, warm_up
 from runtime.config import RuntimeConfig
 from runtime.llm_engine import LLMEngine
@@ -147,14 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--methods", nargs="+", default=["redrafter", "sd", "lyanna"], choices=methods, help="(default: %(default)s)"
     )
-    ap.add_argument(
-        "--engine",
-        action="append",
-        default=[],
-        metavar="KIND=DIR",
-        help=f"the engine of a drafter kind ({', '.join(ENGINES)}), repeatable "
-        f"(default: {', '.join(ENGINES.values())})",
-    )
+    add_engine_argument(ap)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32], help="batch sizes (default: %(default)s)")
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="(default: %(default)s)")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default: %(default)s)")
@@ -162,12 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/no_draft"), help="(default: %(default)s)")
     args = ap.parse_args(argv)
-    paths = dict(ENGINES)
-    for given in args.engine:
-        kind, _, path = given.partition("=")
-        if kind not in ENGINES or not path:
-            ap.error(f"--engine {given!r}: expected KIND=DIR with a kind of {', '.join(ENGINES)}")
-        paths[kind] = path
+    paths = engine_paths(ap, args.engine)
     if args.rounds < 1 or args.max_tokens < 2 or min(args.batches) < 1:
         ap.error("--rounds and --batches must be >= 1, --max-tokens >= 2")
     texts = heldout_prompts(max(args.batches))

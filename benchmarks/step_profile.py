@@ -45,6 +45,30 @@ ENGINES = {"redrafter": "engines/demo-redrafter", "draft-lm": "engines/demo-draf
 """Drafter kind -> its demo engine (`make engine` builds them; `--engine KIND=DIR` another)."""
 
 
+def add_engine_argument(ap: argparse.ArgumentParser) -> None:
+    """`--engine KIND=DIR` (repeatable): the engine of a drafter kind (`engine_paths`)."""
+    ap.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="KIND=DIR",
+        help=f"the engine of a drafter kind ({', '.join(ENGINES)}), repeatable "
+        f"(default: {', '.join(ENGINES.values())})",
+    )
+
+
+def engine_paths(ap: argparse.ArgumentParser, given: list[str]) -> dict[str, str]:
+    """Drafter kind -> engine directory: `ENGINES`, with the `--engine KIND=DIR` values given
+    (a malformed one, or a kind not in `ENGINES`, exits through `ap.error`)."""
+    paths = dict(ENGINES)
+    for value in given:
+        kind, _, path = value.partition("=")
+        if kind not in ENGINES or not path:
+            ap.error(f"--engine {value!r}: expected KIND=DIR with a kind of {', '.join(ENGINES)}")
+        paths[kind] = path
+    return paths
+
+
 @dataclass
 class Row:
     method: str
@@ -150,26 +174,14 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", nargs="+", default=list(DRAFTERS), choices=list(DRAFTERS), help="(default: all)")
-    ap.add_argument(
-        "--engine",
-        action="append",
-        default=[],
-        metavar="KIND=DIR",
-        help=f"the engine of a drafter kind ({', '.join(ENGINES)}), repeatable "
-        f"(default: {', '.join(ENGINES.values())})",
-    )
+    add_engine_argument(ap)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32], help="batch sizes (default: %(default)s)")
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0], help="(default: %(default)s)")
     ap.add_argument("--max-tokens", type=int, default=48, help="tokens per request (default: %(default)s)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/step_profile"), help="(default: %(default)s)")
     args = ap.parse_args(argv)
-    paths = dict(ENGINES)
-    for given in args.engine:
-        kind, _, path = given.partition("=")
-        if kind not in ENGINES or not path:
-            ap.error(f"--engine {given!r}: expected KIND=DIR with a kind of {', '.join(ENGINES)}")
-        paths[kind] = path
+    paths = engine_paths(ap, args.engine)
     prompts_text = heldout_prompts(max(args.batches))
     loaded: dict[str, LoadedEngine] = {}
     rows = []
