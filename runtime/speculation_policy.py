@@ -814,25 +814,31 @@ class SpeculationPolicy:
             self._fold_runs()
         # auto-regressive requests, and (load-aware) those with one token left, which no tree yields more of
         last = 1 if self.adaptive else 0
-        fixed = {o.key: 1 for o in offers if len(o.sizes) == 1 or (o.left is not None and o.left <= last)}
-        for o in offers:
-            if o.key in fixed and len(o.sizes) > 1:
+        fixed: dict[str, int] = {}
+        rest: list[Offer] = []
+        for o in offers:  # (one pass: this and the counting below are most of a standing step's choice)
+            if len(o.sizes) == 1:
+                fixed[o.key] = 1
+            elif o.left is not None and o.left <= last:
+                fixed[o.key] = 1
                 self.chosen[(o.method, 1)] += 1
-        offers = [o for o in offers if o.key not in fixed]
+            else:
+                rest.append(o)
+        offers = rest
         if not offers:
             return fixed
         prefilling = others
         others += len(fixed)  # their one token each is in the forward
-        probed, plain = None, False
+        probed, plain, roots = None, False, False  # roots: every request at size 1
         if not self.adaptive:
             chosen = {o.key: o.sizes[-1] for o in offers}
         elif self._plain_left > 0:  # a plain probe's run goes on (`_plain_probe`)
             self._plain_left -= 1
             self.credit -= self._plain_loss
             self._plain_probing = self._plain_left == 0
-            chosen, plain = {o.key: 1 for o in offers}, True
+            chosen, plain, roots = {o.key: 1 for o in offers}, True, True
         elif (standing := self._standing(offers, others)) is not None:
-            chosen = standing.give(offers)
+            chosen, roots = standing.give(offers), not standing.drafts
             self._expected = standing.seconds
         else:
             self._prices = {}
@@ -840,6 +846,13 @@ class SpeculationPolicy:
                 chosen, probed, plain = self._solve(offers, others, prefilling, fixed)
             finally:
                 self._prices = None
+        if roots:  # counted per method; every run of drafting ends (none does in a probe's plain run)
+            for method, n in Counter(o.method for o in offers).items():
+                self.chosen[(method, 1)] += n
+            if not plain and self._runs:
+                for o in offers:
+                    self._end_run(o.key)
+            return fixed | chosen
         for o in offers:
             self.chosen[(o.method, chosen[o.key])] += 1
             if plain:

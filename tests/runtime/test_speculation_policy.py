@@ -427,6 +427,9 @@ def test_a_settled_decision_is_reused_and_changes_no_choice(monkeypatch: pytest.
     _, solved = run(q, [POOR] * 400 + [GOOD] * 200, batch=1, steps=600)
     assert q.reused == 0 and p.reused > 250, p.reused
     assert history == solved and p.probes == q.probes > 0
+    # what metrics and the catch-up horizon read: the same counts of request-steps per size, the
+    # same runs of drafting (a standing decision counts its requests per method, `choose`)
+    assert p.chosen == q.chosen and p.chosen[("redrafter", 1)] > 250 and p.horizons == q.horizons
     monkeypatch.setattr(speculation_policy, "RECHOOSE_EVERY", 8)
     r = calibrated(POOR)
     run(r, POOR, batch=2, steps=80)
