@@ -104,6 +104,31 @@ def draw_rows(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.T
     return inverse_cdf_rows(probs, u)
 
 
+def level_uniforms(generators: list[torch.Generator], counts: list[int]) -> torch.Tensor:
+    """`[len(generators), max(counts)]` float64: row i holds `counts[i]` uniforms from
+    `generators[i]` (zeros after them), the numbers `counts[i]` calls of one `torch.rand(1)`
+    each (`draw_rows`' draws, one a level) give, in that order. On the CPU one call of n gives
+    exactly those (the mt19937 generator draws one double per element, in order:
+    `tests/runtime/test_rsd_batched_levels.py` checks it), so a row is one call: 8 requests of
+    4 levels ~61 -> ~11 us a step. A CUDA generator's one call of n is another stream than n
+    calls of one (Philox offsets), so there each level is a call of its own."""
+    device = generators[0].device
+    if device.type == "cpu":
+        rows = [torch.rand(n, dtype=torch.float64, generator=g) for g, n in zip(generators, counts, strict=True)]
+    else:
+        rows = [
+            torch.cat([torch.rand(1, dtype=torch.float64, generator=g, device=device) for _ in range(n)])
+            for g, n in zip(generators, counts, strict=True)
+        ]
+    most = max(counts)
+    if all(n == most for n in counts):
+        return torch.stack(rows)
+    out = torch.zeros((len(rows), most), dtype=torch.float64, device=device)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return out
+
+
 def log1mexp(a: torch.Tensor) -> torch.Tensor:
     """log(1 - exp(a)) for a <= 0, accurate on both sides of -log 2 (Maechler 2012)."""
     return torch.where(a > -0.6931471805599453, torch.log(-torch.expm1(a)), torch.log1p(-torch.exp(a)))

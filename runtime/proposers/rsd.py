@@ -45,7 +45,7 @@ from plugins.argmax_rows import kernel_applies as argmax_applies
 from plugins.llama_forward import Int8DraftLM
 from runtime.block_manager import BlockManager
 from runtime.cuda_graphs import CudaGraphs, GraphLimits
-from runtime.gumbel import draw_rows, gumbel_top_k_rows, top_k_valid_rows, truncated_gumbel
+from runtime.gumbel import draw_rows, gumbel_top_k_rows, level_uniforms, top_k_valid_rows, truncated_gumbel
 from runtime.loaded_engine import LoadedEngine
 from runtime.proposers.level_drafters import DraftLMLevels, RNNLevels
 from runtime.proposers.proposer import KVMoves, Proposer, target_hidden
@@ -416,9 +416,9 @@ def _sampled_chains(
     same laws and draws, in the same order, as the level loop of `draft_rsd_trees` takes
     for these trees, so the same trees (`tests/runtime/test_rsd_batched_levels.py`).
 
-    A request's uniforms, one a level, are drawn up front from its generator, one call a
-    level as `draw_rows` draws them (the same numbers in the same order on any device: a
-    GPU generator's one call of n is another stream than n calls of one).
+    A request's uniforms, one a level, are drawn up front from its generator, the numbers
+    `draw_rows` would draw a level at a time, in the same order, on any device
+    (`level_uniforms`: one call a request on the CPU, one a level on a GPU).
     Where every warp is a temperature alone, the whole loop is one drafter call
     (`LevelDrafter.sampled_chain`, the draft LM's C++ op: the same softmax, the same
     inverse-CDF draw, so the same trees and laws bit for bit), where the loop paid ~0.1 ms
@@ -426,12 +426,7 @@ def _sampled_chains(
     each level's draws stay on the device and feed the next level as they are
     (`LevelDrafter.chain_level` takes a tensor): one read-back for the whole chain, so the
     host packs the next level while the device still computes this one."""
-    device = generators[0].device
-    uniforms = torch.zeros((len(roots), max(lengths)), dtype=torch.float64, device=device)
-    for i, (gen, n) in enumerate(zip(generators, lengths, strict=True)):  # one draw a level, as `draw_rows`
-        uniforms[i, :n] = torch.cat(
-            [torch.rand(1, dtype=torch.float64, generator=gen, device=device) for _ in range(n)]
-        )
+    uniforms = level_uniforms(generators, lengths)  # one draw a level, as `draw_rows`
     if all(prm.temperature_alone for prm in params):
         fused = drafter.sampled_chain(logits, lengths, [prm.temperature for prm in params], uniforms)
         if fused is not None:

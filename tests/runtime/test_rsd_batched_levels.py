@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.gumbel import draw_rows, gumbel_top_k, gumbel_top_k_rows, top_k_valid, truncated_gumbel
+from runtime.gumbel import draw_rows, gumbel_top_k, gumbel_top_k_rows, level_uniforms, top_k_valid, truncated_gumbel
 from runtime.proposers.rsd import TreeSpec, draft_probs, draft_rsd_trees
 from runtime.sampling import SamplingParams
 from runtime.tree import DraftTree
@@ -300,3 +300,21 @@ def test_sampled_chains_a_level_per_call_are_the_level_loops_trees(method: str) 
     assert [len(t.tokens) for t in chained] == [n + 1 for n in lengths]
     assert same(chained, levels)
     assert not same(trees(LateChainedNodeLogits(contexts, roots)), levels)
+
+
+@pytest.mark.parametrize("counts", [[4], [5, 5, 5], [1, 4, 2, 7], [3, 0, 2]])
+def test_level_uniforms_are_what_a_draw_a_level_draws(counts: list[int]) -> None:
+    """`level_uniforms` (a request's chain uniforms up front, one call a row on the CPU) gives
+    each row the numbers of one `torch.rand(1)` a level from the request's generator, in order,
+    and leaves each generator where those calls would: the chains' draws stay `draw_rows`'."""
+    seeds = [11 * i + 3 for i in range(len(counts))]
+    gens = [torch.Generator(device=TEST_DEVICE).manual_seed(s) for s in seeds]
+    got = level_uniforms(gens, counts)
+    assert got.shape == (len(counts), max(counts)) and got.dtype == torch.float64
+    for i, (seed, n) in enumerate(zip(seeds, counts, strict=True)):
+        ref = torch.Generator(device=TEST_DEVICE).manual_seed(seed)
+        want = [torch.rand(1, dtype=torch.float64, generator=ref, device=TEST_DEVICE) for _ in range(n)]
+        assert got[i, :n].tolist() == torch.cat(want).tolist() if n else got[i].abs().sum() == 0
+        assert (got[i, n:] == 0).all()
+        after = torch.rand(1, dtype=torch.float64, generator=gens[i], device=TEST_DEVICE)
+        assert after.item() == torch.rand(1, dtype=torch.float64, generator=ref, device=TEST_DEVICE).item()
