@@ -1,0 +1,249 @@
+"""Speed against auto-regression, measured in lockstep: an AR engine and one engine per
+configuration, all on the same loaded weights, step in turn, so every configuration meets
+the same machine at the same moments.
+
+    python -m benchmarks.lockstep --engine engines/demo-redrafter --batch 1 --temperature 1 \\
+        redrafter "redrafter@runtime.speculation_policy.EXPLORERS=0" redrafter:fixed
+
+A configuration is `METHOD[:SPECULATION][@MODULE.ATTR=VALUE;...]`: a decoding method, its
+speculation (`load-aware`, the default, or `fixed`), and module attributes set around each of
+its steps (and restored after), so variants of a policy constant run side by side in one
+process. Each round (seeded apart) every engine decodes the same `--batch` held-out prompts
+of `--max-tokens` tokens (EOS ignored). A configuration's ratio is its tokens per second of
+its own step time over AR's: overall, and per round (median, range, standard error).
+
+Why: runs of their own, even alternating, read one configuration 3-10% apart from itself on
+a shared 2-core VM (AR against itself: 0.96 vs 1.07 ms a step); in lockstep, stepping in a
+fixed cyclic order read two identical configurations 2.3% apart (the engine that steps
+after another meets the caches it warmed: the drafter's weights, shared), so the order
+rotates by round and reverses every other cycle. At T=0 every configuration's output is
+checked against AR's. Writes `<out>.json` and `<out>.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from tqdm import tqdm
+
+from benchmarks.report import command, machine, write_report
+from benchmarks.timing import round_params, warm_up
+from runtime.config import RuntimeConfig
+from runtime.llm_engine import LLMEngine
+from runtime.loaded_engine import LoadedEngine
+from runtime.request import Request
+from runtime.results import tokens_per_step
+from training.corpus import heldout_prompts
+
+Patch = tuple[ModuleType, str, Any]
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    method: str
+    speculation: str
+    patches: tuple[Patch, ...]
+
+    def apply(self) -> list[Patch]:
+        """Set the patches; returns what they replaced (to `restore`)."""
+        old = [(module, attr, getattr(module, attr)) for module, attr, _ in self.patches]
+        for module, attr, value in self.patches:
+            setattr(module, attr, value)
+        return old
+
+
+def restore(old: list[Patch]) -> None:
+    for module, attr, value in reversed(old):
+        setattr(module, attr, value)
+
+
+def parse_config(text: str) -> Config:
+    """`METHOD[:SPECULATION][@MODULE.ATTR=VALUE;...]`; VALUE is a Python literal. Raises
+    ValueError naming what is wrong."""
+    main, _, patch = text.partition("@")
+    method, _, speculation = main.partition(":")
+    speculation = speculation or "load-aware"
+    if not method or speculation not in ("load-aware", "fixed"):
+        raise ValueError(f"config {text!r}: expected METHOD[:load-aware|fixed][@MODULE.ATTR=VALUE;...]")
+    patches = []
+    for item in filter(None, patch.split(";")):
+        target, sep, value = item.partition("=")
+        module_name, _, attr = target.rpartition(".")
+        if not sep or not module_name:
+            raise ValueError(f"config {text!r}: {item!r} is not MODULE.ATTR=VALUE")
+        module = importlib.import_module(module_name)
+        if not hasattr(module, attr):
+            raise ValueError(f"config {text!r}: module {module_name} has no {attr!r}")
+        try:
+            literal = ast.literal_eval(value)
+        except Exception as e:
+            raise ValueError(f"config {text!r}: {value!r} is not a Python literal ({e})") from e
+        patches.append((module, attr, literal))
+    return Config(text, method, speculation, tuple(patches))
+
+
+@dataclass
+class Row:
+    config: str
+    method: str
+    speculation: str
+    ratio: float
+    """Tokens per second of its summed step time over AR's, all rounds."""
+    median: float
+    least: float
+    most: float
+    stderr: float
+    """Standard error of the mean of the per-round ratios."""
+    per_round: list[float]
+    tokens_per_step: float
+    steps: int
+    same_as_ar: bool | None
+    """At T=0: every request's output equals AR's (None at T > 0)."""
+
+
+def lockstep(
+    engines: dict[str, LLMEngine],
+    configs: dict[str, Config],
+    prompts: list[list[int]],
+    max_tokens: int,
+    temperature: float,
+    rounds: int,
+) -> tuple[dict[str, list[float]], dict[str, list[int]], dict[str, list[list[int]]], dict[str, list[Request]]]:
+    """Per configuration (AR's key "ar" included): seconds and tokens of each round, and the
+    outputs and requests of all rounds."""
+    seconds = {k: [0.0] * rounds for k in engines}
+    tokens = {k: [0] * rounds for k in engines}
+    outputs: dict[str, list[list[int]]] = {k: [] for k in engines}
+    done: dict[str, list[Request]] = {k: [] for k in engines}
+    keys = list(engines)
+    for r in tqdm(range(rounds), desc="lockstep rounds"):
+        order = keys[r % len(keys) :] + keys[: r % len(keys)]
+        if (r // len(keys)) % 2:
+            order.reverse()  # each configuration follows each other as often
+        requests = {
+            k: [engines[k].add_request(p, s, configs[k].method) for p, s in zip(prompts, round_params(
+                len(prompts), max_tokens, temperature, r), strict=True)]
+            for k in keys
+        }  # fmt: skip
+        while any(engines[k].has_unfinished() for k in order):
+            for k in order:
+                llm = engines[k]
+                if not llm.has_unfinished():
+                    continue
+                old = configs[k].apply()
+                try:
+                    start = time.perf_counter()
+                    llm.step()
+                    seconds[k][r] += time.perf_counter() - start
+                finally:
+                    restore(old)
+        for k in keys:
+            tokens[k][r] = sum(len(q.result.output_ids) for q in requests[k])
+            outputs[k] += [q.result.output_ids for q in requests[k]]
+            done[k] += requests[k]
+    return seconds, tokens, outputs, done
+
+
+def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
+    lines = [
+        "# Speed against auto-regression, in lockstep",
+        "",
+        f"Engine `{meta['engine']}`, batch {meta['batch']}, T={meta['temperature']:g}, {meta['prompts']} held-out "
+        f"prompts a round of {meta['max_tokens']} tokens (EOS ignored), {meta['rounds']} rounds; an AR engine and "
+        "one engine per configuration on the same weights step in turn (the order rotates by round and "
+        "reverses every other cycle). Ratio: tokens per "
+        "second of a configuration's own step time over AR's. "
+        f"Command: `{meta['command']}`",
+        "",
+        "| configuration | ratio | median of rounds | least-most | stderr | tokens/step/request | greedy == AR |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        same = "-" if r.same_as_ar is None else ("yes" if r.same_as_ar else "**NO**")
+        lines.append(
+            f"| `{r.config}` | **{r.ratio:.3f}** | {r.median:.3f} | {r.least:.3f}-{r.most:.3f} | {r.stderr:.3f} "
+            f"| {r.tokens_per_step:.2f} | {same} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("configs", nargs="+", help="METHOD[:load-aware|fixed][@MODULE.ATTR=VALUE;...], one or more")
+    ap.add_argument("--engine", default="engines/demo-redrafter", help="(default: %(default)s)")
+    ap.add_argument("--batch", type=int, default=1, help="requests at once (default: %(default)s)")
+    ap.add_argument(
+        "--prompts", type=int, default=None, help="held-out prompts a round (default: the batch, at least 8)"
+    )
+    ap.add_argument("--temperature", type=float, default=0.0, help="(default: %(default)s)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default: %(default)s)")
+    ap.add_argument("--rounds", type=int, default=10, help="(default: %(default)s)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/lockstep"), help="(default: %(default)s)")
+    args = ap.parse_args(argv)
+    if args.batch < 1 or args.rounds < 1 or args.max_tokens < 1 or (args.prompts is not None and args.prompts < 1):
+        ap.error("--batch, --prompts, --rounds and --max-tokens must be >= 1")
+    try:
+        parsed = [parse_config(c) for c in args.configs]
+    except (ValueError, ImportError) as e:
+        ap.error(str(e))
+    configs = {"ar": Config("ar", "ar", "fixed", ())} | {c.name: c for c in parsed}
+    engine = LoadedEngine.load(args.engine, device=args.device)
+    count = args.prompts or max(args.batch, 8)  # at batch 1, one prompt a round read 0.79-1.05 between rounds
+    prompts = [engine.encode(t) for t in heldout_prompts(count)]
+    engines = {}
+    for name, config in configs.items():
+        old = config.apply()
+        try:
+            llm = LLMEngine(engine, RuntimeConfig(max_batch_size=args.batch, speculation=config.speculation))
+            llm.prepare()
+            warm_up(llm, prompts[0], config.method, args.temperature)
+        finally:
+            restore(old)
+        engines[name] = llm
+    seconds, tokens, outputs, done = lockstep(engines, configs, prompts, args.max_tokens, args.temperature, args.rounds)
+    ar_rate = sum(tokens["ar"]) / sum(seconds["ar"])
+    rows = []
+    for name, config in configs.items():
+        per_round = [(n / s) / (a / t) for n, s, a, t in zip(tokens[name], seconds[name], tokens["ar"], seconds["ar"],
+                                                              strict=True)]  # fmt: skip
+        rows.append(
+            Row(
+                config=name,
+                method=config.method,
+                speculation=config.speculation,
+                ratio=round(sum(tokens[name]) / sum(seconds[name]) / ar_rate, 4),
+                median=round(statistics.median(per_round), 4),
+                least=round(min(per_round), 4),
+                most=round(max(per_round), 4),
+                stderr=round(statistics.stdev(per_round) / len(per_round) ** 0.5, 4) if len(per_round) > 1 else 0.0,
+                per_round=[round(x, 4) for x in per_round],
+                tokens_per_step=round(tokens_per_step([q.result for q in done[name]]), 3),
+                steps=sum(q.result.num_forwards for q in done[name]),
+                same_as_ar=outputs[name] == outputs["ar"] if args.temperature == 0 else None,
+            )
+        )
+    meta = {
+        "engine": args.engine,
+        "batch": args.batch,
+        "prompts": count,
+        "temperature": args.temperature,
+        "max_tokens": args.max_tokens,
+        "rounds": args.rounds,
+        "command": command("benchmarks.lockstep", argv),
+        "machine": machine(),
+    }
+    write_report(args.out, meta, [asdict(r) for r in rows], markdown(rows, meta))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""`benchmarks/lockstep.py`, run for real on the CPU on a demo engine: AR's row reads 1, a
+configuration's patch holds during its steps only, greedy outputs are checked against AR's,
+and malformed configurations are refused with what is wrong."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import lockstep
+from benchmarks.lockstep import main, parse_config
+from runtime import speculation_policy
+from runtime.llm_engine import LLMEngine
+
+
+def test_configurations_step_in_turn_against_ar(
+    engines: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[tuple[str, int]] = []  # (method of the stepping engine's requests, EXPLORERS during its step)
+    step = LLMEngine.step
+
+    def spy(self: LLMEngine) -> list:
+        methods = {r.method for r in self.scheduler.running.values()} | {r.method for r in self.scheduler.waiting}
+        seen.extend((m, speculation_policy.EXPLORERS) for m in methods)
+        return step(self)
+
+    monkeypatch.setattr(LLMEngine, "step", spy)
+    before = speculation_policy.EXPLORERS
+    out = tmp_path / "lockstep"
+    configs = ["redrafter", "redrafter:fixed", "ngram@runtime.speculation_policy.EXPLORERS=7"]
+    main(["--engine", str(engines["redrafter"]), "--batch", "2", "--max-tokens", "12", "--rounds", "3", *configs,
+          "--out", str(out)])  # fmt: skip
+    assert before == speculation_policy.EXPLORERS, "a patch outlived its steps"
+    assert {x for m, x in seen if m == "ngram"} == {7} and {x for m, x in seen if m != "ngram"} == {before}
+    doc = json.loads(out.with_suffix(".json").read_text())
+    rows = {r["config"]: r for r in doc["rows"]}
+    assert list(rows) == ["ar", "redrafter", "redrafter:fixed", "ngram@runtime.speculation_policy.EXPLORERS=7"]
+    assert rows["ar"]["ratio"] == 1 and rows["ar"]["per_round"] == [1.0] * 3 and rows["ar"]["tokens_per_step"] == 1
+    for r in rows.values():
+        assert r["same_as_ar"] is True, r  # greedy: every configuration's output is AR's
+        assert r["ratio"] > 0 and len(r["per_round"]) == 3 and r["least"] <= r["median"] <= r["most"]
+    assert rows["redrafter:fixed"]["tokens_per_step"] > 1  # fixed speculation drafts every step
+    assert "| `redrafter:fixed` |" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("text", "wrong"),
+    [
+        ("redrafter:sometimes", "expected METHOD"),
+        ("redrafter@runtime.speculation_policy.NO_SUCH=1", "has no 'NO_SUCH'"),
+        ("redrafter@EXPLORERS=1", "is not MODULE.ATTR=VALUE"),
+        ("redrafter@runtime.speculation_policy.EXPLORERS=two", "is not a Python literal"),
+    ],
+)
+def test_a_malformed_configuration_is_refused(text: str, wrong: str) -> None:
+    with pytest.raises(ValueError, match=wrong):
+        parse_config(text)
+
+
+def test_a_configuration_patches_and_restores() -> None:
+    config = parse_config("sd:fixed@runtime.speculation_policy.PROBE_SHARE=0.5")
+    assert (config.method, config.speculation) == ("sd", "fixed")
+    before = speculation_policy.PROBE_SHARE
+    old = config.apply()
+    assert speculation_policy.PROBE_SHARE == 0.5
+    lockstep.restore(old)
+    assert before == speculation_policy.PROBE_SHARE
