@@ -56,7 +56,6 @@ class StepClock:
         """Decoding steps that drafted nothing (`count_plain`), and their seconds: what a
         step costs when speculation is off, to set beside an auto-regressive step."""
         self.steady_steps = 0
-        self.steady_seconds = 0.0
         """Those of them the engine calls steady (`count_plain`): more than
         `speculation_policy.AFTER_PREFILL` steps after the last step that prefilled or
         verified trees (`SpeculationPolicy.since_heavy`). After such a step the CPU runs the
@@ -64,7 +63,8 @@ class StepClock:
         a 21-node probe +0.55 ms, then +0.14, +0.10 on ~1.4 ms), a cost of that step
         (load-aware speculation charges it to the probe), not of speculation switched off."""
         self.steady_phases = dict.fromkeys(PHASES, 0.0)
-        """Seconds per phase of the steady steps (`benchmarks/no_draft.py`)."""
+        """Seconds per phase of the steady steps (summed: `steady_ms`; per phase:
+        `benchmarks/no_draft.py`)."""
         self.kinds: dict[str, StepKind] = {}
         """"prefilling" (steps whose forward held prompt chunks) and "decoding" (the others):
         their steps, seconds and tokens emitted (`count_step`)."""
@@ -74,7 +74,7 @@ class StepClock:
         self.totals = dict.fromkeys(PHASES, 0.0)
         self.steps = 0
         self.plain_steps, self.plain_seconds = 0, 0.0
-        self.steady_steps, self.steady_seconds = 0, 0.0
+        self.steady_steps = 0
         self.steady_phases = dict.fromkeys(PHASES, 0.0)
         self.kinds = {}
 
@@ -86,7 +86,6 @@ class StepClock:
         self.plain_seconds += seconds
         if steady:
             self.steady_steps += 1
-            self.steady_seconds += seconds
             for phase, spent in self.step.items():
                 self.steady_phases[phase] += spent
 
@@ -107,7 +106,7 @@ class StepClock:
 
     def steady_ms(self) -> float | None:
         """The same of the steady ones (`steady_steps`)."""
-        return 1e3 * self.steady_seconds / self.steady_steps if self.steady_steps else None
+        return 1e3 * sum(self.steady_phases.values()) / self.steady_steps if self.steady_steps else None
 
     def start(self) -> None:
         """A step begins."""
