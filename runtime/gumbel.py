@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 from plugins.gumbel_top_k import draw_top_k
 from runtime.sampling import inverse_cdf_rows
@@ -120,13 +121,7 @@ def level_uniforms(generators: list[torch.Generator], counts: list[int]) -> torc
             torch.cat([torch.rand(1, dtype=torch.float64, generator=g, device=device) for _ in range(n)])
             for g, n in zip(generators, counts, strict=True)
         ]
-    most = max(counts)
-    if all(n == most for n in counts):
-        return torch.stack(rows)
-    out = torch.zeros((len(rows), most), dtype=torch.float64, device=device)
-    for i, row in enumerate(rows):
-        out[i, : len(row)] = row
-    return out
+    return pad_sequence(rows, batch_first=True)  # zeros after a row's counts
 
 
 def log1mexp(a: torch.Tensor) -> torch.Tensor:

@@ -68,11 +68,8 @@ class NgramProposer(Proposer):
     def propose(self, requests: list[Request], budgets: list[int]) -> list[DraftTree]:
         trees = []
         for request, budget in zip(requests, budgets, strict=True):
-            if budget < 2:
-                trees.append(DraftTree.root(request.pending))
-                continue
             tokens = request.tokens
-            drafts = lookup(tokens, request.draft_params)[: budget - 1]
+            drafts = lookup(tokens, request.draft_params)[: budget - 1] if budget > 1 else []
             # node budgets: the chain of size d + 1 holds depth d
             trees.append(DraftTree.chain([tokens[-1], *drafts], budgets=True))
         return trees
