@@ -27,6 +27,7 @@ import ast
 import importlib
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
@@ -110,6 +111,28 @@ class Row:
     """At T=0: every request's output equals AR's (None at T > 0)."""
 
 
+def in_turn(engines: dict[str, LLMEngine], round_: int) -> Iterator[tuple[str, LLMEngine]]:
+    """Each engine that has unfinished requests, in turn, until none has: the order rotates
+    by `round_` and reverses every other cycle of rounds, so each engine steps after each
+    other as often (the one that steps after another meets the caches it warmed)."""
+    keys = list(engines)
+    order = keys[round_ % len(keys) :] + keys[: round_ % len(keys)]
+    if (round_ // len(keys)) % 2:
+        order.reverse()
+    while any(engines[k].has_unfinished() for k in order):
+        for k in order:
+            if engines[k].has_unfinished():
+                yield k, engines[k]
+
+
+def add_round(
+    llm: LLMEngine, method: str, prompts: list[list[int]], max_tokens: int, temperature: float, round_: int
+) -> list[Request]:
+    """Round `round_`'s requests of `prompts` (`round_params`: seeded apart by round), added to `llm`."""
+    params = round_params(len(prompts), max_tokens, temperature, round_)
+    return [llm.add_request(p, s, method) for p, s in zip(prompts, params, strict=True)]
+
+
 def lockstep(
     engines: dict[str, LLMEngine],
     configs: dict[str, Config],
@@ -126,26 +149,15 @@ def lockstep(
     done: dict[str, list[Request]] = {k: [] for k in engines}
     keys = list(engines)
     for r in tqdm(range(rounds), desc="lockstep rounds"):
-        order = keys[r % len(keys) :] + keys[: r % len(keys)]
-        if (r // len(keys)) % 2:
-            order.reverse()  # each configuration follows each other as often
-        requests = {
-            k: [engines[k].add_request(p, s, configs[k].method) for p, s in zip(prompts, round_params(
-                len(prompts), max_tokens, temperature, r), strict=True)]
-            for k in keys
-        }  # fmt: skip
-        while any(engines[k].has_unfinished() for k in order):
-            for k in order:
-                llm = engines[k]
-                if not llm.has_unfinished():
-                    continue
-                old = configs[k].apply()
-                try:
-                    start = time.perf_counter()
-                    llm.step()
-                    seconds[k][r] += time.perf_counter() - start
-                finally:
-                    restore(old)
+        requests = {k: add_round(engines[k], configs[k].method, prompts, max_tokens, temperature, r) for k in keys}
+        for k, llm in in_turn(engines, r):
+            old = configs[k].apply()
+            try:
+                start = time.perf_counter()
+                llm.step()
+                seconds[k][r] += time.perf_counter() - start
+            finally:
+                restore(old)
         for k in keys:
             tokens[k][r] = sum(len(q.result.output_ids) for q in requests[k])
             outputs[k] += [q.result.output_ids for q in requests[k]]

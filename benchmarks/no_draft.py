@@ -7,8 +7,8 @@ under load-aware speculation against an auto-regressive step, measured in lockst
 Two engines on the same loaded weights, one decoding auto-regressively and one with the
 method (default, load-aware speculation), step in turn (A, B, A, B ...), each with `batch`
 held-out prompts of `--max-tokens` tokens (EOS ignored) in flight, for `--rounds` rounds
-(seeded apart; which engine steps first alternates by round). Each reports the per-phase
-seconds of its steady no-draft steps (`StepClock.steady_phases`: decoding steps in which no
+(seeded apart; which engine steps first alternates: `benchmarks.lockstep.in_turn`). Each
+reports the per-phase seconds of its steady no-draft steps (`StepClock.steady_phases`: decoding steps in which no
 request drafted, more than a few steps after the last that prefilled or verified trees).
 The ratio of the two is the issue's "width-0 step / AR step".
 
@@ -30,9 +30,10 @@ from typing import Any
 
 from tqdm import tqdm
 
+from benchmarks.lockstep import add_round, in_turn
 from benchmarks.report import command, machine, write_report
 from benchmarks.step_profile import DRAFTERS, add_engine_argument, engine_paths
-from benchmarks.timing import round_params, warm_up
+from benchmarks.timing import warm_up
 from runtime.config import RuntimeConfig
 from runtime.llm_engine import LLMEngine
 from runtime.loaded_engine import LoadedEngine
@@ -76,29 +77,23 @@ def lockstep(
     """Per-phase seconds and each step's seconds of the steady no-draft steps of `spec`
     (decoding `method`) and of `ar`, stepped in turn; and the share of `spec`'s request-steps
     that drafted."""
-    engines = [(ar, "ar"), (spec, method)]
+    engines = {"ar": ar, method: spec}
     seconds: dict[str, list[float]] = {"ar": [], method: []}
-    for llm, m in engines:
+    for m, llm in engines.items():
         warm_up(llm, prompts[0], m, temperature)
         llm.clock.reset()
     drafted = steps = 0
     for r in range(rounds):
-        requests = []
-        for llm, m in engines:
-            for prompt, params in zip(prompts, round_params(len(prompts), max_tokens, temperature, r), strict=True):
-                requests.append((llm, llm.add_request(prompt, params, m)))
-        order = engines if r % 2 == 0 else engines[::-1]
-        while any(llm.has_unfinished() for llm, _ in engines):
-            for llm, m in order:
-                if llm.has_unfinished():
-                    counted = llm.clock.steady_steps
-                    llm.step()
-                    if llm.clock.steady_steps > counted:
-                        seconds[m].append(sum(llm.clock.step.values()))
-        for llm, request in requests:
-            if llm is spec:
-                sizes = request.result.sizes_per_step
-                drafted, steps = drafted + sum(s > 1 for s in sizes), steps + len(sizes)
+        add_round(ar, "ar", prompts, max_tokens, temperature, r)
+        requests = add_round(spec, method, prompts, max_tokens, temperature, r)
+        for m, llm in in_turn(engines, r):
+            counted = llm.clock.steady_steps
+            llm.step()
+            if llm.clock.steady_steps > counted:
+                seconds[m].append(sum(llm.clock.step.values()))
+        for request in requests:
+            sizes = request.result.sizes_per_step
+            drafted, steps = drafted + sum(s > 1 for s in sizes), steps + len(sizes)
     return (
         dict(spec.clock.steady_phases),
         seconds[method],
