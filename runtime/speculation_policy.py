@@ -49,7 +49,7 @@ with bounded exploration so it never settles on a stale estimate for good.
   for level cost charged every later level ~3x its price), charged in full to a probe
   and, for a steady choice, spread over the steps a method's runs of drafting have
   lasted (`SpeculationPolicy.horizons`; once caught up, a request stays caught up while
-  it drafts).
+  it drafts), never over more steps than the request has left (`CATCH_UP_WITHIN_LEFT`).
 
 Choice (`choose`): a few Dinkelbach iterations (maximising a ratio: at the current rate
 lambda each request independently picks argmax_s tau_r(s) - lambda * marginal_cost_r(s)),
@@ -223,6 +223,12 @@ batch drafted a step or two, paid its prompts' catch-up (~4% of a 64-token round
 back to auto-regression; runs that short make the next catch-up dear enough to stay."""
 HORIZON_EMA = 0.2
 """Weight of a finished run of drafting in its method's mean run length."""
+CATCH_UP_WITHIN_LEFT = True
+"""A request's catch-up is spread over no more steps than it has left (`_catch_up`): its
+`Offer.left` tokens at the most a step of it yields. Spread over its method's mean run of
+drafting alone (~9-13 steps for sd at T=1, batch 8), a closed batch whose requests had 2-3
+steps left chose to draft and paid their prompts' whole catch-up in one ~20 ms step (a plain
+step of theirs: ~2.2 ms) for the two steps they had left."""
 PLAIN_EVERY = 64
 """Steps after which a batch that drafts re-times its plain step (`_plain_probe`: a run of
 plain steps, paid from the exploration credit like the first `PLAIN_SAMPLES`), as trees
@@ -436,8 +442,10 @@ class _Group:
     method: str
     row: Row
     count: int
-    lag: float = 0.0
-    """Tokens its drafters must catch up on before they draft, all together (`Offer.lag`)."""
+    catch_up: float = 0.0
+    """Tokens its drafters catch up on per step of a steady choice to draft, all together:
+    each request's `Offer.lag` spread over the steps its drafting is expected to last
+    (`SpeculationPolicy._catch_up`)."""
 
     def entry(self, size: int) -> tuple[int, float, float, int, str]:
         for e in self.row:
@@ -497,6 +505,10 @@ class _Settled:
     (`give`; None: it drafts none)."""
     given: dict[str, int] = field(default_factory=dict)
     """request -> the size it was given in the step under way (`give`: `_within` may cut a chain)."""
+    quiet: tuple[int, int] = (0, 0)
+    """An all-auto-regressive decision's quiet stretch (`SpeculationPolicy._standing`): the
+    step before which no probe can come due, and the count of other requests, as of the last
+    step it stood for with all its checks."""
 
     def give(self, offers: list[Offer], cut: bool = True) -> dict[str, int]:
         """Each request's size in a step it stands for, chains cut to what their requests
@@ -847,7 +859,10 @@ class SpeculationPolicy:
             finally:
                 self._prices = None
         if roots:  # counted per method; every run of drafting ends (none does in a probe's plain run)
-            for method, n in Counter(o.method for o in offers).items():
+            per_method: dict[str, int] = {}  # (a dict: a Counter's ABC checks cost ~2 us a step with cold caches)
+            for o in offers:
+                per_method[o.method] = per_method.get(o.method, 0) + 1
+            for method, n in per_method.items():
                 self.chosen[(method, 1)] += n
             if not plain and self._runs:
                 for o in offers:
@@ -905,7 +920,10 @@ class SpeculationPolicy:
                 if key is not None:
                     shared[key] = row
             groups.setdefault((o.method, row), []).append(o)
-        batch = [_Group(m, row, len(members), sum(o.lag for o in members)) for (m, row), members in groups.items()]
+        batch = [
+            _Group(m, row, len(members), sum(self._catch_up(o, row) for o in members))
+            for (m, row), members in groups.items()
+        ]
         best = self._best(batch, others)
         chosen = {o.key: size for (_, members), size in zip(groups.items(), best.sizes, strict=True) for o in members}
         self._expected = best.seconds
@@ -951,7 +969,7 @@ class SpeculationPolicy:
         slopes = {cost: self._draft_slopes(cost, n) for cost, n in per_fit.items()}
         rate = best.rate
         for _ in range(DINKELBACH_ROUNDS):
-            picks = [_pick(g, rate, fslope, slopes, self._horizon(g.method)) for g in batch]
+            picks = [_pick(g, rate, fslope, slopes) for g in batch]
             cand = self._evaluate(batch, picks, others)
             if cand.rate > best.rate:
                 best = cand
@@ -1054,7 +1072,7 @@ class SpeculationPolicy:
         i, offer, size = found
         g = batch[i]
         probing = [*batch, _Group(g.method, g.row, 1)]  # its catch-up is charged in full below
-        probing[i] = _Group(g.method, g.row, g.count - 1, g.lag - offer.lag)
+        probing[i] = _Group(g.method, g.row, g.count - 1, g.catch_up - self._catch_up(offer, g.row))
 
         def trial(s: int) -> _Choice:
             return self._evaluate(probing, [*best.sizes, s], others)
@@ -1171,6 +1189,10 @@ class SpeculationPolicy:
         if age >= s.stands:
             self._expired = s
             return None
+        if self._quiet(s, offers, others):
+            self.credit = self._earned(s.seconds, None, False)  # (no probe can come)
+            self.reused += 1
+            return s
         if s.signature != _signature(offers, others, s.chains if s.drafts else None):
             return None
         if s.drafts and age >= DRAFTING_STANDS and s.strays():
@@ -1188,9 +1210,19 @@ class SpeculationPolicy:
         if replaced:
             s.keys = keys
             s.stands = min(s.stands, age + _first_stand(s.drafts))
+        if not s.drafts:  # no probe can come due before a kind's last measurement is `PROBE_EVERY` steps old
+            s.quiet = (min(self._measured.get(o.kind, -1) for o in offers) + PROBE_EVERY, others)
         self.credit = credit
         self.reused += 1
         return s
+
+    def _quiet(self, s: _Settled, offers: list[Offer], others: int) -> bool:
+        """Whether `s`, an all-auto-regressive decision, stands for `offers` with none of the
+        checks of `_standing`: they are the requests it last stood for (so their kinds and
+        options: the signature), with the same other requests, before any probe can come due
+        (`_Settled.quiet`). Those checks cost ~10 us a step with the caches a forward leaves
+        (ReDrafter at batch 1, T=1: ~1% of a plain step)."""
+        return not s.drafts and self.steps < s.quiet[0] and others == s.quiet[1] and s.keys == [o.key for o in offers]
 
     def _earned(self, seconds: float, probe_loss: float | None, drafting: bool) -> float:
         """The exploration credit after a step of `seconds`: it earns `PROBE_SHARE` of them
@@ -1208,7 +1240,7 @@ class SpeculationPolicy:
 
     def _evaluate(self, batch: list[_Group], sizes: list[int], others: int) -> _Choice:
         tokens, nodes, requests = 0.0, float(others), others
-        # drafting-cost fit -> [most levels, drafted nodes, tokens to catch up, request-levels, catch-up horizon]
+        # drafting-cost fit -> [most levels, drafted nodes, tokens caught up a step, request-levels]
         drafting: dict[str, list[float]] = {}
         for g, s in zip(batch, sizes, strict=True):
             if not g.count:
@@ -1220,10 +1252,10 @@ class SpeculationPolicy:
             if s > 1:
                 acc = drafting.get(fit)
                 if acc is None:
-                    acc = drafting[fit] = [0.0, 0.0, 0.0, 0.0, self._horizon(g.method)]
+                    acc = drafting[fit] = [0.0, 0.0, 0.0, 0.0]
                 acc[0] = max(acc[0], levels)
                 acc[1] += g.count * (s - 1)
-                acc[2] += g.lag
+                acc[2] += g.catch_up
                 acc[3] += g.count * levels
         key = (requests, nodes, bool(drafting))
         prices = self._prices
@@ -1232,9 +1264,9 @@ class SpeculationPolicy:
             seconds = self.overhead_of(requests, key[2]) + self.forward_cost(nodes, requests)
             if prices is not None:
                 prices[key] = seconds
-        for fit, (most, drafted, lag, request_levels, horizon) in drafting.items():
+        for fit, (most, drafted, caught_up, request_levels) in drafting.items():
             cost = self.draft_cost.get(fit)
-            seconds += cost(most, drafted, lag / horizon, request_levels) if cost is not None else 0.0
+            seconds += cost(most, drafted, caught_up, request_levels) if cost is not None else 0.0
         return _Choice(sizes, tokens, seconds)
 
     def overhead_of(self, requests: int, trees: bool) -> float:
@@ -1264,6 +1296,18 @@ class SpeculationPolicy:
     def _horizon(self, method: str) -> float:
         """Steps a run of drafting of `method` is expected to last (`CATCH_UP_HORIZON`; `_fold_runs`)."""
         return max(self.horizons.get(method, CATCH_UP_HORIZON), 1.0)
+
+    def _catch_up(self, offer: Offer, row: Row) -> float:
+        """Tokens `offer`'s drafter catches up on per step of a steady choice to draft: its
+        lag over the steps its method's runs of drafting last (`_horizon`), and never over
+        more steps than it has left (`Offer.left` at the most tokens a step of its `row`
+        yields: `CATCH_UP_WITHIN_LEFT`)."""
+        if not offer.lag:
+            return 0.0
+        steps = self._horizon(offer.method)
+        if offer.left is not None and CATCH_UP_WITHIN_LEFT:
+            steps = min(steps, max(offer.left / max(e[1] for e in row), 1.0))
+        return offer.lag / steps
 
     def _fold_runs(self) -> None:
         """The runs of drafting that ended since the last step join their methods' mean run
@@ -1473,14 +1517,12 @@ class SpeculationPolicy:
         self.requests.pop(key, None)
 
 
-def _pick(
-    group: _Group, rate: float, fslope: float, slopes: dict[str, tuple[float, float, float]], horizon: float
-) -> int:
+def _pick(group: _Group, rate: float, fslope: float, slopes: dict[str, tuple[float, float, float]]) -> int:
     """The size maximising tau - rate * marginal cost for a request of `group` (one
     Dinkelbach step for one request); `slopes`: per drafting-cost fit, (seconds per level
     of a request, per drafted node, per token caught up)."""
     best, value = 1, -np.inf
-    lag = group.lag / max(group.count, 1) / horizon
+    lag = group.catch_up / max(group.count, 1)
     for size, tau, nodes, levels, fit in group.row:
         per_level, per_node, per_token = slopes[fit]
         catch_up = per_token * lag if size > 1 else 0.0

@@ -420,13 +420,26 @@ def test_a_settled_decision_is_reused_and_changes_no_choice(monkeypatch: pytest.
     probes included, and a new request or new evidence must end it (a request nearing its
     `max_tokens` does not: its trees are only worth less)."""
     monkeypatch.setattr(speculation_policy, "DRAFTING_STANDS", 0)  # decisions that draft: the next test
+    quiet, lanes = SpeculationPolicy._quiet, Counter[bool]()
+
+    def counted(self: SpeculationPolicy, s: speculation_policy._Settled, offers: list[Offer], others: int) -> bool:
+        lanes[answer := quiet(self, s, offers, others)] += 1
+        return answer
+
+    monkeypatch.setattr(SpeculationPolicy, "_quiet", counted)
     p = calibrated(POOR)
     _, history = run(p, [POOR] * 400 + [GOOD] * 200, batch=1, steps=600)
+    assert lanes[True] > 200  # most of its steps stood without the checks (`_quiet`)
+    monkeypatch.setattr(  # the quiet stretch not ended by a probe coming due: it must choose otherwise
+        SpeculationPolicy, "_quiet", lambda self, s, offers, others: not s.drafts and s.quiet[0] > 0
+    )
+    _, unchecked = run(calibrated(POOR), [POOR] * 400 + [GOOD] * 200, batch=1, steps=600)
+    monkeypatch.setattr(SpeculationPolicy, "_quiet", quiet)
     monkeypatch.setattr(speculation_policy, "RECHOOSE_EVERY", 0)
     q = calibrated(POOR)
     _, solved = run(q, [POOR] * 400 + [GOOD] * 200, batch=1, steps=600)
     assert q.reused == 0 and p.reused > 250, p.reused
-    assert history == solved and p.probes == q.probes > 0
+    assert history == solved and p.probes == q.probes > 0 and unchecked != solved
     # what metrics and the catch-up horizon read: the same counts of request-steps per size, the
     # same runs of drafting (a standing decision counts its requests per method, `choose`)
     assert p.chosen == q.chosen and p.chosen[("redrafter", 1)] > 250 and p.horizons == q.horizons
@@ -709,6 +722,24 @@ def test_a_catch_up_does_not_stop_a_request_from_drafting_where_drafting_pays() 
     rate, _ = run(p, GOOD, batch=1, steps=200, lag=Lag(renew_every=20))  # ten requests, each 40 ms behind at first
     assert p.chosen[("redrafter", 1)] < 10
     assert rate > 1.5 * fixed(GOOD, 1, 1, 200)
+
+
+def test_a_catch_up_is_spread_over_no_more_steps_than_are_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`CATCH_UP_WITHIN_LEFT`: a request `PROMPT` tokens behind its drafter (40 ms to catch
+    up, an ~8 ms step) where drafting pays drafts with 64 tokens left, its catch-up spread
+    over the steps a run of drafting lasts; with 3 left, a tree yields at most all of them in
+    one step, so that step would pay the whole catch-up: it stays auto-regressive. Spread
+    over a run's steps regardless, it drafts."""
+
+    def choice(left: int) -> int:
+        p = calibrated(GOOD)
+        p.add_draft_samples("redrafter", [(L, L, PROMPT, L, GOOD.draft(L) + CATCH_UP_MS * PROMPT / 1000)])
+        assert p._draft_slopes("redrafter", 1)[2] == pytest.approx(CATCH_UP_MS / 1000, rel=0.05)
+        return p.choose([Offer("r", KIND, "redrafter", BEAMS, LEVELS, PROMPT, left)])["r"]
+
+    assert choice(64) > 1 and choice(3) == 1
+    monkeypatch.setattr(speculation_policy, "CATCH_UP_WITHIN_LEFT", False)
+    assert choice(3) > 1  # the whole catch-up for one step's tokens
 
 
 def test_calibration_sees_through_set_up_and_a_burst(monkeypatch: pytest.MonkeyPatch) -> None:
