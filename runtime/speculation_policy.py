@@ -71,7 +71,7 @@ lost to probing stays near 2% even when no probe pays: a probe is charged what i
 its step is timed, the slow plain steps after it included (`_settle_probe`). While a
 decision drafts, each probe in a row that did not pay halves that share, twice at most
 (`PROBE_BACKOFF`: whether *more* pays, where probes keep saying no); while nothing is
-drafted it stays whole (whether drafting pays at all must be found again soon). A probe's tree
+drafted, once (`PLAIN_BACKOFF`: whether drafting pays at all must be found again soon). A probe's tree
 after a run of steps without trees counts against the trees behind its kind's estimate as
 they have aged (`KIND_HALF_LIFE`), so an estimate set low long ago gives way within a few
 probes where acceptance rose, instead of moving by `GROUP_EMA` a probe. Optimism (an
@@ -176,13 +176,23 @@ PROBE_SHARE = 0.02
 PROBE_BACKOFF = 2
 """Halvings of `PROBE_SHARE` while a decision drafts, one per probe in a row that did not
 pay (`futile`; a probe that pays, its step at least as productive as the choice it was
-weighed against, restores the full share). Drafting, a probe asks whether more pays: a
-batch-1 ReDrafter request drafting 6-node chains at T=0 probed its 21-node trees (~3.3 ms
-against a ~1.7 ms step) every ~37 steps, ~2.5% of its time, and they never paid. While
-nothing is drafted the share stays whole: whether drafting pays at all is found again
-within its few probes (halved there too, an unlucky first tree of rsd-c at T=1, batch 1
-kept it auto-regressive ~6x longer, and a batch of 32 whose acceptance rose was not found
-again within 400 steps)."""
+weighed against, its drafter's catch-up aside, restores the full share). Drafting, a probe
+asks whether more pays: a batch-1 ReDrafter request drafting 6-node chains at T=0 probed its
+21-node trees (~3.3 ms against a ~1.7 ms step) every ~37 steps, ~2.5% of its time, and they
+never paid. While nothing is drafted, `PLAIN_BACKOFF`."""
+PLAIN_BACKOFF = 1
+"""Halvings of `PROBE_SHARE` while nothing is drafted, one per probe in a row that did not
+pay (`futile_plain`; as `PROBE_BACKOFF`): whether drafting pays at all must be found again
+within a few probes, so once only (twice, as while drafting, a batch of 32 whose acceptance
+rose was not found again within 400 steps, and an unlucky first tree of rsd-c at T=1, batch
+1 kept it auto-regressive ~6x longer). Where drafting never pays, exploration and the runs
+of drafting that lucky probe trees start cost more than the probes' share: load-aware
+ReDrafter at T=1 ran ~0.95-0.96x auto-regression where no probe at all ran ~0.98x (demo
+engine, lockstep, 12-16 rounds). Once: 0.954 -> 0.969 and 0.961 -> 0.975 at batch 1, 0.934
+-> 0.965 at batch 2; batch 8 and 32, and the draft LM at batch 1 (which drafts), within
+their noise. Whether a probe paid leaves its drafter's catch-up out (a draft LM's first
+draft after a plain run reads every token it missed: a cost any run of drafting pays
+once), or each probe after a longer plain run would look worse than the last."""
 PROBE_BEST_WHILE_PLAIN = True
 """While a request whose sizes are cuts of each other (`Offer.exact`) drafts nothing, its
 probe drafts its best drafting size (by the rate its estimates give), not its largest: the
@@ -615,6 +625,8 @@ class SpeculationPolicy:
     """Seconds of exploration earned and not spent."""
     futile: int = 0
     """Probes in a row, made while drafting, that did not pay (up to `PROBE_BACKOFF`)."""
+    futile_plain: int = 0
+    """Probes in a row, made while nothing was drafted, that did not pay (up to `PLAIN_BACKOFF`)."""
     steps: int = 0
     idle: int = 0
     """Steps that drafted no tree: the clock by which the trees behind an estimate age (`KIND_HALF_LIFE`)."""
@@ -1226,10 +1238,11 @@ class SpeculationPolicy:
 
     def _earned(self, seconds: float, probe_loss: float | None, drafting: bool) -> float:
         """The exploration credit after a step of `seconds`: it earns `PROBE_SHARE` of them
-        (halved `futile` times while the decision is `drafting`: `PROBE_BACKOFF`), capped at
+        (halved `futile` times while the decision is `drafting`: `PROBE_BACKOFF`; else
+        `futile_plain` times: `PLAIN_BACKOFF`), capped at
         one step, or at the loss of the probe it saves for (None: no probe can run)."""
         cap = seconds if probe_loss is None else max(seconds, probe_loss)
-        share = PROBE_SHARE * 0.5**self.futile if drafting else PROBE_SHARE
+        share = PROBE_SHARE * 0.5 ** (self.futile if drafting else self.futile_plain)
         return min(self.credit + share * seconds, cap)
 
     @staticmethod
@@ -1498,8 +1511,13 @@ class SpeculationPolicy:
             tokens = decoding + sum(o.accepted for o in stats.outcomes)
             loss = seconds - tokens / max(rate, 1e-12)
             self.credit -= max(loss, 0.0) - charged
+            # whether drafting paid in it: less its drafter's catch-up (a one-off any run of drafting pays)
+            caught_up = sum(self._draft_slopes(fit, 1)[2] * call[2] for fit, call in stats.drafting.items())
+            paid = loss - caught_up <= 0
             if drafting:
-                self.futile = min(self.futile + 1, PROBE_BACKOFF) if loss > 0 else 0
+                self.futile = 0 if paid else min(self.futile + 1, PROBE_BACKOFF)
+            else:
+                self.futile_plain = 0 if paid else min(self.futile_plain + 1, PLAIN_BACKOFF)
             self._aftermath = AFTER_PREFILL
         elif self._aftermath:
             if trees or self._expected is None:

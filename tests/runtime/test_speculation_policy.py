@@ -281,6 +281,52 @@ def test_re_probes_after_a_shift_and_probing_costs_little() -> None:
     assert back < 150, back
 
 
+def test_probes_while_plain_back_off_once_where_they_do_not_pay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`PLAIN_BACKOFF`: a batch-1 request whose drafts are rarely kept goes auto-regressive,
+    and its probes keep failing: after each, exploration earns half its share, so it probes
+    ~1/3 less and runs no slower (4 seeds, 600 steps); when acceptance rises, the first
+    probe that pays restores the share, and drafting is back within `back` steps as before
+    (the test above's bound)."""
+
+    def plain(backoff: int) -> tuple[float, int, int]:
+        monkeypatch.setattr(speculation_policy, "PLAIN_BACKOFF", backoff)
+        rates, probes, slowest = [], 0, 0
+        for seed in range(4):
+            p = calibrated(POOR)
+            rate, _ = run(p, [POOR] * 600, batch=1, steps=600, seed=seed)
+            rates, probes = [*rates, rate / fixed(POOR, 1, 1, 600)], probes + p.probes
+            _, later = run(p, [GOOD] * 300, batch=1, steps=300, seed=seed + 1)
+            back = next(i for i, h in enumerate(later) if h != [1] and later[i + 5] != [1])
+            slowest = max(slowest, back)
+        return float(np.mean(rates)), probes, slowest
+
+    rate, probes, back = plain(speculation_policy.PLAIN_BACKOFF)
+    whole_rate, whole_probes, whole_back = plain(0)
+    assert probes < 0.75 * whole_probes and rate > whole_rate, (probes, whole_probes, rate, whole_rate)
+    assert back < 150 and whole_back < 150, (back, whole_back)
+
+
+def test_whether_a_probe_paid_leaves_its_catch_up_out() -> None:
+    """A plain probe of a draft LM `PROMPT` tokens behind (40 ms to catch up, ~8 ms steps)
+    whose 5-node tree kept 4 drafts paid: 5 tokens in ~12 ms of forward and drafting where
+    the plain step makes 1 in ~8. Its catch-up is a one-off any run of drafting pays, so it
+    does not count against it (`PLAIN_BACKOFF`: counted, every probe after a plain run of a
+    draft LM would fail and halve exploration); the credit is still charged all of it. One
+    that kept nothing did not pay."""
+
+    def probe(accepted: int) -> SpeculationPolicy:
+        p = calibrated(GOOD)
+        p.add_draft_samples("redrafter", [(L, L, PROMPT, L, GOOD.draft(L) + CATCH_UP_MS * PROMPT / 1000)])
+        p._bill = (0.0, 1 / GOOD.forward(1), 1, False)  # a plain probe's step, weighed against the plain rate
+        drafting = GOOD.draft(L) + CATCH_UP_MS * PROMPT / 1000
+        kept = Outcome("r", KIND, 5, BEAMS, accepted, [], list(range(accepted + 1)), 5)
+        p.observe(StepStats(5, GOOD.forward(5), {"redrafter": (L, L, PROMPT, L, drafting)}, [kept], 1, False, 0.0))
+        return p
+
+    assert probe(4).futile_plain == 0 and probe(4).credit < -0.010  # paid, and charged its ~11 ms loss
+    assert probe(0).futile_plain == 1
+
+
 @pytest.mark.parametrize("batch", [8, 32])
 def test_a_batch_that_drafts_nothing_finds_acceptance_that_rose(monkeypatch: pytest.MonkeyPatch, batch: int) -> None:
     """`KIND_HALF_LIFE`: 300 steps in which drafts are rarely kept (the batch turns
