@@ -492,7 +492,8 @@ class _Settled:
     seconds: float
     """Predicted seconds of such a step (what earns exploration credit)."""
     probe_loss: float | None
-    """Expected loss in seconds of the probe that would come next (None: none can come)."""
+    """Expected loss in seconds of the probe that would come next (None: none can come), as
+    of the step it was made at."""
     sizes: list[int]
     """Each position's size (all 1: the all-auto-regressive decision)."""
     drafts: bool
@@ -515,6 +516,11 @@ class _Settled:
     (`give`; None: it drafts none)."""
     given: dict[str, int] = field(default_factory=dict)
     """request -> the size it was given in the step under way (`give`: `_within` may cut a chain)."""
+    probe_growth: float = 0.0
+    """Seconds that loss grows by each step it stands: the catch-up of that probe's request
+    where it drafts nothing (its drafter falls a token further behind each step). Read at
+    the loss it was made with, a draft LM's plain decision at batch 8 (sd, T=1) was solved
+    afresh for a probe that had grown too dear ~3 times in 5 (each ~0.25 ms)."""
     quiet: tuple[int, int] = (0, 0)
     """An all-auto-regressive decision's quiet stretch (`SpeculationPolicy._standing`): the
     step before which no probe can come due, and the count of other requests, as of the last
@@ -1173,8 +1179,17 @@ class SpeculationPolicy:
             [taus[o.key] for o in offers],
             [ceiling(o, size) for o, size in zip(offers, sizes, strict=True)],
             chains,
+            probe_growth=self._probe_growth(next_probe, chosen),
         )
         self._settled.give(offers, cut=False)  # what this step gives and expects
+
+    def _probe_growth(self, probe: tuple[Offer, int, float] | None, chosen: dict[str, int]) -> float:
+        """Seconds the expected loss of `probe` (`_probe`) grows by each step its request
+        drafts nothing (`chosen`): its catch-up of one token more (`_Settled.probe_growth`)."""
+        if probe is None or not probe[0].lag or chosen[probe[0].key] > 1:
+            return 0.0
+        offer, size = probe[0], probe[1]
+        return self._draft_slopes(costs(offer)[offer.sizes.index(size)], 1)[2]
 
     def _may_stand_long(self, offers: list[Offer], sizes: list[int], others: int) -> bool:
         """Whether a decision that drafts `sizes` may stand past `DRAFTING_STANDS` steps: each
@@ -1215,7 +1230,7 @@ class SpeculationPolicy:
             return None
         stale = self.steps - PROBE_EVERY
         can_probe = any(self._measured.get(o.kind, -1) <= stale for o in offers)
-        loss = s.probe_loss if can_probe else None
+        loss = s.probe_loss + s.probe_growth * age if can_probe and s.probe_loss is not None else None
         credit = self._earned(s.seconds, loss, s.drafts)
         if loss is not None and credit >= loss:
             return None  # a probe is due: solve this step in full

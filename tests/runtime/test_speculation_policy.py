@@ -788,6 +788,27 @@ def test_a_catch_up_is_spread_over_no_more_steps_than_are_left(monkeypatch: pyte
     assert choice(3) > 1  # the whole catch-up for one step's tokens
 
 
+def test_a_plain_decision_reads_its_probes_loss_as_its_catch_up_grows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`_Settled.probe_growth`: 8 requests behind their drafter (a draft LM) where drafting
+    does not pay decode auto-regressively; the probe that would come next grows dearer by one
+    token of catch-up each step. The decision stands until the credit covers that probe as it
+    is then: the same probes, ~1/4 fewer full solves in 600 steps. Read at the loss it was
+    made with, it was solved afresh each time the credit covered the old loss, for a probe
+    that then cost more than the credit."""
+    monkeypatch.setattr(sys.modules[__name__], "CATCH_UP_MS", 0.01)
+
+    def plain() -> tuple[int, int]:
+        p = calibrated(POOR)
+        p.add_draft_samples("redrafter", [(L, L, PROMPT, L, POOR.draft(L) + CATCH_UP_MS * PROMPT / 1000)])
+        run(p, POOR, batch=8, steps=600, lag=Lag())
+        return p.steps - p.reused, p.probes
+
+    solves, probes = plain()
+    monkeypatch.setattr(SpeculationPolicy, "_probe_growth", lambda self, probe, chosen: 0.0)
+    stale_solves, stale_probes = plain()
+    assert probes == stale_probes > 5 and solves < 0.85 * stale_solves, (solves, stale_solves, probes)
+
+
 def test_calibration_sees_through_set_up_and_a_burst(monkeypatch: pytest.MonkeyPatch) -> None:
     """Engine-start timings: each size's first forward pays set-up (50 ms), and a burst of
     load doubles every forward's time for 40 ms from the second 1-token forward on. The
