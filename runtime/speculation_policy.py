@@ -189,10 +189,12 @@ rose was not found again within 400 steps, and an unlucky first tree of rsd-c at
 of drafting that lucky probe trees start cost more than the probes' share: load-aware
 ReDrafter at T=1 ran ~0.95-0.96x auto-regression where no probe at all ran ~0.98x (demo
 engine, lockstep, 12-16 rounds). Once: 0.954 -> 0.969 and 0.961 -> 0.975 at batch 1, 0.934
--> 0.965 at batch 2; batch 8 and 32, and the draft LM at batch 1 (which drafts), within
-their noise. Whether a probe paid leaves its drafter's catch-up out (a draft LM's first
-draft after a plain run reads every token it missed: a cost any run of drafting pays
-once), or each probe after a longer plain run would look worse than the last."""
+-> 0.965 at batch 2; batch 8 -1.2 / +1.1% and batch 32 -1.1 / -0.6% in two runs each; the
+draft LM at T=1, batch 1, where drafting pays (~1.6x): sd -2.0 +- 0.8%, rsd-c +1.1 +- 1.1%
+(14 paired rounds). Whether a probe paid leaves its drafter's catch-up out (a draft LM's
+first draft after a plain run reads every token it missed: a cost any run of drafting pays
+once), or each probe after a longer plain run looks worse than the last (before, sd -2.5%
+and -3.5% at batch 1)."""
 PROBE_BEST_WHILE_PLAIN = True
 """While a request whose sizes are cuts of each other (`Offer.exact`) drafts nothing, its
 probe drafts its best drafting size (by the rate its estimates give), not its largest: the

@@ -17,6 +17,8 @@
 // it saves is the walk's Python (~0.25 ms a step for one chain of five drafts) and the laws
 // of nodes past the first rejection, which the walk's table computed anyway.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -57,14 +59,12 @@ std::tuple<at::Tensor, at::Tensor> verify_sampled_chains(at::TensorList logits, 
   at::Tensor accepted = at::zeros({B}, bonus_uniforms.options().dtype(at::kLong));
   at::Tensor bonus = at::empty({B}, accepted.options());
   const double* bonus_u = bonus_uniforms.data_ptr<double>();
-  std::vector<double> cdf;
-  for (int64_t b = 0; b < B; ++b) {
+  for (int64_t b = 0; b < B; ++b) {  // every chain's arguments checked before any walk
     const at::Tensor& rows = logits[b];
     TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == at::kFloat && rows.device().is_cpu(),
                 "chain ", b, ": logits must be fp32 CPU [N, V]");
     const int64_t N = rows.size(0), V = rows.size(1);
-    const bool drawn = laws[b].numel() > 0;  // else point masses
-    TORCH_CHECK(!drawn || (laws[b].sizes() == rows.sizes() && laws[b].scalar_type() == at::kFloat),
+    TORCH_CHECK(laws[b].numel() == 0 || (laws[b].sizes() == rows.sizes() && laws[b].scalar_type() == at::kFloat),
                 "chain ", b, ": draft laws must be fp32 [N, V] like its logits (or empty: point masses)");
     TORCH_CHECK(tokens[b].dim() == 1 && tokens[b].size(0) == N && tokens[b].scalar_type() == at::kLong &&
                     tokens[b].is_contiguous(),
@@ -74,31 +74,45 @@ std::tuple<at::Tensor, at::Tensor> verify_sampled_chains(at::TensorList logits, 
                 "chain ", b, ": one fp32 uniform a draft, [N - 1]");
     TORCH_CHECK(temperatures[b] > 0.0, "chain ", b, " has no sampling law (temperature ", temperatures[b], ")");
     const int64_t* tok = tokens[b].data_ptr<int64_t>();
-    const float* u = uniforms[b].data_ptr<float>();
-    at::Tensor q = at::softmax(rows[0].div(temperatures[b]), -1);
-    int64_t c = 1;
-    for (; c < N; ++c) {
-      const int64_t x = tok[c];
-      TORCH_CHECK(x >= 0 && x < V, "chain ", b, ": token ", x, " is out of the vocabulary");
-      const at::Tensor p = drawn ? laws[b][c] : at::Tensor();
-      const float px = drawn ? p.data_ptr<float>()[x] : 1.0f;
-      if (static_cast<double>(u[c - 1]) < acceptance(q.data_ptr<float>()[x], px)) {
-        q = at::softmax(rows[c].div(temperatures[b]), -1);
-        continue;
-      }
-      at::Tensor point;
-      if (!drawn) {
-        point = at::zeros({V}, q.options());
-        point.data_ptr<float>()[x] = 1.0f;
-      }
-      q = residual(q, drawn ? p : point);
-      break;
+    for (int64_t c = 1; c < N; ++c) {
+      TORCH_CHECK(tok[c] >= 0 && tok[c] < V, "chain ", b, ": token ", tok[c], " is out of the vocabulary");
     }
-    accepted.data_ptr<int64_t>()[b] = c - 1;
-    const at::Tensor law = q.contiguous();
-    cdf.resize(V);
-    bonus.data_ptr<int64_t>()[b] = specpipe::draw_row(law.data_ptr<float>(), bonus_u[b], V, cdf);
   }
+  // each chain's walk apart (its own rows, uniforms and outputs): chains split over the threads
+  const at::ThreadLocalState state;
+  at::parallel_for(0, B, 2, [&](int64_t begin, int64_t end) {
+    at::ThreadLocalStateGuard caller(state);  // the caller's inference mode on every thread
+    std::vector<double> cdf;
+    for (int64_t b = begin; b < end; ++b) {
+      const at::Tensor& rows = logits[b];
+      const int64_t N = rows.size(0), V = rows.size(1);
+      const bool drawn = laws[b].numel() > 0;  // else point masses
+      const int64_t* tok = tokens[b].data_ptr<int64_t>();
+      const float* u = uniforms[b].data_ptr<float>();
+      at::Tensor q = at::softmax(rows[0].div(temperatures[b]), -1);
+      int64_t c = 1;
+      for (; c < N; ++c) {
+        const int64_t x = tok[c];
+        const at::Tensor p = drawn ? laws[b][c] : at::Tensor();
+        const float px = drawn ? p.data_ptr<float>()[x] : 1.0f;
+        if (static_cast<double>(u[c - 1]) < acceptance(q.data_ptr<float>()[x], px)) {
+          q = at::softmax(rows[c].div(temperatures[b]), -1);
+          continue;
+        }
+        at::Tensor point;
+        if (!drawn) {
+          point = at::zeros({V}, q.options());
+          point.data_ptr<float>()[x] = 1.0f;
+        }
+        q = residual(q, drawn ? p : point);
+        break;
+      }
+      accepted.data_ptr<int64_t>()[b] = c - 1;
+      const at::Tensor law = q.contiguous();
+      cdf.resize(V);
+      bonus.data_ptr<int64_t>()[b] = specpipe::draw_row(law.data_ptr<float>(), bonus_u[b], V, cdf);
+    }
+  });
   return {accepted, bonus};
 }
 

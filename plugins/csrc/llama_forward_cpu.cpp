@@ -20,6 +20,8 @@
 // SiLU-times-up, residual adds and RoPE tables are plain loops here (llama_loops.h), equal to
 // the ATen ops' up to fp32 rounding (another summation order), like any other kernel choice.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
@@ -366,20 +368,28 @@ std::tuple<at::Tensor, at::Tensor> draft_lm_sampled_chain(
   at::Tensor drawn = at::full({B, most}, -1, starts.options());
   at::Tensor laws = at::zeros({B, most + 1, V}, logits.options());
   const double* u = uniforms.data_ptr<double>();
-  std::vector<double> cdf(V);
-  at::Tensor scaled = at::empty({V}, logits.options());
+  int64_t* out = drawn.data_ptr<int64_t>();
+  const at::ThreadLocalState state;  // the caller's (its inference mode), for the threads below
   for (int64_t j = 0; j < most; ++j) {
+    // each request's law and draw apart, its rows and uniform its own: requests split over
+    // the threads (a draw's fp64 running sum over V is one dependent chain, ~10 us at V = 8192)
+    at::parallel_for(0, static_cast<int64_t>(active.size()), 2, [&](int64_t begin, int64_t end) {
+      at::ThreadLocalStateGuard caller(state);  // the caller's inference mode on every thread
+      std::vector<double> cdf(V);
+      at::Tensor scaled = at::empty({V}, logits.options());
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t b = active[i];
+        at::Tensor q = laws[b][j + 1];  // [V]: the law written in place (the same ATen kernels, no copy)
+        at::div_out(scaled, logits[i], temperatures[b]);
+        at::_softmax_out(q, scaled, 0, false);
+        out[b * most + j] = specpipe::draw_row(q.data_ptr<float>(), u[b * uniforms.size(1) + j], V, cdf);
+      }
+    });
     std::vector<int64_t> going, fed, pos;
-    for (size_t i = 0; i < active.size(); ++i) {
-      const int64_t b = active[i];
-      at::Tensor q = laws[b][j + 1];  // [V]: the law written in place (the same ATen kernels, no copy)
-      at::div_out(scaled, logits[static_cast<int64_t>(i)], temperatures[b]);
-      at::_softmax_out(q, scaled, 0, false);
-      const int64_t token = specpipe::draw_row(q.data_ptr<float>(), u[b * uniforms.size(1) + j], V, cdf);
-      drawn.data_ptr<int64_t>()[b * most + j] = token;
+    for (const int64_t b : active) {
       if (j + 1 < levels[b]) {
         going.push_back(b);
-        fed.push_back(token);
+        fed.push_back(out[b * most + j]);
         pos.push_back(start[b] + j);
       }
     }
