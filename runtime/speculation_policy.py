@@ -1102,7 +1102,7 @@ class SpeculationPolicy:
             probe, size = max(((trial(s), s) for s in offer.sizes if s > 1), key=lambda t: (t[0].rate, t[1]))
         else:
             probe = trial(size)
-        catch_up = self._draft_slopes(costs(offer)[offer.sizes.index(size)], 1)[2] * offer.lag
+        catch_up = self._token_read(offer, size) * offer.lag
         return offer, size, probe.seconds + catch_up - probe.tokens / max(best.rate, 1e-12)
 
     def _probe_size(self, offer: Offer, chosen: int) -> int | None:
@@ -1190,7 +1190,11 @@ class SpeculationPolicy:
         drafts nothing (`chosen`): its catch-up of one token more (`_Settled.probe_growth`)."""
         if probe is None or not probe[0].lag or chosen[probe[0].key] > 1:
             return 0.0
-        offer, size = probe[0], probe[1]
+        return self._token_read(probe[0], probe[1])
+
+    def _token_read(self, offer: Offer, size: int) -> float:
+        """Seconds `offer`'s drafter takes to catch up on one token before it drafts `size`
+        (the per-token slope of that size's drafting-cost fit)."""
         return self._draft_slopes(costs(offer)[offer.sizes.index(size)], 1)[2]
 
     def _may_stand_long(self, offers: list[Offer], sizes: list[int], others: int) -> bool:
