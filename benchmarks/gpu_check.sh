@@ -3,12 +3,15 @@
 # own timeout; results packed into $OUT/results.tgz after each stage, so a cut-off run still
 # returns what it finished):
 #   1. the demo engines built on the machine (fp32 targets, as `make engine` builds them);
-#   2. the CUDA tests of the decoding paths (greedy == AR, the graphs' Triton linears,
-#      batch-invariant kernels, the draft LM's cache and graphs);
-#   3. load-aware sweeps of every engine, and of the two speculative engines again with
-#      cuBLAS linears only (TRITON_SAVES=1: the graphs as before plugins/gpu_linear.py), on
-#      the same machine, so before / after compare within one call;
-#   4. `benchmarks.step_profile` and `benchmarks.torch_profile` (kernels by device time).
+#   2. the CUDA tests of the graphs' linears, the draft LM's cache and graphs, AR greedy;
+#   3. load-aware sweeps of every engine, and of ReDrafter's again with cuBLAS linears only
+#      (TRITON_SAVES=1: the graphs as before plugins/gpu_linear.py), on the same machine,
+#      so before / after compare within one call;
+#   4. `benchmarks.step_profile`, `benchmarks.torch_profile` (kernels by device time) and
+#      `benchmarks.gpu_linear_bench` (few-row products: cuBLAS vs the split-K kernel);
+#   5. the rest of the decoding paths' CUDA tests (greedy == AR per method, verification,
+#      batch-invariant kernels).
+# Session 22 ran it in ~4.5 min of a call (the sweeps ~15-25 s each).
 # Usage, from the repository root on the GPU machine (its python3 holds a CUDA torch):
 #   OUT=<dir> SPECPIPE_STDLIB_ROOT=<copy of the held-out stdlib files> bash benchmarks/gpu_check.sh
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -19,12 +22,10 @@ python3 -m build.engine --checkpoint models/demo-target --drafter models/demo-re
 python3 -m build.engine --checkpoint models/demo-target --draft-model models/demo-draft-lm --output engines/demo-draft-lm --max-batch-size 32 --force 2>&1 | tail -1
 python3 -m build.engine --checkpoint models/demo-target --lyanna models/demo-lyanna --output engines/demo-lyanna --max-batch-size 32 --force 2>&1 | tail -1
 date
-SPECPIPE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider -m "not slow" \
-  tests/plugins/test_gpu_linear.py tests/plugins/test_batch_invariant.py tests/runtime/test_cuda_graph_linears.py \
-  tests/runtime/test_verify.py tests/runtime/test_ar_greedy.py tests/runtime/test_redrafter_greedy.py \
-  tests/runtime/test_rsd_greedy.py tests/runtime/test_lyanna_greedy.py tests/runtime/test_draft_lm_cache.py \
-  2>&1 | grep -v "^E  \|^    \|^$" | tail -20
-date
+T() { SPECPIPE_TEST_DEVICE=cuda timeout "$1" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider -m "not slow" "${@:2}" \
+  2>&1 | grep -v "^    \|^$" | tail -25; date; }
+T 120 tests/plugins/test_gpu_linear.py tests/runtime/test_cuda_graph_linears.py tests/runtime/test_draft_lm_cache.py \
+  tests/runtime/test_ar_greedy.py
 sweep() { # $1 label, $2 engine, $3 methods, $4 TRITON_SAVES (empty: as committed)
   timeout 80 python3 -c "import sys, runtime.cuda_graphs as c; c.TRITON_SAVES = float(sys.argv[1]) if sys.argv[1] else c.TRITON_SAVES; from benchmarks.device_sweep import main; main(sys.argv[2:])" "$4" \
     --engine "engines/$2" --device cuda --dtype engine --methods "$3" --batch-sizes 1,8,32 --temperatures 0,1 \
@@ -35,7 +36,6 @@ sweep() { # $1 label, $2 engine, $3 methods, $4 TRITON_SAVES (empty: as committe
 sweep new demo-redrafter redrafter ""
 sweep cublas demo-redrafter redrafter 1.0
 sweep new demo-draft-lm sd,rsd-c,rsd-s ""
-sweep cublas demo-draft-lm sd,rsd-c,rsd-s 1.0
 sweep new demo-lyanna lyanna ""
 timeout 60 python3 -m benchmarks.step_profile --device cuda --methods ar redrafter sd --batches 1 8 --temperatures 0 1 \
   --out "$R/step_profile" 2>&1 | tail -1
@@ -43,3 +43,8 @@ grep "^| " "$R/step_profile.md" | cut -c1-150
 timeout 60 python3 -m benchmarks.torch_profile --device cuda --runs ar:1 ar:8 redrafter:1 redrafter:8 --out "$R/torch_profile.txt" \
   2>&1 | grep "^==\|^ \+[0-9]\+ \(graph\|eager\)"
 date; pack
+timeout 60 python3 -m benchmarks.gpu_linear_bench --out "$R/gpu_linear" 2>&1 | grep "^| " | cut -c1-120
+date; pack
+T 120 tests/plugins/test_batch_invariant.py tests/runtime/test_verify.py tests/runtime/test_redrafter_greedy.py \
+  tests/runtime/test_rsd_greedy.py tests/runtime/test_lyanna_greedy.py
+pack

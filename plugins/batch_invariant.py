@@ -172,13 +172,9 @@ def _interpreting() -> bool:
     return isinstance(tl.zeros, InterpretedFunction)
 
 
-def bi_linear_triton(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_m: int = BLOCK_M
-) -> torch.Tensor:
+def bi_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the Triton kernel: x [M, K] and weight [N, K] of one dtype (fp16, bf16 or
-    fp32), bias [N] or None -> [M, N] in x.dtype. `block_m` (16, 32 or 64) is the tile's
-    height: `plugins/gpu_linear.py` fits it to a few rows; a row's K is walked in the same
-    BLOCK_K steps whatever it is. On CUDA tensors it is compiled; on CPU
+    fp32), bias [N] or None -> [M, N] in x.dtype. On CUDA tensors it is compiled; on CPU
     tensors it runs under Triton's interpreter (slow: for tests), with two quirks: its
     `tl.dot` is numpy's matmul, which multiplies bf16's raw uint16 bits (so bf16 operands
     are widened to fp32 first, exactly), and OpenBLAS's result for a row depends on the
@@ -202,9 +198,7 @@ def bi_linear_triton(
             "bi_linear_triton on CPU tensors runs under Triton's interpreter: set TRITON_INTERPRET=1 "
             "before anything imports triton.language"
         )
-    if block_m not in (16, 32, 64):
-        raise ValueError(f"block_m must be 16, 32 or 64 (tl.dot tiles), got {block_m}")
-    grid = (-(-m // block_m), -(-n // BLOCK_N))
+    grid = (-(-m // BLOCK_M), -(-n // BLOCK_N))
     kernel[grid](
         x,
         weight,
@@ -221,7 +215,7 @@ def bi_linear_triton(
         y.stride(1),
         HAS_BIAS=bias is not None,
         DOT_IN_FP32=interpreting and x.dtype == torch.bfloat16,
-        BM=block_m,
+        BM=BLOCK_M,
         BN=BLOCK_N,
         BK=BLOCK_K,
         num_warps=NUM_WARPS,

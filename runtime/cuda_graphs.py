@@ -10,10 +10,11 @@ token 0 at position 0, writing its K/V to the cache's scratch slot and attending
 key, logits at row 0; their outputs are dropped. The attention kernel reads each row's
 key count from the metadata buffers, so one graph serves every context length.
 
-Each bucket is captured twice, its linears on cuBLAS and on the Triton matmul of
-`plugins/gpu_linear.py` (cuBLAS's fp32 kernels for a few rows are far from the weight-
-streaming bound on an H200), and the graph that replays faster is kept
-(`CudaGraphs.linears` says which, per bucket; cuBLAS unless Triton saves `TRITON_SAVES`).
+Each bucket of up to `gpu_linear.MAX_ROWS` tokens is captured twice, its linears on
+cuBLAS and as `plugins/gpu_linear.py` (per product shape, cuBLAS or a split-K Triton
+matmul, whichever is faster: cuBLAS's fp32 kernels for 8-16 rows of some shapes take
+~10x what others do on an H200), and the graph that replays faster is kept
+(`CudaGraphs.linears` says which, per bucket; cuBLAS unless the other saves `TRITON_SAVES`).
 
 Steps the graphs do not cover run eagerly: more tokens than the largest bucket, more
 requests or longer block tables than the buffers hold, deeper trees than `max_tree`.
@@ -152,11 +153,16 @@ class CudaGraphs:
             self.graphs[b] = self._capture_fastest(b, pool)
 
     def _capture_fastest(self, b: int, pool: Any) -> tuple[torch.cuda.CUDAGraph, LlamaOutput]:
-        """Bucket b's graph with cuBLAS's linears, and with the Triton matmul's where it
-        applies (not in batch-invariant mode, whose linears are `bi_linear` already): the
+        """Bucket b's graph with cuBLAS's linears, and with `gpu_linear`'s where it applies (at
+        most `gpu_linear.MAX_ROWS` rows, not in batch-invariant mode, whose linears are
+        `bi_linear` already): the
         one `faster_linears` keeps. A Triton capture that fails is logged and left out."""
         captured = {"cublas": self._capture(b, pool)}
-        if gpu_linear.applies(self.model.lm_head.weight) and not self.model.batch_invariant:
+        if (
+            b <= gpu_linear.MAX_ROWS
+            and gpu_linear.applies(self.model.lm_head.weight)
+            and not self.model.batch_invariant
+        ):
             self.model.set_triton_linears(True)
             try:
                 captured["triton"] = self._capture(b, pool)

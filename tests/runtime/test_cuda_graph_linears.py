@@ -1,5 +1,6 @@
-"""On a GPU each token bucket's forward is captured twice, its linears on cuBLAS and on the
-Triton matmul (`plugins/gpu_linear.py`), and the graph that replays faster is kept
+"""On a GPU each token bucket's forward of up to `gpu_linear.MAX_ROWS` tokens is captured
+twice, its linears on cuBLAS and as `plugins/gpu_linear.py` (per shape, cuBLAS or the
+split-K Triton matmul), and the graph that replays faster is kept
 (`runtime/cuda_graphs.py`), for the target and the draft LM alike. Whichever is kept, an
 engine decodes what eager forwards decode: auto-regressive and speculative (sd, its draft
 LM's levels replaying their own graphs), greedy outputs token for token."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from plugins import gpu_linear
 from runtime import cuda_graphs
 from runtime.config import RuntimeConfig
 from runtime.llm_engine import LLMEngine
@@ -37,10 +39,14 @@ def test_triton_is_kept_only_where_it_saves_its_share() -> None:
 def test_graphs_of_either_linears_decode_what_eager_forwards_decode(
     saves: float, kept: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`saves` forces the choice (Triton whatever it costs, cuBLAS whatever it costs) or
-    leaves it to the timing. Test of the test: the forced runs keep what they force, and
-    the timed one timed both alternatives of every bucket."""
+    """`saves` forces the choice (Triton whatever it costs, for every bucket and product
+    shape; cuBLAS whatever it costs) or leaves it to the timing. Test of the test: the
+    forced runs keep what they force, and the timed one timed both alternatives of every
+    bucket of up to `MAX_ROWS` tokens (larger ones are cuBLAS's, untimed)."""
     monkeypatch.setattr(cuda_graphs, "TRITON_SAVES", saves)
+    monkeypatch.setattr(gpu_linear, "_choices", {})
+    if kept == "triton":
+        monkeypatch.setattr(gpu_linear, "TRITON_SAVES", saves)
     engine = self_drafting_engine()
     params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True) for _ in range(6)]
     outputs: dict[tuple[str, bool], list[list[int]]] = {}
@@ -52,9 +58,13 @@ def test_graphs_of_either_linears_decode_what_eager_forwards_decode(
         if graphs_on:
             for graphs in (llm.runner.graphs, llm.proposers["sd"].graphs):
                 assert graphs is not None and set(graphs.linears) == set(graphs.buckets)
-                assert set(graphs.replay_ms) == set(graphs.buckets)  # every bucket captured both ways
+                small = {b for b in graphs.buckets if b <= gpu_linear.MAX_ROWS}
+                assert set(graphs.replay_ms) == small  # every small bucket captured both ways
                 assert all(set(ms) == {"cublas", "triton"} for ms in graphs.replay_ms.values())
+                assert {graphs.linears[b] for b in set(graphs.buckets) - small} <= {"cublas"}
                 if kept is not None:
-                    assert set(graphs.linears.values()) == {kept}
+                    assert {graphs.linears[b] for b in small} == {kept}
+            if kept == "triton":  # every product shape of those buckets ran the Triton kernel
+                assert gpu_linear._choices and None not in gpu_linear._choices.values()
     assert outputs[("ar", True)] == outputs[("ar", False)]
     assert outputs[("sd", True)] == outputs[("sd", False)] == outputs[("ar", False)]
