@@ -15,6 +15,7 @@ configuration, `CONFIGS`' best).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shlex
 import sys
@@ -44,14 +45,14 @@ def measure(rows: tuple[int, ...]) -> list[dict[str, Any]]:
         for m in rows:
             x = torch.randn(m, k, device="cuda")
             exact = x.double() @ w.double().T
-            row: dict[str, Any] = {"n": n, "k": k, "m": m, "cublas": _replay_us(lambda x=x, w=w: F.linear(x, w))}
+            row: dict[str, Any] = {"n": n, "k": k, "m": m, "cublas": _replay_us(functools.partial(F.linear, x, w))}
             for config in GRID:
                 if config[0] > n or config[1] * config[2] > 2 * k:
                     continue
                 y = rows_linear(x, w, None, config)
                 if not torch.allclose(y.double(), exact, rtol=1e-5, atol=1e-3):
                     raise AssertionError(f"rows_linear at {config} is off for {m} x {k} x {n}")
-                row[name(config)] = _replay_us(lambda x=x, w=w, c=config: rows_linear(x, w, None, c))
+                row[name(config)] = _replay_us(functools.partial(rows_linear, x, w, None, config))
             out.append(row)
     return out
 

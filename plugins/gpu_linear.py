@@ -186,9 +186,9 @@ def choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     if key not in _choices:
         if torch.cuda.is_current_stream_capturing():
             return None
-        times = {c: _replay_us(lambda c=c: rows_linear(x, weight, bias, c)) for c in CONFIGS}
+        times = {c: _replay_us(functools.partial(rows_linear, x, weight, bias, c)) for c in CONFIGS}
         best = min(CONFIGS, key=times.__getitem__)
-        cublas = _replay_us(lambda: F.linear(x, weight, bias))
+        cublas = _replay_us(functools.partial(F.linear, x, weight, bias))
         _choices[key] = best if times[best] < (1 - TRITON_SAVES) * cublas else None
     return _choices[key]
 
