@@ -93,6 +93,9 @@ class RequestRecord:
     input_tokens: int = 0
     drafted: int = 0
     accepted: int = 0
+    steps: int | None = None
+    """Engine steps the request took part in, as the server counts them (specpipe's
+    `num_forwards`), or None where it sends none (then its responses count: one per step)."""
     chunks: list[tuple[float, int]] = field(default_factory=list)
     """(seconds since sent, tokens) of every response that carried tokens."""
     error: str | None = None
@@ -156,6 +159,8 @@ def grpc_request(url: str, prompt: Prompt, settings: RequestSettings, record: Re
                 record.input_tokens = int(_scalar(result, "num_input_tokens") or 0)
                 record.drafted = int(_scalar(result, "num_draft_tokens") or 0)
                 record.accepted = int(_scalar(result, "num_accepted_tokens") or 0)
+                steps = _scalar(result, "num_forwards")
+                record.steps = None if steps is None else int(steps)
                 return
     except Exception as e:  # the load tester records failures; it never dies of one
         record.error = f"{type(e).__name__}: {e}"
@@ -192,6 +197,7 @@ def http_request(url: str, prompt: Prompt, settings: RequestSettings, record: Re
                     record.input_tokens = int(event.get("num_input_tokens", 0))
                     record.drafted = int(event.get("num_draft_tokens", 0))
                     record.accepted = int(event.get("num_accepted_tokens", 0))
+                    record.steps = int(event["num_forwards"]) if "num_forwards" in event else None
             record.e2e = time.perf_counter() - start
     except urllib.error.HTTPError as e:
         record.error = json.loads(e.read() or b"{}").get("error", str(e))
@@ -234,6 +240,7 @@ def openai_request(url: str, prompt: Prompt, settings: RequestSettings, record: 
                 spec = event.get("speculation") or {}
                 record.drafted = int(spec.get("draft_tokens", record.drafted))
                 record.accepted = int(spec.get("accepted_tokens", record.accepted))
+                record.steps = int(spec["target_steps"]) if "target_steps" in spec else record.steps
             record.e2e = time.perf_counter() - start
     except urllib.error.HTTPError as e:
         error = json.loads(e.read() or b"{}").get("error", {})
@@ -333,7 +340,7 @@ def summarize(records: list[RequestRecord], duration: float, slos_ms: dict[str, 
     output = sum(r.output_tokens for r in done)
     tpots = [t for r in done if (t := tpot(r)) is not None]
     good = [r for r in done if _meets(r, slos_ms)]
-    chunks = sum(len(r.chunks) for r in done)
+    steps = sum(len(r.chunks) if r.steps is None else r.steps for r in done)  # streamed responses may hold several
     drafted, accepted = sum(r.drafted for r in done), sum(r.accepted for r in done)
     summary: dict[str, Any] = {
         "duration": duration,
@@ -350,7 +357,7 @@ def summarize(records: list[RequestRecord], duration: float, slos_ms: dict[str, 
         "ms_per_token": statistics.mean(1000 * r.e2e / r.output_tokens for r in done if r.e2e and r.output_tokens)
         if done
         else None,
-        "mean_tokens_per_step": output / chunks if chunks else None,
+        "mean_tokens_per_step": output / steps if steps else None,
         "total_draft_tokens": drafted,
         "total_accepted_tokens": accepted,
         "acceptance_rate": accepted / drafted if drafted else None,

@@ -20,7 +20,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
-STATS = ("num_input_tokens", "num_output_tokens", "num_draft_tokens", "num_accepted_tokens")
+STATS = ("num_input_tokens", "num_output_tokens", "num_draft_tokens", "num_accepted_tokens", "num_forwards")
 
 
 def _tensor(name: str, values: list[object], dtype: str, np_dtype: type | None, batched: bool) -> grpcclient.InferInput:

@@ -152,8 +152,9 @@ UNSUPPORTED: dict[str, tuple[Callable[[np.ndarray], bool], str]] = {
     "return_generation_logits": (_true, "specpipe returns no logits; use return_log_probs for per-token log probs"),
     "return_perf_metrics": (
         _true,
-        "specpipe returns num_input_tokens, num_output_tokens, num_draft_tokens and num_accepted_tokens on every "
-        "final response and per-request timings as Prometheus metrics, not TensorRT-LLM's perf-metric outputs",
+        "specpipe returns num_input_tokens, num_output_tokens, num_draft_tokens, num_accepted_tokens and "
+        "num_forwards on every final response and per-request timings as Prometheus metrics, not TensorRT-LLM's "
+        "perf-metric outputs",
     ),
     "num_return_sequences": (
         lambda v: bool(np.any(v != 1)),

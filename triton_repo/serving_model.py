@@ -60,7 +60,7 @@ POLL_SECONDS = 0.02
 HOUSEKEEPING_SECONDS = 0.1
 """How often the response thread asks Triton which requests were cancelled (one IPC round
 trip per request in flight) and refreshes the gauges."""
-STATS_OUTPUTS = ("num_input_tokens", "num_output_tokens", "num_draft_tokens", "num_accepted_tokens")
+STATS_OUTPUTS = ("num_input_tokens", "num_output_tokens", "num_draft_tokens", "num_accepted_tokens", "num_forwards")
 """The final response's statistics (`RequestStats` fields of the same names)."""
 CANCEL_INPUT = "cancel_request_id"
 """A request holding this input only cancels the requests in flight with that Triton request id."""

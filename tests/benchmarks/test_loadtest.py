@@ -62,6 +62,11 @@ def test_every_request_is_accounted_for_and_tokens_are_counted(server: TritonSer
         assert len(r.itl()) == MAX_TOKENS - 1
     assert any(t > 1 for r in records for _, t in r.chunks), "speculative steps stream several tokens at once"
     assert summary["mean_tokens_per_step"] > 1 and summary["total_output_tokens"] == 6 * MAX_TOKENS
+    # tokens/step from the server's step counts: a step emits at most its accepted drafts and
+    # one token; streamed responses are held up to 20 ms, so they would count fewer steps
+    assert all(r.steps is not None and r.steps <= r.output_tokens <= r.steps + r.accepted for r in records)
+    assert summary["mean_tokens_per_step"] == pytest.approx(6 * MAX_TOKENS / sum(r.steps or 0 for r in records))
+    assert any(len(r.chunks) < r.steps for r in records if r.steps), "held responses carry several steps"
     assert summary["request_goodput"] == pytest.approx(summary["request_throughput"])
 
 
@@ -114,6 +119,7 @@ def test_the_openai_backend_writes_the_same_report(server: TritonServer, tmp_pat
     assert (doc["completed"], doc["failed"]) == (3, 0) and doc["total_output_tokens"] == 3 * MAX_TOKENS
     for row in doc["rows"]:
         assert row["output_tokens"] == sum(t for _, t in row["chunks"]) == MAX_TOKENS and row["input_tokens"] > 0
+        assert row["steps"] <= row["output_tokens"] <= row["steps"] + row["accepted"]
     assert doc["total_draft_tokens"] >= doc["total_accepted_tokens"] > 0
     assert records[0].ok and records[1].error is not None and "max_input_len 256" in records[1].error
 

@@ -108,6 +108,7 @@ OUTPUTS = {
     "num_output_tokens": (T.TYPE_INT32, [-1]),
     "num_draft_tokens": (T.TYPE_INT32, [-1]),
     "num_accepted_tokens": (T.TYPE_INT32, [-1]),
+    "num_forwards": (T.TYPE_INT32, [-1]),
 }
 
 

@@ -24,9 +24,10 @@ def running_usage(completion_tokens: int | None) -> dict[str, int | None]:
 
 
 def speculation(stats: dict[str, int]) -> dict[str, Any]:
-    """Each target step emits its accepted draft tokens plus one of its own."""
+    """The request's target steps (`num_forwards`, its prefill's included; without it, each
+    step counted as its accepted draft tokens plus one of its own)."""
     drafted, accepted = stats.get("num_draft_tokens", 0), stats.get("num_accepted_tokens", 0)
-    steps = stats.get("num_output_tokens", 0) - accepted
+    steps = stats.get("num_forwards", stats.get("num_output_tokens", 0) - accepted)
     return {
         "draft_tokens": drafted,
         "accepted_tokens": accepted,
