@@ -77,6 +77,9 @@ class Request:
     """Owned by the request's proposer (a draft cache's progress, re-sampled candidates);
     None when fresh or after a preemption."""
     num_preemptions: int = 0
+    options: Any = None
+    """What its proposer offers it, cached by the engine (`EngineCore._offered`) at its first
+    decoding step: its params are frozen."""
     cancel_requested: str | None = None
     """Why the caller ended it early ("cancelled", or "stop" for a stop string the output
     stage found), set by `LLMEngine.cancel`; the request ends with it at the next step."""

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from runtime.block_manager import BlockManager
 from runtime.request import Request
@@ -39,7 +40,7 @@ class ScheduledWork:
     """Prefill: prompt tokens of this step's chunk (0 for a decoding step)."""
     budget: int = 0
     """Decoding: most tree nodes this step may verify, root included (1 = auto-regressive)."""
-    sizes: list[int] = field(default_factory=list)
+    sizes: Sequence[int] = ()
     """Decoding: the tree sizes the request was offered this step (`budget` is the largest that fit)."""
 
     @property
@@ -104,7 +105,7 @@ class Scheduler:
                 return False
         return True
 
-    def schedule(self, sizes: dict[str, list[int]]) -> list[ScheduledWork]:
+    def schedule(self, sizes: dict[str, Sequence[int]]) -> list[ScheduledWork]:
         """This step's work. `sizes[request_id]`: the tree sizes (ascending) a decoding
         request may draft this step; it gets the largest that fits the token budget, or 1."""
         budget = self.max_num_tokens
@@ -115,7 +116,7 @@ class Scheduler:
             if request.in_prefill:
                 item = ScheduledWork(request, chunk=min(request.prefill_target - request.num_computed, budget))
             else:
-                offered = sizes.get(request.request_id, [1])
+                offered = sizes.get(request.request_id, (1,))
                 item = ScheduledWork(request, budget=largest_fitting(offered, budget), sizes=offered)
             n = item.num_new
             if n == 0 or n > budget:

@@ -1226,12 +1226,15 @@ class SpeculationPolicy:
             self.credit = self._earned(s.seconds, None, False)  # (no probe can come)
             self.reused += 1
             return s
-        if s.signature != _signature(offers, others, s.chains if s.drafts else None):
+        keys = [o.key for o in offers]
+        replaced = keys != s.keys
+        # the same requests (their kinds and options frozen) with as many others: an
+        # auto-regressive decision's signature holds without building it (~25 us at batch 32)
+        same = not s.drafts and not replaced and others == s.signature[0]
+        if not same and s.signature != _signature(offers, others, s.chains if s.drafts else None):
             return None
         if s.drafts and age >= DRAFTING_STANDS and s.strays():
             return None  # its trees do not bear it out: solve afresh
-        keys = [o.key for o in offers]
-        replaced = keys != s.keys
         if replaced and any(o != k and o in self.requests for o, k in zip(keys, s.keys, strict=True)):
             return None
         stale = self.steps - PROBE_EVERY
@@ -1620,5 +1623,6 @@ def ceiling(offer: Offer, size: int) -> float:
 
 
 def largest_fitting(sizes: Sequence[int], budget: int) -> int:
-    """The largest of `sizes` within `budget`, or 1 (the root alone)."""
-    return max((s for s in sizes if s <= budget), default=1)
+    """The largest of `sizes` (ascending) within `budget`, or 1 (the root alone)."""
+    i = bisect.bisect_right(sizes, budget)
+    return sizes[i - 1] if i else 1

@@ -505,6 +505,7 @@ def test_a_settled_decision_is_reused_and_changes_no_choice(monkeypatch: pytest.
     reused = r.reused
     ending = [dataclasses.replace(o, left=2) for o in offers(2)]  # their last tokens: trees worth less
     assert set(r.choose(ending).values()) == {1} and r.reused == reused + 1  # the decision stands
+    assert r.choose(offers(2), others=1) and r.reused == reused + 1  # a request prefilling beside: afresh
     assert r.choose(offers(3)) and r.reused == reused + 1  # another request: solved afresh
 
 
