@@ -17,7 +17,7 @@ DEMO_PROMPTS := --prompt "def fibonacci(n):" \
 	--prompt "$$(printf 'class Stack:\n    def __init__(self):')" \
 	--prompt "$$(printf 'import os\n\n\ndef list_python_files(path):')"
 
-.PHONY: help setup cpu-kernels mpi perf-analyzer-install perf-tools genai-perf perf-analyzer engine demo serve test test-slow lint format model drafter drafter-soft draft-lm lyanna bench-redrafter bench-redrafter-kd bench-redrafter-grid bench-lyanna-throughput bench-batch bench-batch-methods bench-triton-overhead bench-rsd bench-ngram profile bench-no-draft bench-lockstep bench-floor bench-lyanna bench-drafter-tp loadtest loadtest-openai soak bench-table2 export-trtllm clean
+.PHONY: help setup cpu-kernels mpi perf-analyzer-install perf-tools genai-perf perf-analyzer engine demo serve test test-slow lint format model drafter drafter-soft draft-lm lyanna bench-redrafter bench-redrafter-kd bench-redrafter-grid bench-lyanna-throughput bench-batch bench-batch-methods bench-triton-overhead bench-rsd bench-ngram profile bench-no-draft bench-churn bench-lockstep bench-floor bench-lyanna bench-drafter-tp loadtest loadtest-openai soak bench-table2 export-trtllm clean
 
 help:  ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 25
@@ -217,6 +217,9 @@ profile: engine  ## where a step's time goes: ms per phase for AR and every meth
 
 bench-no-draft: engine  ## what speculation costs while switched off: load-aware no-draft steps vs AR steps, in lockstep, batch 1/8/32, T=0/1 -> benchmarks/results/no_draft.{json,md}
 	$(BIN)/python -m benchmarks.no_draft
+
+bench-churn: engine  ## load-aware vs AR in lockstep while requests of 16-96 tokens come and go (4 x batch a round), batch 8/32, T=0/1 -> benchmarks/results/churn.{json,md}
+	$(BIN)/python -m benchmarks.churn
 
 bench-lockstep: engine  ## load-aware ReDrafter against AR in lockstep (engines step in turn), T=1, batch 1/2/8 -> benchmarks/results/lockstep_redrafter_b*_t1.{json,md}
 	for b in 1 2 8; do $(BIN)/python -m benchmarks.lockstep --engine $(SPEC_ENGINE) --batch $$b --temperature 1 --rounds 12 \

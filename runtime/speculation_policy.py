@@ -96,7 +96,10 @@ is due; exploration credit still accrues, and a probe that comes due ends it (`_
 
 A new request of the same kind and options takes the place of one that left (at batch 1,
 the next prompt) in either, for up to `DRAFTING_STANDS` steps more (`RECHOOSE_EVERY` in an
-all-auto-regressive decision).
+all-auto-regressive decision). An all-auto-regressive decision also stands, for up to
+`RECHOOSE_EVERY` steps more, while requests come and go around it (`CHURN_SHARE`: new ones
+fresh, of kinds and options it was made for), since a busy server's batch changes every few
+steps.
 
 Whatever the sizes, acceptance is lossless; the policy only moves speed.
 """
@@ -109,6 +112,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
@@ -280,6 +284,14 @@ in and the next, which takes its tree in) and no more. ReDrafter at T=1, batch 8
 engine, drafting never pays, a probe every ~60 steps; its policy after 40 live steps asked
 again and again for the same 8 requests): 68 -> 36 full solves in 1000 steps, each ~0.3 ms
 on a ~3 ms step."""
+CHURN_SHARE = 0.25
+"""How far the requests in a step (decoding and prefilling) may drift from those an
+all-auto-regressive decision was made for and it still stands (`_churned`): at most this
+share of them more or fewer, the new decoding ones fresh (no trees of their own) and of
+kinds and options it was made for. With requests of 16-96 tokens streaming through a batch of
+32 (Lyanna or ReDrafter, T=1), a request joining or leaving ended it at ~70% of the steps, a
+~0.4 ms solve each: the schedule phase cost +230-250 us a step over AR's. At batch 1-3 any
+change re-solves (a quarter of the requests is less than one)."""
 DRAFTING_STANDS = 4
 """Steps a decision that drafts stands while the requests and their options are the same
 (and no probe is due; `_Settled`). Unlike an all-auto-regressive decision, each of its
@@ -1216,7 +1228,7 @@ class SpeculationPolicy:
         prefilled it): it is priced as its kind, and is for at most `DRAFTING_STANDS` steps
         more (`RECHOOSE_EVERY` in an all-auto-regressive decision)."""
         s = self._settled
-        if s is None or len(offers) != len(s.keys):
+        if s is None or (len(offers) != len(s.keys) and s.drafts):
             return None
         age = self.steps - s.step
         if age >= s.stands:
@@ -1231,8 +1243,11 @@ class SpeculationPolicy:
         # the same requests (their kinds and options frozen) with as many others: an
         # auto-regressive decision's signature holds without building it (~25 us at batch 32)
         same = not s.drafts and not replaced and others == s.signature[0]
-        if not same and s.signature != _signature(offers, others, s.chains if s.drafts else None):
-            return None
+        if not same and (signature := _signature(offers, others, s.chains if s.drafts else None)) != s.signature:
+            if not self._churned(s, offers, others):
+                return None
+            s.keys, s.signature, s.sizes, replaced = keys, signature, [1] * len(keys), False
+            s.stands = min(s.stands, age + RECHOOSE_EVERY)
         if s.drafts and age >= DRAFTING_STANDS and s.strays():
             return None  # its trees do not bear it out: solve afresh
         if replaced and any(o != k and o in self.requests for o, k in zip(keys, s.keys, strict=True)):
@@ -1251,6 +1266,22 @@ class SpeculationPolicy:
         self.credit = credit
         self.reused += 1
         return s
+
+    def _churned(self, s: _Settled, offers: list[Offer], others: int) -> bool:
+        """Whether `s`, an all-auto-regressive decision, stands for `offers` and `others`
+        though requests came or went (`CHURN_SHARE`): as many requests in the step give or
+        take that share of those it was made for, and each decoding request it was not
+        made for is fresh (no trees of its own) and of a kind and options it was made for."""
+        if s.drafts:
+            return False
+        others_then = cast(int, s.signature[0])
+        made_for = len(s.keys) + others_then
+        if abs(len(offers) + others - made_for) + abs(others - others_then) > CHURN_SHARE * made_for:
+            return False
+        known, options = set(s.keys), s.signature[1:]  # (a tuple: a test's sizes may be lists)
+        return all(
+            o.key in known or (o.key not in self.requests and (o.kind, o.sizes, o.levels) in options) for o in offers
+        )
 
     def _quiet(self, s: _Settled, offers: list[Offer], others: int) -> bool:
         """Whether `s`, an all-auto-regressive decision, stands for `offers` with none of the

@@ -7,6 +7,7 @@ A step drafting a nested tree measures what every smaller size would have accept
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import sys
 from collections import Counter
@@ -681,6 +682,54 @@ def test_a_new_request_stands_in_the_place_of_one_that_left(monkeypatch: pytest.
     reused = q.reused
     assert q.choose([Offer("next", KIND, "redrafter", BEAMS, LEVELS)]) == {"next": 1} and q.reused == reused + 1
     assert s.stands <= q.steps - s.step + speculation_policy.RECHOOSE_EVERY
+
+
+@pytest.mark.parametrize("share", [speculation_policy.CHURN_SHARE, 0.0])
+def test_an_auto_regressive_decision_stands_while_requests_come_and_go(
+    share: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A busy server's batch changes every few steps, and a solve at each change cost ~0.4 ms
+    at batch 32 (`CHURN_SHARE`). An all-auto-regressive decision at batch 8 stands when a
+    request leaves and when a fresh one of its kind and options joins, for at most
+    `RECHOOSE_EVERY` steps more; a request with trees of its own, one of another kind, or more
+    than a quarter of the batch gone is solved afresh. Test of the test: with no share, every
+    change is solved afresh."""
+    monkeypatch.setattr(speculation_policy, "CHURN_SHARE", share)
+    q = calibrated(POOR)  # drafting never pays
+    run(q, POOR, batch=8, steps=60)
+    for _ in range(60):  # up to a decision that stands three more steps, no probe due
+        s = q._settled
+        fresh = q.steps + 3 - q._measured[KIND] < speculation_policy.PROBE_EVERY
+        if s is not None and not s.drafts and q.steps + 3 - s.step < s.stands and fresh:
+            break
+        run(q, POOR, batch=8, steps=1)
+    assert s is not None and not s.drafts
+    batch, base = offers(8), copy.deepcopy(q)
+    stays = share > 0
+
+    def reuses(*steps: list[Offer], known: str | None = None) -> list[bool]:
+        """Whether each of `steps` stood (from the standing decision above: all plain)."""
+        p = copy.deepcopy(base)
+        p.forget("r7")
+        if known is not None:
+            p.requests[known] = {BEAMS[1]: (2.0, 3, p.steps)}  # trees of its own
+        out = []
+        for step in steps:
+            reused = p.reused
+            sizes = set(p.choose(step).values())
+            out.append(p.reused == reused + 1)
+            assert sizes == {1} or not out[-1]
+        s = p._settled
+        assert s is None or s.stands <= p.steps - s.step + speculation_policy.RECHOOSE_EVERY
+        return out
+
+    new = Offer("new", KIND, "redrafter", BEAMS, LEVELS)
+    assert reuses(batch[:7], [*batch[:7], new]) == [stays, stays]  # one left, then a fresh one joined
+    other = Offer("other", ("redrafter", False), "redrafter", BEAMS, LEVELS)
+    assert reuses([*batch[:7], other]) == [False]  # another kind: solved afresh
+    known = Offer("known", KIND, "redrafter", BEAMS, LEVELS)
+    assert reuses([*batch[:7], known], known="known") == [False]  # trees of its own: solved afresh
+    assert reuses(batch[:5]) == [False]  # three of eight gone: solved afresh
 
 
 def test_a_requests_last_tokens_cut_its_chain_instead_of_ending_a_decision() -> None:
