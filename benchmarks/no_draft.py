@@ -31,7 +31,7 @@ from typing import Any
 from tqdm import tqdm
 
 from benchmarks.lockstep import add_round, in_turn
-from benchmarks.report import command, machine, write_report
+from benchmarks.report import Cell, command, machine, write_report
 from benchmarks.step_profile import DRAFTERS, add_engine_argument, engine_paths
 from benchmarks.timing import warm_up
 from runtime.config import RuntimeConfig
@@ -42,11 +42,7 @@ from training.corpus import heldout_prompts
 
 
 @dataclass
-class Row:
-    method: str
-    engine: str
-    batch: int
-    temperature: float
+class Row(Cell):
     steps: int
     """Steady no-draft steps of the method."""
     ar_steps: int

@@ -8,10 +8,23 @@ import platform
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+
+@dataclass
+class Cell:
+    """What a row of the method-against-AR benchmarks (`step_profile`, `no_draft`, `churn`)
+    was measured at."""
+
+    method: str
+    engine: str
+    """The engine it ran on: each method is compared with AR on its own engine."""
+    batch: int
+    temperature: float
 
 
 def machine() -> dict[str, object]:

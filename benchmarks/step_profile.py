@@ -22,7 +22,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from benchmarks.report import command, machine, write_report
+from benchmarks.report import Cell, command, machine, write_report
 from benchmarks.timing import sampling_params, synchronize, warm_up
 from runtime.config import RuntimeConfig
 from runtime.llm_engine import LLMEngine
@@ -70,12 +70,7 @@ def engine_paths(ap: argparse.ArgumentParser, given: list[str]) -> dict[str, str
 
 
 @dataclass
-class Row:
-    method: str
-    engine: str
-    """The engine it ran on (`ENGINES`): each method is compared with AR on its own engine."""
-    batch: int
-    temperature: float
+class Row(Cell):  # engine: one of `ENGINES`
     steps: int
     ms_per_step: float
     phases_ms: dict[str, float]
