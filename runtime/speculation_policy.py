@@ -1248,6 +1248,8 @@ class SpeculationPolicy:
                 return None
             s.keys, s.signature, s.sizes, replaced = keys, signature, [1] * len(keys), False
             s.stands = min(s.stands, age + RECHOOSE_EVERY)
+            n = len(keys) + others  # its plain step's price for these requests (`_evaluate`'s, no trees)
+            s.seconds = self.overhead_of(n, False) + self.forward_cost(n, n)
         if s.drafts and age >= DRAFTING_STANDS and s.strays():
             return None  # its trees do not bear it out: solve afresh
         if replaced and any(o != k and o in self.requests for o, k in zip(keys, s.keys, strict=True)):

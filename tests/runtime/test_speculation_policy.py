@@ -719,6 +719,9 @@ def test_an_auto_regressive_decision_stands_while_requests_come_and_go(
             sizes = set(p.choose(step).values())
             out.append(p.reused == reused + 1)
             assert sizes == {1} or not out[-1]
+            if out[-1]:  # priced as a plain step of the requests it now stands for (exploration's credit)
+                n = len(step)
+                assert p._settled.seconds == pytest.approx(p.overhead_of(n, False) + p.forward_cost(n, n))
         s = p._settled
         assert s is None or s.stands <= p.steps - s.step + speculation_policy.RECHOOSE_EVERY
         return out
