@@ -1228,7 +1228,7 @@ class SpeculationPolicy:
         prefilled it): it is priced as its kind, and is for at most `DRAFTING_STANDS` steps
         more (`RECHOOSE_EVERY` in an all-auto-regressive decision)."""
         s = self._settled
-        if s is None or (len(offers) != len(s.keys) and s.drafts):
+        if s is None:
             return None
         age = self.steps - s.step
         if age >= s.stands:
@@ -1243,13 +1243,14 @@ class SpeculationPolicy:
         # the same requests (their kinds and options frozen) with as many others: an
         # auto-regressive decision's signature holds without building it (~25 us at batch 32)
         same = not s.drafts and not replaced and others == s.signature[0]
-        if not same and (signature := _signature(offers, others, s.chains if s.drafts else None)) != s.signature:
-            if not self._churned(s, offers, others):
+        if not same and (
+            len(offers) != len(s.keys) or _signature(offers, others, s.chains if s.drafts else None) != s.signature
+        ):
+            if (places := self._churned(s, offers, others)) is None:
                 return None
-            s.keys, s.signature, s.sizes, replaced = keys, signature, [1] * len(keys), False
-            s.stands = min(s.stands, age + RECHOOSE_EVERY)
-            n = len(keys) + others  # its plain step's price for these requests (`_evaluate`'s, no trees)
-            s.seconds = self.overhead_of(n, False) + self.forward_cost(n, n)
+            self._rebase(s, offers, others, places)
+            replaced = False
+            s.stands = min(s.stands, age + _first_stand(s.drafts))
         if s.drafts and age >= DRAFTING_STANDS and s.strays():
             return None  # its trees do not bear it out: solve afresh
         if replaced and any(o != k and o in self.requests for o, k in zip(keys, s.keys, strict=True)):
@@ -1269,21 +1270,60 @@ class SpeculationPolicy:
         self.reused += 1
         return s
 
-    def _churned(self, s: _Settled, offers: list[Offer], others: int) -> bool:
-        """Whether `s`, an all-auto-regressive decision, stands for `offers` and `others`
-        though requests came or went (`CHURN_SHARE`): as many requests in the step give or
-        take that share of those it was made for, and each decoding request it was not
-        made for is fresh (no trees of its own) and of a kind and options it was made for."""
-        if s.drafts:
-            return False
+    def _churned(self, s: _Settled, offers: list[Offer], others: int) -> list[int] | None:
+        """Where in `s` each of `offers` stands though requests came or went (`CHURN_SHARE`),
+        or None where `s` does not stand for them: as many requests in the step give or take
+        that share of those it was made for; a request it was made for stands in its own
+        place, as it was made for (in a decision that drafts, with the same bound on what it
+        may still emit); one it was not made for is fresh (no trees of its own) and stands in
+        the place of the first request of its kind and options (in a decision that drafts, one
+        whose size no bound changes), at that one's size."""
         others_then = cast(int, s.signature[0])
         made_for = len(s.keys) + others_then
         if abs(len(offers) + others - made_for) + abs(others - others_then) > CHURN_SHARE * made_for:
-            return False
-        known, options = set(s.keys), s.signature[1:]  # (a tuple: a test's sizes may be lists)
-        return all(
-            o.key in known or (o.key not in self.requests and (o.kind, o.sizes, o.levels) in options) for o in offers
-        )
+            return None
+        position = {k: i for i, k in enumerate(s.keys)}
+        entries = s.signature[1:]
+        places = []
+        for o in offers:
+            i = position.get(o.key)
+            if i is not None:
+                if s.drafts and entries[i] != (o.kind, o.sizes, o.levels, None if s.chains[i] else _bound(o)):
+                    return None
+            elif o.key in self.requests:
+                return None
+            else:
+                i = next(
+                    (
+                        j
+                        for j, e in enumerate(entries)
+                        if e[:3] == (o.kind, o.sizes, o.levels)  # type: ignore[index]
+                        and (not s.drafts or s.chains[j] or _bound(o) is None)
+                    ),
+                    None,
+                )
+                if i is None:
+                    return None
+            places.append(i)
+        return places
+
+    def _rebase(self, s: _Settled, offers: list[Offer], others: int, places: list[int]) -> None:
+        """`s` made for `offers` and `others`, each request at the size of its place in it
+        (`_churned`), priced as a step of theirs (what exploration's credit, a probe's
+        aftermath and the trees' expectations read)."""
+        s.keys = [o.key for o in offers]
+        s.sizes = [s.sizes[i] for i in places]
+        if s.drafts:
+            s.taus, s.most = [s.taus[i] for i in places], [s.most[i] for i in places]
+            s.chains = [s.chains[i] for i in places]
+        s.signature = _signature(offers, others, s.chains if s.drafts else None)
+        taus = s.taus if s.drafts else [1.0] * len(offers)
+        batch = []
+        for o, size, tau in zip(offers, s.sizes, taus, strict=True):
+            k = list(o.sizes).index(size)
+            row = ((size, tau, self.nodes(o, size), o.levels[k], costs(o)[k]),)
+            batch.append(_Group(o.method, row, 1, self._catch_up(o, row) if size > 1 else 0.0))
+        s.seconds = self._evaluate(batch, s.sizes, others).seconds
 
     def _quiet(self, s: _Settled, offers: list[Offer], others: int) -> bool:
         """Whether `s`, an all-auto-regressive decision, stands for `offers` with none of the

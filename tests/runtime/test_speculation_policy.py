@@ -731,8 +731,48 @@ def test_an_auto_regressive_decision_stands_while_requests_come_and_go(
     other = Offer("other", ("redrafter", False), "redrafter", BEAMS, LEVELS)
     assert reuses([*batch[:7], other]) == [False]  # another kind: solved afresh
     known = Offer("known", KIND, "redrafter", BEAMS, LEVELS)
-    assert reuses([*batch[:7], known], known="known") == [False]  # trees of its own: solved afresh
+    assert reuses([*batch[:6], known], known="known") == [False]  # trees of its own: solved afresh
     assert reuses(batch[:5]) == [False]  # three of eight gone: solved afresh
+
+
+@pytest.mark.parametrize("share", [speculation_policy.CHURN_SHARE, 0.0])
+def test_a_decision_to_draft_stands_while_requests_come_and_go(share: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same for a decision that drafts (at batch 8 under churn ReDrafter at T=0 was solved
+    afresh at ~80% of its steps): a request that stays keeps its size, a fresh one of the same
+    kind and options takes the size of the first such; a request with trees of its own is
+    solved afresh. Test of the test: with no share, every change is."""
+    monkeypatch.setattr(speculation_policy, "CHURN_SHARE", share)
+    p = calibrated(GOOD)  # drafting pays
+    run(p, GOOD, batch=8, steps=40)
+    for _ in range(80):  # up to a decision that drafts and stands two more steps, no probe due
+        s = p._settled
+        no_probe = s is not None and (
+            s.probe_loss is None or p.steps + 2 - p._measured.get(KIND, -(10**9)) < speculation_policy.PROBE_EVERY
+        )
+        if s is not None and s.drafts and p.steps + 2 - s.step < s.stands and no_probe:
+            break
+        run(p, GOOD, batch=8, steps=1)
+    assert s is not None and s.drafts
+    batch, base, stays = offers(8), copy.deepcopy(p), share > 0
+    sizes = dict(zip(s.keys, s.sizes, strict=True))
+    q = copy.deepcopy(base)
+    q.forget("r7")
+    reused = q.reused
+    assert q.choose(batch[:7]) == {k: sizes[k] for k in s.keys[:7]} or not stays  # one left: the others' sizes
+    assert q.reused == reused + stays
+    new = Offer("new", KIND, "redrafter", BEAMS, LEVELS)
+    given = q.choose([*batch[:7], new])
+    assert q.reused == reused + 2 * stays
+    if stays:
+        assert given == {**{k: sizes[k] for k in s.keys[:7]}, "new": sizes["r0"]}
+        settled = q._settled
+        assert settled is not None and settled.keys == [*s.keys[:7], "new"] and len(settled.taus) == 8
+    q = copy.deepcopy(base)
+    q.forget("r7")
+    q.requests["known"] = {BEAMS[1]: (2.0, 3, q.steps)}  # trees of its own
+    reused = q.reused
+    q.choose([*batch[:6], Offer("known", KIND, "redrafter", BEAMS, LEVELS)])  # (one fewer: churn)
+    assert q.reused == reused  # solved afresh
 
 
 def test_a_requests_last_tokens_cut_its_chain_instead_of_ending_a_decision() -> None:
