@@ -96,9 +96,9 @@ is due; exploration credit still accrues, and a probe that comes due ends it (`_
 
 A new request of the same kind and options takes the place of one that left (at batch 1,
 the next prompt) in either, for up to `DRAFTING_STANDS` steps more (`RECHOOSE_EVERY` in an
-all-auto-regressive decision). An all-auto-regressive decision also stands, for up to
-`RECHOOSE_EVERY` steps more, while requests come and go around it (`CHURN_SHARE`: new ones
-fresh, of kinds and options it was made for), since a busy server's batch changes every few
+all-auto-regressive decision). Either also stands, for as many steps more at most, while
+requests come and go around it (`CHURN_SHARE`: new ones fresh, of kinds and options it was
+made for, each at the size of the first such), since a busy server's batch changes every few
 steps.
 
 Whatever the sizes, acceptance is lossless; the policy only moves speed.
@@ -285,13 +285,14 @@ engine, drafting never pays, a probe every ~60 steps; its policy after 40 live s
 again and again for the same 8 requests): 68 -> 36 full solves in 1000 steps, each ~0.3 ms
 on a ~3 ms step."""
 CHURN_SHARE = 0.25
-"""How far the requests in a step (decoding and prefilling) may drift from those an
-all-auto-regressive decision was made for and it still stands (`_churned`): at most this
-share of them more or fewer, the new decoding ones fresh (no trees of their own) and of
-kinds and options it was made for. With requests of 16-96 tokens streaming through a batch of
-32 (Lyanna or ReDrafter, T=1), a request joining or leaving ended it at ~70% of the steps, a
-~0.4 ms solve each: the schedule phase cost +230-250 us a step over AR's. At batch 1-3 any
-change re-solves (a quarter of the requests is less than one)."""
+"""How far the requests in a step (decoding and prefilling) may drift from those a settled
+decision was made for and it still stands (`_churned`, `_rebase`): at most this share of
+them more or fewer, the new decoding ones fresh (no trees of their own) and of kinds and
+options it was made for. With requests of 16-96 tokens streaming through a batch of 32
+(Lyanna or ReDrafter, T=1), a request joining or leaving ended an all-auto-regressive
+decision at ~70% of the steps, a ~0.4 ms solve each: the schedule phase cost +230-250 us a
+step over AR's (`benchmarks/churn.py`). At batch 1-3 any change re-solves (a quarter of the
+requests is less than one)."""
 DRAFTING_STANDS = 4
 """Steps a decision that drafts stands while the requests and their options are the same
 (and no probe is due; `_Settled`). Unlike an all-auto-regressive decision, each of its
