@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     loaded: dict[str, LoadedEngine] = {}
     for method, batch, temperature in tqdm(cells, desc="cells"):
         path = paths[DRAFTERS[method]]
-        loaded.setdefault(path, LoadedEngine.load(path))
+        if path not in loaded:  # (setdefault would load it again for every cell)
+            loaded[path] = LoadedEngine.load(path)
         rows.append(cell(loaded[path], path, method, batch, temperature, args))
     meta = {"command": command("benchmarks.churn", argv), "args": vars(args), "machine": machine()}
     text = markdown(rows, meta)  # (printed by write_report)

@@ -155,8 +155,8 @@ class CudaGraphs:
     def _capture_fastest(self, b: int, pool: Any) -> tuple[torch.cuda.CUDAGraph, LlamaOutput]:
         """Bucket b's graph with cuBLAS's linears, and with `gpu_linear`'s where it applies (at
         most `gpu_linear.MAX_ROWS` rows, not in batch-invariant mode, whose linears are
-        `bi_linear` already): the
-        one `faster_linears` keeps. A Triton capture that fails is logged and left out."""
+        `bi_linear` already): the one `faster_linears` keeps. A Triton capture that fails is
+        logged and left out."""
         captured = {"cublas": self._capture(b, pool)}
         if (
             b <= gpu_linear.MAX_ROWS

@@ -21,6 +21,8 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 STATS = ("num_input_tokens", "num_output_tokens", "num_draft_tokens", "num_accepted_tokens", "num_forwards")
+"""The statistics a final response carries (`serving_model.STATS_OUTPUTS`), as clients read them
+(the OpenAI front too)."""
 
 
 def _tensor(name: str, values: list[object], dtype: str, np_dtype: type | None, batched: bool) -> grpcclient.InferInput:

@@ -28,6 +28,7 @@ import numpy as np
 from tritonclient.grpc import InferResult, model_config_pb2, service_pb2, service_pb2_grpc
 from tritonclient.utils import serialize_byte_tensor, triton_to_np_dtype
 
+from triton_repo.client import STATS
 from triton_repo.openai.protocol import APIError
 
 UNAVAILABLE = ("engine is down", "max_queue_size", "is not ready", "unknown model", "is not found")
@@ -35,7 +36,6 @@ UNAVAILABLE = ("engine is down", "max_queue_size", "is not ready", "unknown mode
 ENGINE_EXCEPTION = re.compile(r"^[A-Z][A-Za-z0-9_]*: ")
 """How the engine reports an exception it caught while serving a request (`runtime/faults.py`
 `describe`: "ClassName: message"); refusals of bad input start with the input's name instead."""
-STATS = ("num_input_tokens", "num_output_tokens", "num_draft_tokens", "num_accepted_tokens", "num_forwards")
 DRAIN_TIMEOUT_S = 5.0
 """After the final response the stream is half-closed and Triton ends it; wait this long."""
 GRPC_OPTIONS = [("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1)]
