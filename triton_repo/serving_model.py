@@ -6,8 +6,9 @@ Threads:
 - Triton's `execute` only parses each request and hands it to the engine (or answers at
   once with INVALID_ARG / UNAVAILABLE);
 - the engine thread loads the engine and runs the in-flight batching loop (`LLMEngine.step`),
-  whose per-request callbacks only queue events; every torch op runs on it (`_engine_main`
-  says why), on every core unless the `torch_threads` parameter says otherwise;
+  whose per-request callbacks only queue events, waking the response thread only for an
+  event it must act on now (`_queue_event`); every torch op runs on it (`_engine_main` says
+  why), on every core unless the `torch_threads` parameter says otherwise;
 - the response thread turns events into responses through each request's output stage
   (`runtime/output.py`: text deltas, stop words, finish reason, statistics, log probs; deltas
   when streaming, one response otherwise, with the prompt in front when the request set
@@ -36,6 +37,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
@@ -117,7 +119,10 @@ class SpecpipeModel:
         self.metrics = ServingMetrics(pb_utils)
         self.step_started: float | None = None
         """When the step now running began (None between steps): a stall shows here."""
-        self.events: queue.Queue[tuple[Stream, RequestEvent]] = queue.Queue()
+        self.events: deque[tuple[Stream, RequestEvent]] = deque()
+        """The engine's events, oldest first (appended by the engine thread, taken by the response thread)."""
+        self.events_due = threading.Event()
+        """Set by the engine thread when an event must be handled now (`_queue_event`)."""
         self.streams: dict[str, Stream] = {}
         self.lock = threading.Lock()
         self.wake = threading.Event()
@@ -211,8 +216,22 @@ class SpecpipeModel:
                 self.llm.cancel(stream.request_id)
 
     def _queue_event(self, stream: Stream, event: RequestEvent) -> None:
-        """The engine thread's callback: hand the event to the response thread, nothing more."""
-        self.events.put((stream, event))
+        """The engine thread's callback: hand the event to the response thread, and wake it
+        only when the event must be handled now: a request's first tokens (its first
+        response and time to first token), its end, an event of a request with stop words
+        (found sooner, generated past less), or a streamed delta whose `stream_interval_ms`
+        has passed. Other events wait for the next of those or for the response thread's
+        poll: each wake-up costs the engine the response thread's Python work under the GIL,
+        on a small machine a core's share, while the text it would handle is held anyway
+        (auto-regressive, batch 1, 2 cores: 64 wake-ups a 64-token request)."""
+        self.events.append((stream, event))
+        if (
+            event.finished
+            or stream.first_token_at is None
+            or stream.parsed.stop_words
+            or (stream.parsed.stream and time.perf_counter() - stream.sent_at >= self.stream_interval_s)
+        ):
+            self.events_due.set()
 
     def _reject(self, sender: Any, message: str, code: Any, outcome: str) -> None:
         error = self.pb.TritonError(message, code)
@@ -269,15 +288,11 @@ class SpecpipeModel:
     def _response_loop(self) -> None:
         last_housekeeping = 0.0
         while self.running:
-            try:
-                stream, event = self.events.get(timeout=self._wait_seconds())
-            except queue.Empty:
-                pass
-            else:
+            self.events_due.wait(self._wait_seconds())
+            self.events_due.clear()  # before taking the events: one queued after this wakes the next wait
+            while self.events:
+                stream, event = self.events.popleft()
                 self._handle(stream, partial(self._on_event, stream, event))
-                while not self.events.empty():
-                    stream, event = self.events.get_nowait()
-                    self._handle(stream, partial(self._on_event, stream, event))
             self._flush()
             if time.perf_counter() - last_housekeeping >= HOUSEKEEPING_SECONDS:
                 last_housekeeping = time.perf_counter()
@@ -286,7 +301,7 @@ class SpecpipeModel:
                 self.metrics.observe_engine(stats, self.engine_up(stats))
 
     def _wait_seconds(self) -> float:
-        """How long the response thread may wait for events: until the first held delta is due."""
+        """How long the response thread may wait for events due: until the first held delta is due."""
         if not self.unsent:
             return POLL_SECONDS
         due = min(stream.sent_at for stream in self.unsent) + self.stream_interval_s

@@ -79,12 +79,19 @@ def slow_stream_server(engine_dir: Path, tmp_path_factory: pytest.TempPathFactor
         yield running
 
 
+def solo_ids(
+    engine: LoadedEngine, prompt: str, params: SamplingParams, method: str | None = None, **overrides: Any
+) -> list[int]:
+    """The tokens the in-process runtime emits for this request alone."""
+    llm = LLMEngine(engine, RuntimeConfig(max_batch_size=1, speculation="fixed"))  # lossless: any mode
+    return llm.generate([engine.encode(prompt)], [params], method, **overrides)[0].output_ids
+
+
 def solo_text(
     engine: LoadedEngine, prompt: str, params: SamplingParams, method: str | None = None, **overrides: Any
 ) -> str:
     """What the in-process runtime emits for this request alone."""
-    llm = LLMEngine(engine, RuntimeConfig(max_batch_size=1, speculation="fixed"))  # lossless: any mode
-    return engine.decode(llm.generate([engine.encode(prompt)], [params], method, **overrides)[0].output_ids)
+    return engine.decode(solo_ids(engine, prompt, params, method, **overrides))
 
 
 def http_post(url: str, path: str, body: dict[str, Any]) -> tuple[int, str]:
@@ -345,6 +352,27 @@ def test_stop_words_cut_the_text_and_end_the_request(server: TritonServer, engin
     [streamed] = stream_grpc(server.grpc_url, [{"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "stop_words": [word]}])
     assert streamed["text"] == full[: full.index(word)]
     assert streamed["finish_reason"] == "stop" and streamed["finals"] == 1
+
+
+def test_a_stop_word_ends_the_engine_request_while_text_is_held(
+    slow_stream_server: TritonServer, engine: LoadedEngine
+) -> None:
+    """The engine thread wakes the response thread only for events due now (the model's
+    `_queue_event`); a request with stop words is always due, so its stop ends the engine's
+    request a step or two after the token that completes it (2 here), though its streamed
+    text is held for a second. A variant that held its events like any other's until the
+    response thread's poll decoded 16-18 tokens past the stop (the final's
+    `num_output_tokens` counts the engine's work)."""
+    max_tokens = 64
+    ids = solo_ids(engine, PROMPTS[0], SamplingParams(max_tokens=max_tokens, ignore_eos=True), "ar")
+    word = "list"
+    at = next((n for n in range(1, len(ids) + 1) if word in engine.decode(ids[:n])), None)
+    assert at is not None and at + 8 < max_tokens, "the stop word must come early in the greedy text"
+    request = {"prompt": PROMPTS[0], "max_tokens": max_tokens, "stop_words": [word], "method": "ar", "ignore_eos": True}
+    [streamed] = stream_grpc(slow_stream_server.grpc_url, [request])
+    full = engine.decode(ids)
+    assert streamed["finish_reason"] == "stop" and streamed["text"] == full[: full.index(word)]
+    assert at <= streamed["num_output_tokens"] <= at + 4
 
 
 REPETITIVE = "x = [1, 1, 1, 1, 1, 1, 1, 1, 1, 1"
