@@ -164,6 +164,7 @@ class SpecpipeModel:
     def finalize(self) -> None:
         self.running = False
         self.wake.set()
+        self.events_due.set()
         self.engine_thread.join(timeout=10)
         self.response_thread.join(timeout=10)
         self.llm.close()
