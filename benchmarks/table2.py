@@ -9,9 +9,13 @@ decoding at light, medium and saturating request rates, through a real Triton se
 2. Measure capacity: auto-regressive requests sent all at once, `--capacity-concurrency`
    in flight, gives this machine's saturated request rate C.
 3. For each rate in `--fractions` x C (the paper's QPS 0.1 / 0.5 / 1.0 relative to what the
-   machine sustains) and each method, run the same Poisson load (same seed, same prompts,
-   methods alternating) and record ms/token = mean over requests of E2E latency / output
-   tokens, plus TTFT/TPOT percentiles and tokens per step.
+   machine sustains), `--rounds` rounds: in each, every method runs the same Poisson load
+   (the round's seed, the same prompts; the methods' order reverses every other round) and
+   its ms/token = mean over requests of E2E latency / output tokens. A method's speedup is
+   the median over rounds of AR's ms/token over its own in that round (`round_speedups`):
+   16 requests a cell, a single pair moved by ~0.2 between runs minutes apart on a 2-core
+   VM, the drift of the machine between the two runs included. ms/token, TTFT/TPOT
+   percentiles and tokens per step are over every round's requests.
 Writes `<out>.json`, `<out>.md` and `<out>.png` (ms/token vs QPS per method).
 """
 
@@ -19,12 +23,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from benchmarks.arrivals import ArrivalProcess
-from benchmarks.loadtest import RequestSettings, run_load, summarize
+from benchmarks.loadtest import RequestRecord, RequestSettings, run_load, summarize
 from benchmarks.prompts import load_prompts
 from benchmarks.report import machine, save_figure, subplots, write_report
 from runtime.config import RuntimeConfig
@@ -34,10 +39,17 @@ from triton_repo.repository import ServingConfig
 from triton_repo.server import TritonServer
 
 
-def measure(url: str, prompts: list[Any], rate: float, method: str, args: argparse.Namespace, **kw: Any) -> dict:
+def measure(
+    url: str, prompts: list[Any], rate: float, method: str, args: argparse.Namespace, seed: int = 0, **kw: Any
+) -> tuple[list[RequestRecord], float]:
+    """The records and duration of `prompts` sent at `rate` (Poisson, `seed`) with `method`."""
     settings = RequestSettings(max_tokens=args.max_tokens, method=method)
-    records, duration = run_load(url, prompts, ArrivalProcess(rate, "poisson", seed=args.seed), settings, **kw)
-    return summarize(records, duration, {})
+    return run_load(url, prompts, ArrivalProcess(rate, "poisson", seed=seed), settings, **kw)
+
+
+def round_speedups(rounds: list[dict[str, float]], method: str) -> list[float]:
+    """Per round, AR's ms/token over `method`'s (each round: method -> its ms/token)."""
+    return [r["ar"] / r[method] for r in rounds]
 
 
 def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
@@ -48,15 +60,18 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "",
         f"Engine `{meta['engine']}` served by Triton (runtime speculation: {meta['speculation']}; requests "
         f"through {meta.get('door', 'grpc')}), "
-        f"{meta['num_requests']} Poisson requests per cell, {meta['max_tokens']} output tokens each, greedy, "
+        f"{meta['num_requests']} Poisson requests per cell and round, {meta.get('rounds', 1)} rounds (the "
+        f"methods' order reversed every other round), {meta['max_tokens']} output tokens each, greedy, "
         f"bundled prompts; {meta['machine']['cpu']} ({meta['machine']['torch_threads']} threads). Capacity C = "
         f"{meta['capacity_req_s']:.2f} req/s (auto-regressive, all sent at once, "
-        f"{meta['capacity_concurrency']} in flight). ms/token = mean over requests of E2E latency / output tokens.",
+        f"{meta['capacity_concurrency']} in flight). ms/token = mean over requests of E2E latency / output tokens, "
+        f"over every round; speedup = median over rounds of AR's ms/token over the method's in that round "
+        f"(least-most in brackets).",
         "",
         "| QPS (x C) | "
         + " | ".join(f"{m} ms/token" for m in methods)
         + " | "
-        + " | ".join(f"{m} speedup | {m} tokens/step" for m in spec)
+        + " | ".join(f"{m} speedup (least-most) | {m} tokens/step" for m in spec)
         + " |",
         "|---|" + "---|" * (len(methods) + 2 * len(spec)),
     ]
@@ -64,8 +79,9 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         cells = [f"{row['qps']:.2f} ({row['fraction']:g})"]
         cells += [f"{row[m]['ms_per_token']:.1f}" for m in methods]
         for m in spec:
+            ratios = row.get("speedups", {}).get(m) or [row["ar"]["ms_per_token"] / row[m]["ms_per_token"]]
             cells += [
-                f"{row['ar']['ms_per_token'] / row[m]['ms_per_token']:.2f}x",
+                f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})",
                 f"{row[m]['mean_tokens_per_step']:.2f}",
             ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -92,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine", type=Path, default=Path("engines/demo-redrafter"), help="engine with a drafter")
     ap.add_argument("--methods", default="ar,redrafter", help="comma-separated, ar first (default: %(default)s)")
     ap.add_argument("--fractions", default="0.1,0.5,1.0", help="rates as fractions of capacity (default: %(default)s)")
-    ap.add_argument("--num-requests", type=int, default=16, help="requests per cell (default: %(default)s)")
+    ap.add_argument("--num-requests", type=int, default=16, help="requests per cell and round (default: %(default)s)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds per cell, methods alternating (default: %(default)s)")
     ap.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default: %(default)s)")
     ap.add_argument("--capacity-concurrency", type=int, default=8, help="in flight while measuring capacity")
     ap.add_argument("--speculation", choices=("load-aware", "fixed"), default="load-aware", help="server runtime mode")
@@ -114,20 +131,31 @@ def main(argv: list[str] | None = None) -> int:
             url = stack.enter_context(OpenAIFrontend(["--triton-url", server.grpc_url], tmp / "openai.log")).url
         door = {"protocol": args.door}
         measure(url, prompts[:2], float("inf"), "ar", args, progress=False, **door)  # warm-up
-        capacity = measure(
+        records, duration = measure(
             url, prompts, float("inf"), "ar", args, max_concurrency=args.capacity_concurrency, progress=False, **door
-        )["request_throughput"]
+        )
+        capacity = summarize(records, duration, {})["request_throughput"]
         rows = []
         for fraction in fractions:
-            row: dict[str, Any] = {"fraction": fraction, "qps": fraction * capacity}
-            for m in methods:
-                row[m] = measure(url, prompts, fraction * capacity, m, args, **door)
+            runs: dict[str, tuple[list[RequestRecord], float]] = {m: ([], 0.0) for m in methods}
+            rounds = []
+            for r in range(args.rounds):
+                ms_per_token = {}
+                for m in methods if r % 2 == 0 else methods[::-1]:
+                    got, seconds = measure(url, prompts, fraction * capacity, m, args, seed=args.seed + r, **door)
+                    runs[m] = (runs[m][0] + got, runs[m][1] + seconds)
+                    ms_per_token[m] = summarize(got, seconds, {})["ms_per_token"]
+                rounds.append(ms_per_token)
+            row: dict[str, Any] = {"fraction": fraction, "qps": fraction * capacity, "rounds": rounds}
+            row |= {m: summarize(*runs[m], {}) for m in methods}
+            row["speedups"] = {m: round_speedups(rounds, m) for m in methods if m != "ar"}
             rows.append(row)
     meta = {
         "engine": str(args.engine),
         "methods": methods,
         "speculation": args.speculation,
         "num_requests": args.num_requests,
+        "rounds": args.rounds,
         "max_tokens": args.max_tokens,
         "capacity_req_s": capacity,
         "capacity_concurrency": args.capacity_concurrency,
