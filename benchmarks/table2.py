@@ -120,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     methods = args.methods.split(",")
     if methods[0] != "ar" or any(m not in METHODS for m in methods):
         raise SystemExit(f"error: --methods must start with ar and use {METHODS}")
+    if args.rounds < 1 or args.num_requests < 1:
+        raise SystemExit("error: --rounds and --num-requests must be at least 1")
     fractions = [float(f) for f in args.fractions.split(",")]
     prompts = load_prompts("bundled", args.num_requests, args.seed)
     serving = ServingConfig(args.engine, runtime=RuntimeConfig(speculation=args.speculation))
