@@ -47,9 +47,10 @@ def measure(
     return run_load(url, prompts, ArrivalProcess(rate, "poisson", seed=seed), settings, **kw)
 
 
-def round_speedups(rounds: list[dict[str, float]], method: str) -> list[float]:
-    """Per round, AR's ms/token over `method`'s (each round: method -> its ms/token)."""
-    return [r["ar"] / r[method] for r in rounds]
+def round_speedups(rounds: list[dict[str, float | None]], method: str) -> list[float]:
+    """Per round, AR's ms/token over `method`'s (each round: method -> its ms/token; a round
+    where either completed no request, None, is left out)."""
+    return [ar / spec for r in rounds if (ar := r["ar"]) and (spec := r[method])]
 
 
 def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
@@ -77,13 +78,14 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     ]
     for row in rows:
         cells = [f"{row['qps']:.2f} ({row['fraction']:g})"]
-        cells += [f"{row[m]['ms_per_token']:.1f}" for m in methods]
+        cells += ["-" if row[m]["ms_per_token"] is None else f"{row[m]['ms_per_token']:.1f}" for m in methods]
         for m in spec:
-            ratios = row.get("speedups", {}).get(m) or [row["ar"]["ms_per_token"] / row[m]["ms_per_token"]]
-            cells += [
-                f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})",
-                f"{row[m]['mean_tokens_per_step']:.2f}",
-            ]
+            ratios = row.get("speedups", {}).get(m) or round_speedups(
+                [{"ar": row["ar"]["ms_per_token"], m: row[m]["ms_per_token"]}], m
+            )
+            speedup = f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else "-"
+            tokens = row[m]["mean_tokens_per_step"]
+            cells += [speedup, "-" if tokens is None else f"{tokens:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
     failed = sum(row[m]["failed"] for row in rows for m in methods)
     lines += ["", f"Failed requests: {failed}."]

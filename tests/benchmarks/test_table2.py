@@ -29,3 +29,28 @@ def test_the_speedup_is_the_median_of_paired_rounds() -> None:
     }
     table = markdown([row | pooled], meta)
     assert "| 2.00x (1.33-2.00) | 3.50 |" in table  # the pooled ratio would read 1.64x
+
+
+def test_a_round_that_completed_nothing_is_left_out() -> None:
+    """All requests of a round failed (ms/token None): the speedup is over the other rounds,
+    and a cell with none reads "-" instead of the report failing after the whole run."""
+    assert round_speedups([{"ar": 2.0, "redrafter": None}, {"ar": 3.0, "redrafter": 1.5}], "redrafter") == [2.0]
+    row = {
+        "fraction": 1.0,
+        "qps": 5.0,
+        "ar": {"ms_per_token": None, "failed": 16},
+        "redrafter": {"ms_per_token": None, "failed": 16, "mean_tokens_per_step": None},
+        "speedups": {"redrafter": []},
+    }
+    meta = {
+        "engine": "e",
+        "methods": ["ar", "redrafter"],
+        "speculation": "load-aware",
+        "num_requests": 16,
+        "max_tokens": 64,
+        "capacity_req_s": 50.0,
+        "capacity_concurrency": 8,
+        "machine": {"cpu": "cpu", "torch_threads": 2},
+    }
+    table = markdown([row], meta)
+    assert "| 5.00 (1) | - | - | - | - |" in table and "Failed requests: 32." in table
