@@ -6,6 +6,18 @@ from __future__ import annotations
 
 from benchmarks.table2 import markdown, round_speedups
 
+META = {
+    "engine": "e",
+    "methods": ["ar", "redrafter"],
+    "speculation": "load-aware",
+    "num_requests": 16,
+    "rounds": 3,
+    "max_tokens": 64,
+    "capacity_req_s": 10.0,
+    "capacity_concurrency": 8,
+    "machine": {"cpu": "cpu", "torch_threads": 2},
+}
+
 
 def test_the_speedup_is_the_median_of_paired_rounds() -> None:
     rounds = [{"ar": 2.0, "redrafter": 1.0}, {"ar": 4.0, "redrafter": 3.0}, {"ar": 3.0, "redrafter": 1.5}]
@@ -16,18 +28,7 @@ def test_the_speedup_is_the_median_of_paired_rounds() -> None:
     }
     speedups = {"redrafter": round_speedups(rounds, "redrafter")}
     row = {"fraction": 0.1, "qps": 1.0, "rounds": rounds, "speedups": speedups}
-    meta = {
-        "engine": "e",
-        "methods": ["ar", "redrafter"],
-        "speculation": "load-aware",
-        "num_requests": 16,
-        "rounds": 3,
-        "max_tokens": 64,
-        "capacity_req_s": 10.0,
-        "capacity_concurrency": 8,
-        "machine": {"cpu": "cpu", "torch_threads": 2},
-    }
-    table = markdown([row | pooled], meta)
+    table = markdown([row | pooled], META)
     assert "| 2.00x (1.33-2.00) | 3.50 |" in table  # the pooled ratio would read 1.64x
 
 
@@ -42,15 +43,5 @@ def test_a_round_that_completed_nothing_is_left_out() -> None:
         "redrafter": {"ms_per_token": None, "failed": 16, "mean_tokens_per_step": None},
         "speedups": {"redrafter": []},
     }
-    meta = {
-        "engine": "e",
-        "methods": ["ar", "redrafter"],
-        "speculation": "load-aware",
-        "num_requests": 16,
-        "max_tokens": 64,
-        "capacity_req_s": 50.0,
-        "capacity_concurrency": 8,
-        "machine": {"cpu": "cpu", "torch_threads": 2},
-    }
-    table = markdown([row], meta)
+    table = markdown([row], META)
     assert "| 5.00 (1) | - | - | - | - |" in table and "Failed requests: 32." in table
