@@ -35,6 +35,9 @@ from runtime.loaded_engine import LoadedEngine
 from runtime.sampling import SamplingParams
 from training.corpus import heldout_prompts
 
+PER_SLOT = 4
+"""Requests a round sends per request the batch holds (`4 x batch`): the batch churns from start to end."""
+
 
 @dataclass
 class Row(Cell):
@@ -59,13 +62,13 @@ def cell(loaded: LoadedEngine, engine: str, method: str, batch: int, temperature
         llm.prepare()
         warm_up(llm, prompts[0], key, temperature)
         llm.clock.reset()
-    seconds, tokens, steps = dict.fromkeys(engines, 0.0), dict.fromkeys(engines, 0), dict.fromkeys(engines, 0)
+    seconds, tokens = dict.fromkeys(engines, 0.0), dict.fromkeys(engines, 0)
     policy = engines[method].policy
     decided, reused = policy.steps, policy.reused
     requests = []
     for r in range(args.rounds):
         rng = random.Random(r)
-        n = 4 * batch
+        n = PER_SLOT * batch
         lengths = [rng.randint(args.min_tokens, args.max_tokens) for _ in range(n)]
         for key, llm in engines.items():
             for i, length in enumerate(lengths):
@@ -78,7 +81,6 @@ def cell(loaded: LoadedEngine, engine: str, method: str, batch: int, temperature
             start = time.perf_counter()
             llm.step()
             seconds[key] += time.perf_counter() - start
-            steps[key] += 1
     clock = {key: llm.clock for key, llm in engines.items()}
     emitted = tokens[method]
     return Row(
@@ -100,7 +102,8 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
     lines = [
         "# Load-aware speculation against auto-regression while requests come and go, in lockstep",
         "",
-        f"Each round {4} x batch held-out prompts of {meta['args']['min_tokens']}-{meta['args']['max_tokens']} tokens "
+        f"Each round {PER_SLOT} x batch held-out prompts of "
+        f"{meta['args']['min_tokens']}-{meta['args']['max_tokens']} tokens "
         f"(uniform, EOS ignored) through at most `batch` requests in flight, {meta['args']['rounds']} rounds; "
         f"an AR engine and a load-aware one step in turn. Command: `{meta['command']}`",
         "",

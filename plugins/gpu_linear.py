@@ -163,7 +163,7 @@ def rows_linear(
 
 def _replay_us(fn: Callable[[], Any], calls: int = 20) -> float:
     """Microseconds a call of `fn` takes as `calls` calls replayed in one CUDA graph (no
-    launch costs: how it runs in the engine's graphs), best of 5 replays."""
+    launch costs: how it runs in the engine's graphs), best of 6 replays."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
