@@ -111,8 +111,8 @@ class EngineCore:
         self._calibrated = False
         self._choose_seconds = 0.0
         """Seconds of the last step's `SpeculationPolicy.choose` (left out of its host overhead)."""
-        self._options: dict[tuple[str, object], Options] = {}
-        """(method, draft params) -> what it offers (`_offered`)."""
+        self._options: dict[tuple[str, object, bool], Options] = {}
+        """(method, draft params, sampled) -> what it offers (`_offered`)."""
 
     def prepare(self) -> None:
         """Calibrate load-aware speculation now, as vLLM profiles at start-up, rather than at
@@ -252,17 +252,18 @@ class EngineCore:
 
     def _offered(self, request: Request) -> Options:
         """(tree sizes, drafter levels, the size up to which smaller sizes are cuts of larger
-        ones, each size's drafting-cost fit) the request's proposer offers; params are
-        frozen, so each proposer is asked once per setting, and each request looks its
+        ones, each size's drafting-cost fit) the request's proposer offers, greedy or sampled
+        (`Proposer.cost_paths`); params are frozen, so each proposer is asked once per
+        setting, and each request looks its
         setting up once (hashing a params dataclass costs ~1 us: ~30 us a step at batch 32)."""
         if request.options is not None:
             return request.options
-        key = (request.method, request.draft_params)
+        key = (request.method, request.draft_params, not request.params.greedy)
         options = self._options.get(key)
         if options is None:
             proposer, params = self.proposers[request.method], request.draft_params
             # tuples: the policy's signature of a settled decision takes them as they are, every step
-            fits = tuple(draft_fit(request.method, path) for path in proposer.cost_paths(params))
+            fits = tuple(draft_fit(request.method, path) for path in proposer.cost_paths(params, key[2]))
             options = tuple(proposer.sizes(params)), tuple(proposer.levels(params)), proposer.cuts(params), fits
             self._options[key] = options
         request.options = options

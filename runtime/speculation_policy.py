@@ -1498,6 +1498,15 @@ class SpeculationPolicy:
         fit = self.draft_cost.get(key)
         if fit is None:
             fit = self.draft_cost[key] = LinearCost()
+            if not start_up:
+                # a drafter's first call in the process is cold (lazy kernel loading, JIT,
+                # allocator growth): with nothing timed at start-up to set against it, it is
+                # not learned from. Lyanna's first call on an H200, before it was timed at
+                # start-up, took 92-154 ms (a whole step of fixed trees: ~4 ms) and was its
+                # fit's only sample: every tree was priced at 150-300 ms and nothing was
+                # drafted again, not even a probe (whose expected loss the 2% credit never
+                # covered)
+                return
         if not start_up and fit.live(shape) >= step_costs.PLAIN_SAMPLES:
             # one call over `SPIKE` times its shape's price counts as that much, as a forward
             # does (`ForwardCost.observe`): one rsd-c drafting call at T=1, batch 1 delayed by

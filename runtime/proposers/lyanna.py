@@ -38,6 +38,7 @@ are (`runtime/verify.py`). Re-sampling only changes *which* candidates are offer
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, fields
 from functools import cached_property, partial
@@ -52,7 +53,7 @@ from runtime.block_manager import BlockManager
 from runtime.loaded_engine import LoadedEngine
 from runtime.proposers.proposer import KVMoves, Proposer, target_hidden
 from runtime.request import Request
-from runtime.speculation_policy import largest_fitting
+from runtime.speculation_policy import DraftCall, largest_fitting
 from runtime.tree import DraftTree, merge, prune
 from runtime.verify import Acceptance
 
@@ -250,20 +251,50 @@ class LyannaProposer(Proposer):
             trees |= self._draft(params, depth, group)
         return [trees[r] for r in requests]
 
+    def draft_cost_samples(self, method: str) -> dict[str, list[DraftCall]]:
+        """Chains from zero hidden states for 1 and 8 requests, at each depth the sizes
+        need (`levels`), each pruned to its depth's largest size; one untimed call first.
+        Without them, the fit's first sample was the first live call, cold: on an H200 that
+        call took 92-154 ms (a whole step of fixed trees: ~4 ms), priced every tree at
+        150-300 ms of drafting, and load-aware Lyanna never drafted again, not even a probe
+        (its expected loss never covered). Greedy and sampled requests draft alike (one path)."""
+        spec = self.engine.config.drafter
+        names = self.setting_names(method)
+        params = self.params(method, {k: v for k, v in (spec.settings if spec else {}).items() if k in names})
+        deepest = {params.depth_for(size): size for size in params.sizes if size > 1}  # ascending: each depth's largest
+        shapes = [(rows, depth, size) for rows in (1, 8) for depth, size in deepest.items()]
+        calls: list[DraftCall] = []
+        for n, (rows, depth, size) in enumerate([shapes[-1], *shapes]):  # the first call is untimed
+            hidden = torch.zeros(rows, self.engine.model.config.hidden_size, device=self.engine.device,
+                                 dtype=self.engine.model.lm_head.weight.dtype)  # fmt: skip
+            budget = min(size - 1, params.budget)
+            start = time.perf_counter()
+            self._trees(params, depth, [0] * rows, hidden, [budget] * rows)
+            if n:
+                calls.append((depth, rows * budget, 0, rows * depth, time.perf_counter() - start))
+        return {"": calls}
+
     @torch.inference_mode()
-    def _draft(self, params: LyannaParams, depth: int, group: list[tuple[Request, int]]) -> dict[Request, DraftTree]:
-        """The chain of `depth` steps for every request of `group`, ONE head product, the
-        token-info trees pruned to each request's size; at the whole step's size the
-        pending re-sampled subtree is merged in (fusion), its nodes labelled with that size."""
+    def _trees(
+        self, params: LyannaParams, depth: int, roots: list[int], hidden: torch.Tensor, budgets: list[int]
+    ) -> tuple[list[DraftTree], torch.Tensor]:
+        """The chain of `depth` steps from each root's target `hidden` state, ONE head
+        product, the token-info trees pruned to `budgets` drafted nodes; and the chain rows."""
         drafter, model = self.engine.lyanna_drafter, self.engine.model
         assert drafter is not None
-        requests = [r for r, _ in group]
-        roots = torch.tensor([r.pending for r in requests], device=self.engine.device)
-        chain = drafter.draft_chain(target_hidden(requests), roots, model.model.embed_tokens, depth, self.fused)
+        tokens = torch.tensor(roots, device=self.engine.device)
+        chain = drafter.draft_chain(hidden, tokens, model.model.embed_tokens, depth, self.fused)
         head = self.engine.lyanna_head or model.lm_head  # an int8 copy, if the engine has one
         logits = drafter.head_logits(chain, head)  # [B, depth, V]
-        drafted = token_info_trees(
-            [r.pending for r in requests], logits, self._bias, params.width,
+        return token_info_trees(roots, logits, self._bias, params.width, budgets), logits
+
+    def _draft(self, params: LyannaParams, depth: int, group: list[tuple[Request, int]]) -> dict[Request, DraftTree]:
+        """The chain of `depth` steps for every request of `group` (`_trees`), each tree
+        pruned to its request's size; at the whole step's size the pending re-sampled
+        subtree is merged in (fusion), its nodes labelled with that size."""
+        requests = [r for r, _ in group]
+        drafted, logits = self._trees(
+            params, depth, [r.pending for r in requests], target_hidden(requests),
             [min(size - 1, params.budget) for _, size in group],
         )  # fmt: skip
         trees = {}

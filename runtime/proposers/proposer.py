@@ -95,10 +95,11 @@ class Proposer(ABC):
         levels). Default: none (drafters that read the target's state)."""
         return 0
 
-    def cost_paths(self, params: Any) -> list[str]:
-        """Per size of `sizes(params)`, the drafting path that drafts it, where a method's
-        paths cost differently per level (load-aware speculation fits each path's drafting
-        cost apart: `speculation_policy.draft_fit`). Default: one path ("")."""
+    def cost_paths(self, params: Any, sampled: bool = False) -> list[str]:
+        """Per size of `sizes(params)`, the drafting path that drafts it for a greedy or a
+        `sampled` request, where a method's paths cost differently per level (load-aware
+        speculation fits each path's drafting cost apart, `speculation_policy.draft_fit`, and
+        the engine drafts each path's requests in one call). Default: one path ("")."""
         return [""] * len(self.sizes(params))
 
     def draft_cost_samples(self, method: str) -> dict[str, list[DraftCall]]:

@@ -241,14 +241,15 @@ class ReDrafterProposer(Proposer):
             return (1, size - 1) if size > 1 else (0, 0)
         return (size - 1) // length, length
 
-    def cost_paths(self, params: ReDrafterParams) -> list[str]:
+    def cost_paths(self, params: ReDrafterParams, sampled: bool = False) -> list[str]:
         """One beam's chains are drafted apart from wider beams: the C++ search straight,
         built as chains (`draft_trees`), ~0.15 ms a level at batch 1, where wider beams pack
         their trees. Fitted together (levels, nodes), a batch-1 step of the 6-node chain
         (five levels) was priced at 1.17 ms of drafting where it took 0.74, its 4-node chain
         at 0.94 where it took 0.66 (2-core Sapphire Rapids), and load-aware ReDrafter drafted
         11- and 21-node beams in ~22% of its batch-1 steps, at 1.65x auto-regression where
-        6-node chains throughout ran 1.98x."""
+        6-node chains throughout ran 1.98x. Beams are deterministic: greedy and sampled
+        requests search alike, in one call."""
         return [self._path(self.shape(params, size)[0]) for size in self.sizes(params)]
 
     @staticmethod

@@ -731,7 +731,7 @@ class LevelTreeProposer(Proposer):
             return params.sizes[-1]
         return params.sizes[params.length]
 
-    def cost_paths(self, params: TreeSpec) -> list[str]:
+    def cost_paths(self, params: TreeSpec, sampled: bool = False) -> list[str]:
         """Chains (the `ladder`'s first `length` trees) are drafted apart from the wider
         trees: on a draft LM every level of a batch's chains in one C++ call (greedy:
         `_greedy_chains`; sampled at a temperature alone: `_sampled_chains`), ~0.2 ms a
@@ -741,15 +741,27 @@ class LevelTreeProposer(Proposer):
         was predicted at 8.0 ms where it took 6.65, and load-aware rsd-s drafted 17-node
         beams at 1.45x auto-regression where chains ran 1.76x; rsd-c at T=1 priced its 15-
         and 9-node trees at 3.6-4.9 ms where they took 5.1-6.5, and its chains ~0.3 ms high.
-        One path where the ladder is chains alone (sd), or its beams are deterministic."""
+        One path where the ladder is chains alone (sd), or its beams are deterministic.
+
+        A sampled request's levels are paths of their own ("sampled", "sampled-chains"):
+        they draw from the draft laws where greedy levels read back an argmax, and cost
+        differently per level, most on a GPU (an H200, the draft LM's chains at batch 1:
+        4 greedy levels ~1.1 ms a step, 4 sampled levels timed at start-up 3.5 ms; fitted
+        together from start-up calls at T=1 alone, load-aware sd at T=0 priced its chains
+        ~3x dear and drafted in 1 of ~130 steps, 0.97x auto-regression where fixed chains
+        ran 1.7x). So greedy and sampled requests of a batch draft in a call each, greedy
+        ones by the ranked path, sampled ones at a temperature alone by `_sampled_chains`
+        (one call of both went level by level)."""
         if not params.stochastic or len(params.ladder) == params.length:
-            return super().cost_paths(params)
-        return ["", *("chains" if k < params.length else "" for k in range(len(params.ladder)))]
+            paths = super().cost_paths(params)
+        else:
+            paths = ["", *("chains" if k < params.length else "" for k in range(len(params.ladder)))]
+        return [f"sampled-{p}" if p else "sampled" for p in paths] if sampled else paths
 
     def draft_cost_samples(self, method: str) -> dict[str, list[DraftCall]]:
         """A draft LM's drafting timed at engine start, for 1 and 8 requests of `CONTEXTS`
-        tokens in scratch blocks, sampled at temperature 1 (the dearer path): per drafting
-        path (`cost_paths`), one call that first catches the draft LM up on the whole
+        tokens in scratch blocks, greedy and sampled at temperature 1: per drafting path
+        (`cost_paths`, greedy and sampled ones apart), one call that first catches the draft LM up on the whole
         context (its cost per token read), then every tree of the method's default
         `TreeSpec.ladder`. Without them the fit started from the
         first live call, which catches up on a whole prompt: one such sample priced a token
@@ -765,8 +777,6 @@ class LevelTreeProposer(Proposer):
         if self.draft_cache is None:
             return {}
         spec: TreeSpec = self.params(method, {})
-        paths = self.cost_paths(spec)
-        vocab, device = self.engine.model.config.vocab_size, self.engine.device
         samples: dict[str, list[DraftCall]] = {}
         for rows in (1, 8):
             ids = [f"\0draft-cost-{i}" for i in range(rows)]
@@ -778,35 +788,45 @@ class LevelTreeProposer(Proposer):
             try:
                 for i in ids:
                     self.blocks.ensure(i, context + spec.max_nodes)
-                requests = []
-                for n, request_id in enumerate(ids):
-                    prm = SamplingParams(temperature=1.0, seed=n)
-                    prompt = [(7 * k + n) % vocab for k in range(context + 1)]
-                    requests.append(Request(request_id, prompt, prm, method, spec, prm.generator(device), set()))
-                for r in requests:
-                    r.num_computed = context  # the root sits at position `context`
-                levels = self.levels(spec)
-                largest = {paths[k]: k for k in range(1, len(levels))}  # each path's catch-up: its largest tree
-                shapes = [(k, context) for k in largest.values()] + [(k, 0) for k in range(1, len(levels))]
-                for n, (k, catch_up) in enumerate([shapes[0], *shapes]):  # the first call is untimed
-                    for r in requests:
-                        r.draft_state = context - catch_up
-                    start = time.perf_counter()
-                    trees = self.propose(requests, [spec.sizes[k]] * rows)
-                    drafting = time.perf_counter() - start
-                    logits = [_accepting_logits(tree, vocab, device) for tree in trees]
-                    start = time.perf_counter()
-                    accept_batch(trees, logits, [r.params for r in requests], [r.generator for r in requests])
-                    verify = time.perf_counter() - start
-                    if n:
-                        drafted = rows * (spec.sizes[k] - 1)
-                        share = verify * drafted / sum(len(tree.tokens) for tree in trees)
-                        call = (levels[k], drafted, rows * catch_up, rows * levels[k], drafting + share)
-                        samples.setdefault(paths[k], []).append(call)
+                for temperature in (0.0, 1.0):
+                    self._time_drafting(method, spec, ids, context, temperature, samples)
             finally:
                 for i in ids:
                     self.blocks.free(i)
         return samples
+
+    def _time_drafting(
+        self, method: str, spec: TreeSpec, ids: list[str], context: int, temperature: float,
+        samples: dict[str, list[DraftCall]],
+    ) -> None:  # fmt: skip
+        """`draft_cost_samples` for requests `ids` (their blocks held) at `temperature`."""
+        vocab, device, rows = self.engine.model.config.vocab_size, self.engine.device, len(ids)
+        paths = self.cost_paths(spec, sampled=temperature > 0)
+        requests = []
+        for n, request_id in enumerate(ids):
+            prm = SamplingParams(temperature=temperature, seed=n)
+            prompt = [(7 * k + n) % vocab for k in range(context + 1)]
+            requests.append(Request(request_id, prompt, prm, method, spec, prm.generator(device), set()))
+        for r in requests:
+            r.num_computed = context  # the root sits at position `context`
+        levels = self.levels(spec)
+        largest = {paths[k]: k for k in range(1, len(levels))}  # each path's catch-up: its largest tree
+        shapes = [(k, context) for k in largest.values()] + [(k, 0) for k in range(1, len(levels))]
+        for n, (k, catch_up) in enumerate([shapes[0], *shapes]):  # the first call is untimed
+            for r in requests:
+                r.draft_state = context - catch_up
+            start = time.perf_counter()
+            trees = self.propose(requests, [spec.sizes[k]] * rows)
+            drafting = time.perf_counter() - start
+            logits = [_accepting_logits(tree, vocab, device) for tree in trees]
+            start = time.perf_counter()
+            accept_batch(trees, logits, [r.params for r in requests], [r.generator for r in requests])
+            verify = time.perf_counter() - start
+            if n:
+                drafted = rows * (spec.sizes[k] - 1)
+                share = verify * drafted / sum(len(tree.tokens) for tree in trees)
+                call = (levels[k], drafted, rows * catch_up, rows * levels[k], drafting + share)
+                samples.setdefault(paths[k], []).append(call)
 
     def lag(self, request: Request) -> int:
         """A draft LM's catch-up: the request's committed tokens its cache does not hold

@@ -102,14 +102,21 @@ def test_a_draft_lm_times_its_levels_and_a_catch_up_at_start_up(max_batch_size: 
     request, so a token read is priced from a measured catch-up (not from a live call's
     whole prompt); every scratch block is free again. Also at batch 1, whose block pool the
     forward calibration's scratch once took whole: no drafting call could be timed, and
-    the first live one (cold, reading a whole prompt) priced drafting ~5x too dear."""
+    the first live one (cold, reading a whole prompt) priced drafting ~5x too dear. Greedy
+    and sampled levels are paths apart, each timed at its own temperature (on an H200, 4
+    greedy levels ~1.1 ms a step where sampled ones took 3.5: priced by the sampled ones
+    alone, sd at T=0 stayed off)."""
     config = RuntimeConfig(max_batch_size=max_batch_size, max_num_tokens=512)
     llm = llm_engine.LLMEngine(toy_sampling.toy_engine("draft-lm", SETTINGS), config)
     llm.prepare()
     assert llm.blocks.num_free == llm.blocks.num_blocks
     # rsd-c and rsd-s: chains drafted apart from wider trees (`LevelTreeProposer.cost_paths`)
-    assert set(llm.policy.draft_cost) >= {"sd", "rsd-c", "rsd-c/chains", "rsd-s", "rsd-s/chains"}
-    for method, fits in (("sd", ["sd"]), ("rsd-c", ["rsd-c/chains", "rsd-c"]), ("rsd-s", ["rsd-s/chains", "rsd-s"])):
+    greedy = {"sd": ["sd"], "rsd-c": ["rsd-c/chains", "rsd-c"], "rsd-s": ["rsd-s/chains", "rsd-s"]}
+    sampled = {
+        m: [f.replace("/", "/sampled-") if "/" in f else f"{f}/sampled" for f in fits] for m, fits in greedy.items()
+    }
+    assert set(llm.policy.draft_cost) >= {f for fits in (*greedy.values(), *sampled.values()) for f in fits}
+    for method, fits in [*greedy.items(), *sampled.items()]:
         spec = llm.proposers[method].params(method, {})
         levels_seen = set()
         for fit in (llm.policy.draft_cost[f] for f in fits):

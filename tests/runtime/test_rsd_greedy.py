@@ -16,6 +16,7 @@ from runtime.config import RuntimeConfig
 from runtime.engine_dir import BuildConfig
 from runtime.loaded_engine import LoadedEngine
 from runtime.sampling import SamplingParams
+from runtime.speculation_policy import draft_fit
 from tests.device import TEST_DEVICE
 from training.corpus import heldout_prompts
 
@@ -74,3 +75,27 @@ def test_batched_greedy_equals_target(
         assert r.output_ids == reference[i], f"prompt {i} diverged ({drafter}, {method}, {settings})"
     steps = [a for r in results for a in r.accepted_per_step]
     assert sum(steps) / len(steps) > 0.5, "the trained drafters should get drafts accepted"
+
+
+@pytest.mark.parametrize(("method", "settings"), [("sd", {"beam_length": 5}), ("rsd-c", {"branching": (3, 2, 1)})])
+def test_greedy_requests_batched_with_sampled_ones_equal_target(
+    engines: dict[str, LoadedEngine],
+    prompts: list[list[int]],
+    reference: list[list[int]],
+    method: str,
+    settings: dict[str, Any],
+) -> None:
+    """Greedy and sampled requests of one draft-LM method in one batch draft in a call each
+    (`LevelTreeProposer.cost_paths`: their drafting paths are apart), greedy ones still the
+    target's own greedy output; each call's timing goes to its own fit."""
+    n = 12
+    params = [PARAMS if i % 2 == 0 else SamplingParams(max_tokens=32, temperature=1.0, seed=i) for i in range(n)]
+    llm = llm_engine.LLMEngine(engines["draft-lm"], FIXED)
+    results = llm.generate(prompts[:n], params, method, **settings)
+    for i in range(0, n, 2):
+        assert results[i].output_ids == reference[i], f"greedy prompt {i} diverged beside sampled ones ({method})"
+    proposer = llm.proposers[method]
+    spec = proposer.params(method, settings)
+    fits = {sampled: draft_fit(method, proposer.cost_paths(spec, sampled)[-1]) for sampled in (False, True)}
+    assert fits[False] != fits[True] and set(llm.policy.draft_cost) == set(fits.values())  # fixed: the largest tree
+    assert all(len(llm.policy.draft_cost[fit]) > 1 for fit in fits.values())

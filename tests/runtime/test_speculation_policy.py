@@ -959,12 +959,15 @@ def test_an_unlucky_warm_up_tree_does_not_switch_a_draft_lm_off_for_good(monkeyp
     auto-regressive where fixed trees ran 1.4x). With engine-start samples of the steady
     shapes and of one catch-up (`Proposer.draft_cost_samples`) a token read has its true
     price and a probe switches drafting back on within the first request. Without the
-    samples, the kind's optimism while it has seen one tree (`KIND_PRIOR`) does as much;
-    without either, speculation stays off."""
+    samples, the first call is not learned from (a cold first call); learned from, the
+    kind's optimism while it has seen one tree (`KIND_PRIOR`) does as much; without
+    either, speculation stays off."""
     monkeypatch.setattr(sys.modules[__name__], "CATCH_UP_MS", 0.01)  # a draft LM's token read: ~1/800 of a step
 
-    def after_warm_up(seeded: bool) -> SpeculationPolicy:
+    def after_warm_up(seeded: bool, learned: bool = False) -> SpeculationPolicy:
         p = SpeculationPolicy()
+        if learned:  # a fit that exists before the first call learns from it
+            p.draft_cost["redrafter"] = LinearCost()
         p.calibrate(lambda n: None, 256)
         for n in list(p.forward_cost.tokens.points):
             p.forward_cost.tokens.points[n] = GOOD.forward(n)
@@ -982,12 +985,14 @@ def test_an_unlucky_warm_up_tree_does_not_switch_a_draft_lm_off_for_good(monkeyp
         _, history = run(p, GOOD, batch=1, steps=320, lag=Lag(renew_every=64))
         return any(h != [1] for h in history[:64]), sum(h != [1] for h in history[64:]) / 256
 
-    blind = after_warm_up(False)
+    assert not after_warm_up(False).draft_cost["redrafter"]  # the cold first call: not learned from
+    blind = after_warm_up(False, learned=True)
     assert blind._draft_slopes("redrafter", 1)[2] > 20 * CATCH_UP_MS / 1000
     assert drafting(after_warm_up(True)) >= (True, 0.8)
+    assert drafting(after_warm_up(False)) >= (True, 0.8)
     assert drafting(blind) >= (True, 0.8)
     monkeypatch.setattr(speculation_policy, "KIND_PRIOR", 0.0)
-    assert drafting(after_warm_up(False)) == (False, 0.0)  # the collapse, for contrast
+    assert drafting(after_warm_up(False, learned=True)) == (False, 0.0)  # the collapse, for contrast
 
 
 def test_steps_with_trees_and_one_token_steps_keep_apart_what_requests_add() -> None:
@@ -1802,6 +1807,25 @@ def test_a_slow_first_tree_step_does_not_switch_drafting_off(monkeypatch: pytest
     assert uncapped < 1.5 * ar and sum(h == [1] for h in plain) > 300, (uncapped / ar, sum(h == [1] for h in plain))
 
 
+def test_a_drafters_cold_first_call_does_not_switch_drafting_off() -> None:
+    """A method's first drafting call in the process is cold (lazy kernel loading, JIT,
+    allocator growth); with nothing timed at start-up to set against it, it is not learned
+    from. Lyanna on an H200 (no start-up samples then): a first call of 92-154 ms (a
+    whole step of fixed trees: ~4 ms) was its fit's only sample, every tree was priced at
+    150-300 ms, and it never drafted again. Here the first call takes 100x its cost: left out, the policy drafts
+    throughout; learned from (a fit that exists before its first call, as it did), the
+    policy drafts in a handful of the 400 steps."""
+    world = GOOD
+    worlds = [dataclasses.replace(world, c=world.c * 100)] + [world] * 399
+    ar = fixed(world, 1, 1, 400)
+    rate, history = run(forward_calibrated(world), worlds, batch=1, steps=400)
+    assert rate > 2.5 * ar and sum(h == [1] for h in history) < 10
+    learned = forward_calibrated(world)
+    learned.draft_cost["redrafter"] = LinearCost()
+    cold, plain = run(learned, worlds, batch=1, steps=400)
+    assert cold < 1.5 * ar and sum(h == [1] for h in plain) > 300, (cold / ar, sum(h == [1] for h in plain))
+
+
 RD_SIZES, RD_LEVELS = [1, 2, 3, 4, 5, 6, 11, 21], [0, 1, 2, 3, 4, 5, 5, 5]
 """ReDrafter's offer (W=4, L=5): the one beam cut at every depth, then 2 and 4 beams."""
 
@@ -1914,6 +1938,8 @@ def test_one_slow_drafting_call_counts_as_spike_times_its_price(monkeypatch: pyt
     def price(spike: float, start_up: bool = False) -> float:
         monkeypatch.setattr(step_costs, "SPIKE", spike)
         p = SpeculationPolicy()
+        if not start_up:
+            p._add_draft_sample("rsd-c", (4, 4, 0, 4), 0.002)  # the first, cold: not learned from
         for _ in range(8):
             p._add_draft_sample("rsd-c", (4, 4, 0, 4), 0.002, start_up=start_up)
         p._add_draft_sample("rsd-c", (4, 4, 0, 4), 0.080)  # the process paused
