@@ -254,8 +254,8 @@ class EngineCore:
         """(tree sizes, drafter levels, the size up to which smaller sizes are cuts of larger
         ones, each size's drafting-cost fit) the request's proposer offers, greedy or sampled
         (`Proposer.cost_paths`); params are frozen, so each proposer is asked once per
-        setting, and each request looks its
-        setting up once (hashing a params dataclass costs ~1 us: ~30 us a step at batch 32)."""
+        setting, and each request looks its setting up once (hashing a params dataclass
+        costs ~1 us: ~30 us a step at batch 32)."""
         if request.options is not None:
             return request.options
         key = (request.method, request.draft_params, not request.params.greedy)

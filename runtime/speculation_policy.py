@@ -34,7 +34,8 @@ with bounded exploration so it never settles on a stale estimate for good.
   requests) came out dearer than forward(40 tokens) and drafting looked free;
 - draft_m: per method (per drafting path where a method's paths cost differently per level,
   `Offer.costs`: rsd-s's chains are drawn, its wider trees beam-searched; fitted together,
-  a batch-1 step of its 5-node chain was priced at 8.0 ms where it took 6.65), intercept +
+  a batch-1 step of its 5-node chain was priced at 8.0 ms where it took 6.65; a draft LM's
+  greedy and sampled levels, ~3x apart on a GPU), intercept +
   per level + per drafted node + per token caught up +
   per request-level (`LinearCost` over the method's recent drafting calls of every shape
   it drafted; levels are its sequential drafter calls, request-levels the levels each

@@ -761,9 +761,9 @@ class LevelTreeProposer(Proposer):
     def draft_cost_samples(self, method: str) -> dict[str, list[DraftCall]]:
         """A draft LM's drafting timed at engine start, for 1 and 8 requests of `CONTEXTS`
         tokens in scratch blocks, greedy and sampled at temperature 1: per drafting path
-        (`cost_paths`, greedy and sampled ones apart), one call that first catches the draft LM up on the whole
-        context (its cost per token read), then every tree of the method's default
-        `TreeSpec.ladder`. Without them the fit started from the
+        (`cost_paths`, greedy and sampled ones apart), one call that first catches the draft
+        LM up on the whole context (its cost per token read), then every tree of the
+        method's default `TreeSpec.ladder`. Without them the fit started from the
         first live call, which catches up on a whole prompt: one such sample priced a token
         read at ~0.45 ms (~50 us measured), so a probe of a request the policy had switched off looked
         far too dear and came too rarely to switch it back on. None for the RNN drafter.
@@ -796,9 +796,14 @@ class LevelTreeProposer(Proposer):
         return samples
 
     def _time_drafting(
-        self, method: str, spec: TreeSpec, ids: list[str], context: int, temperature: float,
+        self,
+        method: str,
+        spec: TreeSpec,
+        ids: list[str],
+        context: int,
+        temperature: float,
         samples: dict[str, list[DraftCall]],
-    ) -> None:  # fmt: skip
+    ) -> None:
         """`draft_cost_samples` for requests `ids` (their blocks held) at `temperature`."""
         vocab, device, rows = self.engine.model.config.vocab_size, self.engine.device, len(ids)
         paths = self.cost_paths(spec, sampled=temperature > 0)
