@@ -1812,9 +1812,9 @@ def test_a_drafters_cold_first_call_does_not_switch_drafting_off() -> None:
     allocator growth); with nothing timed at start-up to set against it, it is not learned
     from. Lyanna on an H200 (no start-up samples then): a first call of 92-154 ms (a
     whole step of fixed trees: ~4 ms) was its fit's only sample, every tree was priced at
-    150-300 ms, and it never drafted again. Here the first call takes 100x its cost: left out, the policy drafts
-    throughout; learned from (a fit that exists before its first call, as it did), the
-    policy drafts in a handful of the 400 steps."""
+    150-300 ms, and it never drafted again. Here the first call takes 100x its cost: left
+    out, the policy drafts throughout; learned from (a fit that exists before its first
+    call, as it did), the policy drafts in a handful of the 400 steps."""
     world = GOOD
     worlds = [dataclasses.replace(world, c=world.c * 100)] + [world] * 399
     ar = fixed(world, 1, 1, 400)
