@@ -17,7 +17,7 @@ DEMO_PROMPTS := --prompt "def fibonacci(n):" \
 	--prompt "$$(printf 'class Stack:\n    def __init__(self):')" \
 	--prompt "$$(printf 'import os\n\n\ndef list_python_files(path):')"
 
-.PHONY: help setup cpu-kernels mpi perf-analyzer-install perf-tools genai-perf perf-analyzer engine demo serve test test-slow lint format model drafter drafter-soft draft-lm lyanna bench-redrafter bench-redrafter-kd bench-redrafter-grid bench-lyanna-throughput bench-batch bench-batch-methods bench-triton-overhead bench-rsd bench-ngram profile bench-no-draft bench-churn bench-lockstep bench-floor bench-lyanna bench-drafter-tp loadtest loadtest-openai soak bench-table2 export-trtllm clean
+.PHONY: help setup cpu-kernels mpi perf-analyzer-install perf-tools genai-perf perf-analyzer engine demo serve test test-slow lint format model drafter drafter-soft draft-lm lyanna bench-redrafter bench-redrafter-kd bench-redrafter-grid bench-lyanna-throughput bench-batch bench-batch-methods bench-triton-overhead bench-rsd bench-ngram profile policy-trace bench-no-draft bench-churn bench-lockstep bench-floor bench-lyanna bench-drafter-tp loadtest loadtest-openai soak bench-table2 export-trtllm clean
 
 help:  ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 25
@@ -214,6 +214,11 @@ work_dirs/lyanna-dense-ft/model.safetensors: work_dirs/lyanna-dense/model.safete
 LYANNA_ABLATIONS := work_dirs/lyanna-full/model.safetensors work_dirs/lyanna-no-token-info/model.safetensors work_dirs/lyanna-no-fusion/model.safetensors work_dirs/lyanna-dense-ft/model.safetensors
 profile: engine  ## where a step's time goes: ms per phase for AR and every method at batch 1/8/32 -> benchmarks/results/step_profile.{json,md}
 	$(BIN)/python -m benchmarks.step_profile
+
+TRACE_ENGINE ?= $(DRAFT_ENGINE)
+TRACE_ARGS ?= --method sd --batch 1 --temperature 0
+policy-trace: engine  ## why load-aware speculation chose what it chose: each step it saw, each drafting-cost fit's samples and prices (TRACE_ENGINE=dir TRACE_ARGS="--method M --batch B --temperature T") -> benchmarks/results/policy_trace.{json,md}
+	$(BIN)/python -m benchmarks.policy_trace --engine $(TRACE_ENGINE) $(TRACE_ARGS)
 
 bench-no-draft: engine  ## what speculation costs while switched off: load-aware no-draft steps vs AR steps, in lockstep, batch 1/8/32, T=0/1 -> benchmarks/results/no_draft.{json,md}
 	$(BIN)/python -m benchmarks.no_draft

@@ -9,12 +9,14 @@
 #      so before / after compare within one call; fixed sweeps of the draft-LM and Lyanna
 #      engines (the best fixed size is what load-aware is held to; on an H200 in session 24
 #      fixed Lyanna ran 0.71x AR at batch 1, so load-aware rightly drafted nothing);
-#   4. `benchmarks.step_profile`, `benchmarks.torch_profile` (kernels by device time) and
-#      `benchmarks.gpu_linear_bench` (few-row products: cuBLAS vs the split-K kernel);
+#   4. `benchmarks.step_profile`, `benchmarks.torch_profile` (kernels by device time),
+#      `benchmarks.policy_trace` of sd and Lyanna at batch 1, T=0 (each drafting-cost fit's
+#      samples and prices) and `benchmarks.gpu_linear_bench` (few-row products: cuBLAS vs
+#      the split-K kernel);
 #   5. the rest of the decoding paths' CUDA tests (greedy == AR per method, verification,
 #      batch-invariant kernels).
 # Session 22 ran it in ~4.5 min of a call (the sweeps ~15-25 s each); session 24 in 5.7 min
-# (before the two fixed sweeps).
+# (before the fixed sweeps and the policy traces).
 # Usage, from the repository root on the GPU machine (its python3 holds a CUDA torch):
 #   OUT=<dir> SPECPIPE_STDLIB_ROOT=<copy of the held-out stdlib files> bash benchmarks/gpu_check.sh
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -48,6 +50,10 @@ grep "^| " "$R/step_profile.md" | cut -c1-150
 timeout 60 python3 -m benchmarks.torch_profile --device cuda --runs ar:1 ar:8 redrafter:1 redrafter:8 --out "$R/torch_profile.txt" \
   2>&1 | grep "^==\|^ \+[0-9]\+ \(graph\|eager\)"
 date; pack
+for m in draft-lm:sd lyanna:lyanna; do  # what load-aware priced its drafting at, per fit (benchmarks/policy_trace.py)
+  timeout 40 python3 -m benchmarks.policy_trace --engine "engines/demo-${m%%:*}" --method "${m##*:}" --device cuda \
+    --out "$R/policy_trace_${m##*:}" 2>&1 | grep "^| [a-z]" | cut -c1-160
+done
 timeout 60 python3 -m benchmarks.gpu_linear_bench --out "$R/gpu_linear" 2>&1 | grep "^| " | cut -c1-120
 date; pack
 T 120 tests/plugins/test_batch_invariant.py tests/runtime/test_verify.py tests/runtime/test_redrafter_greedy.py \

@@ -254,6 +254,11 @@ class LinearCost:
     def __len__(self) -> int:
         return sum(len(samples) for samples in self._shapes.values())
 
+    def by_shape(self) -> dict[tuple[float, ...], tuple[bool, list[float]]]:
+        """Each shape kept (`add`'s key): whether its samples are start-up stand-ins, and
+        their seconds (what `benchmarks/policy_trace.py` reports)."""
+        return {key: (key in self._start_up, [s for _, s in kept]) for key, kept in self._shapes.items()}
+
     def live(self, shape: tuple[float, ...]) -> int:
         """Live samples kept of `shape` (`add`'s key; none while it holds start-up stand-ins)."""
         return 0 if shape in self._start_up else len(self._shapes.get(shape, ()))

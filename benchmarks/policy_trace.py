@@ -1,0 +1,187 @@
+"""Why load-aware speculation chose what it chose: one engine, one method, one batch.
+
+    python -m benchmarks.policy_trace --engine engines/demo-draft-lm --method sd --batch 1
+    python -m benchmarks.policy_trace --engine engines/demo-lyanna --method lyanna --device cuda
+
+Runs `--rounds` rounds of `--batch` held-out prompts (`--max-tokens` each, EOS ignored) with
+the default speculation and records every step the policy learns from
+(`SpeculationPolicy.observe`): the sizes it gave, whether a probe or a plain probe ran, the
+forward's and each drafting call's milliseconds. Then, per drafting-cost fit
+(`SpeculationPolicy.draft_cost`: per method and drafting path, greedy and sampled apart), its
+samples (start-up or live) by shape and its price of a few shapes; the forward table
+calibrated at start; the estimated tokens per step of each kind and size. Writes `<out>.json`
+and `<out>.md`.
+
+A fit priced far above its live calls, or one sample alone, is what switched speculation off
+where it pays: session 24 found two this way on an H200 (a draft LM's greedy levels priced by
+sampled ones timed at start-up, ~3x dear; Lyanna's one cold first call, 92-154 ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from benchmarks.report import command, machine, write_report
+from benchmarks.timing import round_params, warm_up
+from runtime.config import RuntimeConfig
+from runtime.llm_engine import LLMEngine
+from runtime.loaded_engine import LoadedEngine
+from runtime.speculation_policy import StepStats
+from training.corpus import heldout_prompts
+
+PRICED = [(1, 1, 0, 1), (3, 3, 0, 3), (5, 5, 0, 5), (3, 12, 0, 3)]
+"""Drafting-call shapes each fit is asked to price: (levels, drafted nodes, tokens caught up,
+request-levels), i.e. a 1-, 3- and 5-level chain of one request and a 3-level 12-node tree."""
+TABLE_TOKENS = [1, 2, 4, 8, 16, 32]
+"""Token counts of the calibrated forward table reported."""
+
+
+def trace(llm: LLMEngine, prompts: list[list[int]], method: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The steps the policy observed over `args.rounds` rounds, one row each."""
+    policy, steps = llm.policy, []
+    observe = policy.observe
+
+    def recorded(stats: StepStats) -> None:
+        probes, plain = policy.probes, policy.plain_probes
+        observe(stats)
+        steps.append({
+            "round": len(rounds) - 1,
+            "requests": stats.num_requests,
+            "tokens": stats.num_tokens,
+            "prefill": stats.prefill,
+            "sizes": sorted(o.size for o in stats.outcomes),
+            "forward_ms": stats.forward_seconds * 1e3,
+            "drafting_ms": {fit: call[-1] * 1e3 for fit, call in stats.drafting.items()},
+            "choose_ms": stats.choose_seconds * 1e3,
+            "probes_after": policy.probes - probes,
+            "plain_probes_after": policy.plain_probes - plain,
+        })  # fmt: skip
+
+    policy.observe = recorded  # type: ignore[method-assign]  # instance attribute: this engine only
+    rounds: list[int] = []
+    try:
+        for r in tqdm(range(args.rounds), desc="policy trace", unit="round"):
+            rounds.append(r)
+            llm.generate(prompts, round_params(len(prompts), args.max_tokens, args.temperature, r), method)
+    finally:
+        del policy.observe
+    return steps
+
+
+def fits(llm: LLMEngine) -> dict[str, Any]:
+    """Each drafting-cost fit's samples by shape (start-up or live, milliseconds) and prices."""
+    out = {}
+    for name, fit in sorted(llm.policy.draft_cost.items()):
+        shapes = [
+            {"shape": list(shape), "start_up": start_up, "ms": [round(s * 1e3, 3) for s in seconds]}
+            for shape, (start_up, seconds) in fit.by_shape().items()
+        ]
+        out[name] = {
+            "samples": len(fit),
+            "shapes": shapes,
+            "price_ms": {str(x): round(fit(*x) * 1e3, 3) for x in PRICED} if len(fit) else {},
+        }
+    return out
+
+
+def markdown(meta: dict[str, Any], steps: list[dict[str, Any]], summary: dict[str, Any]) -> str:
+    decoding = [s for s in steps if not s["prefill"]]
+    drafted = [s for s in decoding if s["drafting_ms"]]
+    lines = [
+        "# Policy trace: what load-aware speculation chose, and the prices it chose by",
+        "",
+        f"`{meta['command']}`",
+        "",
+        f"Engine `{meta['engine']}`, method `{meta['method']}`, batch {meta['batch']}, T={meta['temperature']:g}, "
+        f"{meta['rounds']} rounds of {meta['max_tokens']} tokens; {meta['machine']['cpu']}"
+        + (f", {meta['machine']['gpu']}" if "gpu" in meta["machine"] else "")
+        + f". {len(decoding)} decoding steps, {len(drafted)} with drafting; probes {summary['probes']}, "
+        f"plain probes {summary['plain_probes']}; sizes (request-steps): "
+        + ", ".join(f"{k}: {v}" for k, v in sorted(summary["sizes"].items(), key=lambda kv: int(kv[0]))),
+        "",
+        "| fit | samples | start-up shapes | "
+        + " | ".join(f"price {x} ms" for x in PRICED)
+        + " | live calls (ms, first 8) |",
+        "|---|---|---|" + "---|" * len(PRICED) + "---|",
+    ]
+    for name, f in summary["fits"].items():
+        live = [ms for shape in f["shapes"] if not shape["start_up"] for ms in shape["ms"]]
+        start_up = sum(shape["start_up"] for shape in f["shapes"])
+        prices = [str(f["price_ms"].get(str(x), "-")) for x in PRICED]
+        lines.append(f"| {name} | {f['samples']} | {start_up} | " + " | ".join(prices) + f" | {live[:8]} |")
+    table = summary["forward_table_ms"]
+    lines += [
+        "",
+        "Forward table (ms, calibrated on one request): " + ", ".join(f"{n} tokens {ms}" for n, ms in table.items()),
+        "",
+        "Estimated tokens per step (kind: size -> tokens): "
+        + "; ".join(
+            f"{k}: " + ", ".join(f"{s} -> {t:.2f}" for s, t in v.items()) for k, v in summary["estimates"].items()
+        ),
+        "",
+        "| step | round | requests | sizes drafted | forward ms | drafting ms | probe | plain probe |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for i, s in enumerate(decoding[:200]):
+        drafting = ", ".join(f"{fit} {ms:.2f}" for fit, ms in s["drafting_ms"].items()) or "-"
+        lines.append(
+            f"| {i} | {s['round']} | {s['requests']} | {s['sizes'] or '-'} | {s['forward_ms']:.2f} | {drafting} | "
+            f"{s['probes_after'] or ''} | {s['plain_probes_after'] or ''} |"
+        )
+    if len(decoding) > 200:
+        lines.append(f"| ... {len(decoding) - 200} more steps in the JSON | | | | | | | |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", default="engines/demo-redrafter", help="(default: %(default)s)")
+    ap.add_argument("--method", default=None, help="decoding method (default: the engine's own)")
+    ap.add_argument("--batch", type=int, default=1, help="requests at once (default: %(default)s)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="(default: %(default)s)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default: %(default)s)")
+    ap.add_argument("--rounds", type=int, default=2, help="(default: %(default)s)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/policy_trace"), help="(default: %(default)s)")
+    args = ap.parse_args(argv)
+    if args.batch < 1 or args.rounds < 1 or args.max_tokens < 1 or args.temperature < 0:
+        ap.error("need --batch, --rounds and --max-tokens >= 1 and --temperature >= 0")
+    loaded = LoadedEngine.load(args.engine, device=args.device)
+    if args.batch > loaded.config.build.max_batch_size:
+        ap.error(f"--batch {args.batch} > the engine's max_batch_size {loaded.config.build.max_batch_size}")
+    llm = LLMEngine(loaded, RuntimeConfig(max_batch_size=args.batch))
+    method = args.method or llm.default_method
+    prompts = [loaded.encode(t) for t in heldout_prompts(args.batch)]
+    llm.prepare()
+    warm_up(llm, prompts[0], method, temperature=args.temperature)
+    steps = trace(llm, prompts, method, args)
+    sizes = Counter(size for s in steps for size in s["sizes"])
+    plain = sum(s["requests"] - len(s["sizes"]) for s in steps if not s["prefill"])
+    summary = {
+        "probes": llm.policy.probes,
+        "plain_probes": llm.policy.plain_probes,
+        "sizes": {str(k): v for k, v in ({1: plain} | dict(sizes)).items() if v},
+        "fits": fits(llm),
+        "forward_table_ms": {n: round(llm.policy.forward_cost(n) * 1e3, 3) for n in TABLE_TOKENS},
+        "estimates": llm.policy.estimates(),
+    }
+    meta = {
+        "command": command("benchmarks.policy_trace", argv),
+        "engine": str(args.engine),
+        "method": method,
+        "batch": args.batch,
+        "temperature": args.temperature,
+        "max_tokens": args.max_tokens,
+        "rounds": args.rounds,
+        "machine": machine(),
+    }
+    write_report(args.out, meta, steps, markdown(meta, steps, summary), summary)
+
+
+if __name__ == "__main__":
+    main()
