@@ -36,7 +36,7 @@ from typing import Any
 from tqdm import tqdm
 
 from benchmarks.report import command, machine, write_report
-from benchmarks.timing import round_params, warm_up
+from benchmarks.timing import add_decoding_arguments, round_params, warm_up
 from runtime.config import RuntimeConfig
 from runtime.llm_engine import LLMEngine
 from runtime.loaded_engine import LoadedEngine
@@ -196,10 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--prompts", type=int, default=None, help="held-out prompts a round (default: the batch, at least 8)"
     )
-    ap.add_argument("--temperature", type=float, default=0.0, help="(default: %(default)s)")
-    ap.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default: %(default)s)")
-    ap.add_argument("--rounds", type=int, default=10, help="(default: %(default)s)")
-    ap.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
+    add_decoding_arguments(ap, rounds=10)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/lockstep"), help="(default: %(default)s)")
     args = ap.parse_args(argv)
     if args.batch < 1 or args.rounds < 1 or args.max_tokens < 1 or (args.prompts is not None and args.prompts < 1):

@@ -27,7 +27,7 @@ from typing import Any
 from tqdm import tqdm
 
 from benchmarks.report import command, machine, write_report
-from benchmarks.timing import round_params, warm_up
+from benchmarks.timing import add_decoding_arguments, round_params, warm_up
 from runtime.config import RuntimeConfig
 from runtime.llm_engine import LLMEngine
 from runtime.loaded_engine import LoadedEngine
@@ -143,10 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--engine", default="engines/demo-redrafter", help="(default: %(default)s)")
     ap.add_argument("--method", default=None, help="decoding method (default: the engine's own)")
     ap.add_argument("--batch", type=int, default=1, help="requests at once (default: %(default)s)")
-    ap.add_argument("--temperature", type=float, default=0.0, help="(default: %(default)s)")
-    ap.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default: %(default)s)")
-    ap.add_argument("--rounds", type=int, default=2, help="(default: %(default)s)")
-    ap.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
+    add_decoding_arguments(ap, rounds=2)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/policy_trace"), help="(default: %(default)s)")
     args = ap.parse_args(argv)
     if args.batch < 1 or args.rounds < 1 or args.max_tokens < 1 or args.temperature < 0:

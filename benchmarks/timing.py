@@ -11,6 +11,7 @@ hits both sides of a ratio alike.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
@@ -143,6 +144,15 @@ def timed(llm: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]
     results = llm.generate(prompts, params, method, **overrides)
     synchronize(device)
     return Run(results, time.perf_counter() - start)
+
+
+def add_decoding_arguments(ap: argparse.ArgumentParser, rounds: int) -> None:
+    """`--temperature`, `--max-tokens`, `--rounds` (default `rounds`) and `--device`: how the
+    lockstep-like benchmarks decode their held-out prompts (`lockstep`, `policy_trace`)."""
+    ap.add_argument("--temperature", type=float, default=0.0, help="(default: %(default)s)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default: %(default)s)")
+    ap.add_argument("--rounds", type=int, default=rounds, help="(default: %(default)s)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
 
 
 def warm_up(llm: LLMEngine, prompt: list[int], method: str, temperature: float = 1.0, **overrides: Any) -> None:
