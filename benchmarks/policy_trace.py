@@ -50,7 +50,6 @@ def trace(llm: LLMEngine, prompts: list[list[int]], method: str, args: argparse.
         probes, plain = policy.probes, policy.plain_probes
         observe(stats)
         steps.append({
-            "round": len(rounds) - 1,
             "requests": stats.num_requests,
             "tokens": stats.num_tokens,
             "prefill": stats.prefill,
@@ -63,11 +62,12 @@ def trace(llm: LLMEngine, prompts: list[list[int]], method: str, args: argparse.
         })  # fmt: skip
 
     policy.observe = recorded  # type: ignore[method-assign]  # instance attribute: this engine only
-    rounds: list[int] = []
     try:
         for r in tqdm(range(args.rounds), desc="policy trace", unit="round"):
-            rounds.append(r)
+            start = len(steps)
             llm.generate(prompts, round_params(len(prompts), args.max_tokens, args.temperature, r), method)
+            for step in steps[start:]:
+                step["round"] = r
     finally:
         del policy.observe
     return steps
@@ -153,12 +153,15 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--batch {args.batch} > the engine's max_batch_size {loaded.config.build.max_batch_size}")
     llm = LLMEngine(loaded, RuntimeConfig(max_batch_size=args.batch))
     method = args.method or llm.default_method
+    if method not in llm.proposers:
+        ap.error(f"--method {method!r}: {args.engine} decodes {', '.join(sorted(llm.proposers))}")
     prompts = [loaded.encode(t) for t in heldout_prompts(args.batch)]
     llm.prepare()
     warm_up(llm, prompts[0], method, temperature=args.temperature)
     steps = trace(llm, prompts, method, args)
-    sizes = Counter(size for s in steps for size in s["sizes"])
-    plain = sum(s["requests"] - len(s["sizes"]) for s in steps if not s["prefill"])
+    decoding = [s for s in steps if not s["prefill"]]
+    sizes = Counter(size for s in decoding for size in s["sizes"])
+    plain = sum(s["requests"] - len(s["sizes"]) for s in decoding)
     summary = {
         "probes": llm.policy.probes,
         "plain_probes": llm.policy.plain_probes,

@@ -36,6 +36,12 @@ def test_every_observed_step_and_every_fit_is_reported(engines: dict[str, Path],
 
 
 def test_bad_arguments_are_refused(engines: dict[str, Path], tmp_path: Path) -> None:
-    for bad in (["--batch", "0"], ["--rounds", "0"], ["--temperature", "-1"], ["--batch", "64"]):
+    for bad in (
+        ["--batch", "0"],
+        ["--rounds", "0"],
+        ["--temperature", "-1"],
+        ["--batch", "64"],
+        ["--method", "lyanna"],
+    ):
         with pytest.raises(SystemExit):
             main(["--engine", str(engines["draft-lm"]), *bad, "--out", str(tmp_path / "t")])
