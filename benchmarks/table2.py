@@ -61,7 +61,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "",
         f"Engine `{meta['engine']}` served by Triton (runtime speculation: {meta['speculation']}; requests "
         f"through {meta.get('door', 'grpc')}), "
-        f"{meta['num_requests']} Poisson requests per cell and round, {meta.get('rounds', 1)} rounds (the "
+        f"{meta['num_requests']} Poisson requests per cell and round, {meta['rounds']} rounds (the "
         f"methods' order reversed every other round), {meta['max_tokens']} output tokens each, greedy, "
         f"bundled prompts; {meta['machine']['cpu']} ({meta['machine']['torch_threads']} threads). Capacity C = "
         f"{meta['capacity_req_s']:.2f} req/s (auto-regressive, all sent at once, "
@@ -80,9 +80,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         cells = [f"{row['qps']:.2f} ({row['fraction']:g})"]
         cells += ["-" if row[m]["ms_per_token"] is None else f"{row[m]['ms_per_token']:.1f}" for m in methods]
         for m in spec:
-            ratios = row.get("speedups", {}).get(m) or round_speedups(
-                [{"ar": row["ar"]["ms_per_token"], m: row[m]["ms_per_token"]}], m
-            )
+            ratios = row["speedups"][m]
             speedup = f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else "-"
             tokens = row[m]["mean_tokens_per_step"]
             cells += [speedup, "-" if tokens is None else f"{tokens:.2f}"]

@@ -258,9 +258,7 @@ class LyannaProposer(Proposer):
         call took 92-154 ms (a whole step of fixed trees: ~4 ms), priced every tree at
         150-300 ms of drafting, and load-aware Lyanna never drafted again, not even a probe
         (its expected loss never covered). Greedy and sampled requests draft alike (one path)."""
-        spec = self.engine.config.drafter
-        names = self.setting_names(method)
-        params = self.params(method, {k: v for k, v in (spec.settings if spec else {}).items() if k in names})
+        params = self.default_params(method)
         deepest = {params.depth_for(size): size for size in params.sizes if size > 1}  # ascending: each depth's largest
         shapes = [(rows, depth, size) for rows in (1, 8) for depth, size in deepest.items()]
         calls: list[DraftCall] = []

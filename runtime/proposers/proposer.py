@@ -59,6 +59,12 @@ class Proposer(ABC):
         """Per-request settings `method` takes (others are refused)."""
         return ()
 
+    def default_params(self, method: str) -> Any:
+        """`method`'s parameters with the engine's defaults and no request's own settings
+        (what a request that sets none drafts with: captured graphs, start-up timings)."""
+        spec = self.engine.config.drafter
+        return self.params(method, settings_for(method, self.setting_names(method), spec.settings if spec else {}, {}))
+
     @abstractmethod
     def sizes(self, params: Any) -> list[int]:
         """Tree sizes (root included) this request can draft, ascending, starting at 1 (the

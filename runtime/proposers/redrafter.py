@@ -29,7 +29,7 @@ from runtime.block_manager import BlockManager
 from runtime.cuda_graphs import BUCKETS, CapturedCalls, GraphLimits, bucket_of
 from runtime.loaded_engine import LoadedEngine
 from runtime.proposers.beam_search import beam_search
-from runtime.proposers.proposer import Proposer, settings_for, target_hidden
+from runtime.proposers.proposer import Proposer, target_hidden
 from runtime.request import Request
 from runtime.speculation_policy import DraftCall, largest_fitting
 from runtime.tree import DraftTree
@@ -196,9 +196,7 @@ class ReDrafterProposer(Proposer):
         (`sizes`), for every batch bucket up to the engine's batch: ~40 graphs for W=4,
         L=5 up to batch 32. A request's own settings are captured on their first call."""
         self.searches = CapturedCalls()
-        spec = self.engine.config.drafter
-        defaults = spec.settings if spec else {}
-        params = self.params("redrafter", settings_for("redrafter", self.setting_names("redrafter"), defaults, {}))
+        params = self.default_params("redrafter")
         shapes = [self.shape(params, size) for size in self.sizes(params)[1:]]
         top = bucket_of(limits.max_requests) or limits.max_requests
         for rows in (b for b in BUCKETS if b <= top):
