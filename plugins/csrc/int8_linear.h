@@ -40,6 +40,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "lanes.h"
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define SPECPIPE_VNNI 1
@@ -50,12 +52,28 @@
 
 namespace specpipe {
 
-// One row: q = round(x / s), returns s; x and q [I].
-inline float quantize_row(const float* x, int64_t I, int8_t* q) {
+// One row: q = round(x / s), returns s; x and q [I]. The largest |x| is taken a vector of
+// lanes at a time (a max is exact in any order; a NaN lane is passed over, as the scalar
+// std::max(top, |x|) passes it over), then each x / s rounded half to even: the same division
+// and rounding as the reference, so the same bits. `qu` (when given): q + 128 as unsigned
+// bytes, what vpdpbusd reads (`int8_tile`).
+inline float quantize_row(const float* x, int64_t I, int8_t* q, uint8_t* qu = nullptr) {
+  using specpipe_lanes::kWide;
+  using specpipe_lanes::vw;
+  vw tops = {};
+  int64_t i = 0;
+  for (; i + kWide <= I; i += kWide) {
+    const vw v = specpipe_lanes::load_w(x + i);
+    const vw a = v < 0.0f ? -v : v;  // |x| (a -0 stays -0: no max above +0 differs)
+    tops = a > tops ? a : tops;
+  }
   float top = 0.0f;
-  for (int64_t i = 0; i < I; ++i) top = std::max(top, std::fabs(x[i]));
+  for (int l = 0; l < kWide; ++l) top = std::max(top, tops[l]);
+  for (; i < I; ++i) top = std::max(top, std::fabs(x[i]));
   const float scale = std::max(top, FLT_MIN) / 127.0f;
-  for (int64_t i = 0; i < I; ++i) q[i] = static_cast<int8_t>(std::nearbyint(x[i] / scale));
+  for (int64_t k = 0; k < I; ++k) q[k] = static_cast<int8_t>(std::nearbyint(x[k] / scale));
+  if (qu != nullptr)
+    for (int64_t k = 0; k < I; ++k) qu[k] = static_cast<uint8_t>(q[k]) ^ 0x80u;  // q + 128 in two's complement
   return scale;
 }
 
@@ -291,15 +309,27 @@ inline at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at
   std::vector<int32_t> q_sum(M, 0);
   std::vector<float> s(M);
   const float* xp = x.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) s[m] = quantize_row(xp + m * I, I, q.data() + m * Ip);
-#ifdef SPECPIPE_VNNI  // only vpdpbusd reads the unsigned copy (int8) or the row sums (4-bit)
-  if (nibbles) {
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t i = 0; i < I; ++i) q_sum[m] += q[m * Ip + i];
-  } else {
-    for (int64_t k = 0; k < M * Ip; ++k) qu[k] = static_cast<uint8_t>(static_cast<int32_t>(q[k]) + 128);
-  }
+  // Rows quantized over ATen's threads where there are many (a draft LM catching up on a
+  // prompt: ~1000 rows; quantized on one thread while the other waited, they were ~1/4 of
+  // the call). Only vpdpbusd reads the unsigned copy (int8) or the row sums (4-bit); the
+  // unsigned copy's padding stays 128 (q's 0).
+  const int64_t row_grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(1, I));
+  const auto quantize = [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      int8_t* qm = q.data() + m * Ip;
+#ifdef SPECPIPE_VNNI
+      s[m] = quantize_row(xp + m * I, I, qm, nibbles ? nullptr : qu.data() + m * Ip);
+      if (nibbles)
+        for (int64_t i = 0; i < I; ++i) q_sum[m] += qm[i];
+#else
+      s[m] = quantize_row(xp + m * I, I, qm);
 #endif
+    }
+  };
+  if (M > row_grain)  // (a parallel_for that runs inline still costs ~0.4 us: a drafter level makes ~9 calls)
+    at::parallel_for(0, M, row_grain, quantize);
+  else
+    quantize(0, M);
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = w_scale.data_ptr<float>();
   const int32_t* sum = w_sum.data_ptr<int32_t>();

@@ -29,9 +29,10 @@ pytestmark = [
     pytest.mark.skipif(not int8_available(), reason="the int8 weights come from fbgemm's packed copies"),
 ]
 
-SIZES = [(1, 256, 512), (3, 64, 8192), (7, 19, 83), (19, 769, 7), (5, 96, 100), (40, 256, 33)]
+SIZES = [(1, 256, 512), (3, 64, 8192), (7, 19, 83), (19, 769, 7), (5, 96, 100), (40, 256, 33), (300, 83, 40)]
 """(rows M, inputs I, outputs O): one row, a vocabulary head, sizes no block divides (I not a
-multiple of 4 or 64, O not of 16), more rows than a tile holds."""
+multiple of 4 or 64, O not of 16), more rows than a tile holds, and more rows than one
+thread quantizes (a draft LM catching up on a prompt: rows spread over the threads)."""
 
 
 def weight_of(o: int, i: int) -> Int8Weight:
@@ -49,6 +50,21 @@ def test_the_kernel_is_the_reference_bit_for_bit(m: int, i: int, o: int) -> None
     assert got.shape == (m, o) and torch.equal(got, int8_linear_reference(x, *w))
     strided = torch.randn(i, m).T  # a transposed (non-contiguous) input goes through the custom op
     assert torch.equal(int8_linear(strided, *w), int8_linear_reference(strided.contiguous(), *w))
+
+
+def test_a_rows_largest_magnitude_is_found_in_any_lane() -> None:
+    """The row's scale is its largest |x|, read a vector of lanes at a time and then the
+    tail: placed (negative, so |x| and x differ) in the first lane, the last full vector's
+    last lane and the tail, over rows quantized on one thread and over several, every row
+    is the reference's."""
+    for i in (19, 35, 256):
+        w = weight_of(24, i)
+        for m in (3, 200):
+            x = torch.randn(m, i)
+            for row, at in enumerate((0, i // 16 * 16 - 1, i - 1) * m):
+                if row < m:
+                    x[row, at] = -50.0 - row
+            assert torch.equal(torch.ops.specpipe_cpu.int8_linear(x, *w), int8_linear_reference(x, *w)), (i, m)
 
 
 def test_extreme_products_are_exact() -> None:
