@@ -131,6 +131,28 @@ def test_cpu_kernel_row_does_not_depend_on_the_rest_of_the_launch() -> None:
     assert torch.equal(together[:1], alone)
 
 
+def test_causal_rows_skip_the_keys_they_do_not_see() -> None:
+    """A prompt chunk's causal rows (each sees the context and the chunk up to itself): a
+    tile of rows stops at the last key any of them sees, which adds nothing but exact zeros.
+    Every row equals the reference, and bitwise equals itself launched alone over every key
+    of its request, where no key is skipped but its own mask's."""
+    gen = torch.Generator().manual_seed(11)
+    context, t, heads, kv_heads, d = 45, 37, 6, 2, 64
+    s = context + t
+    q = torch.randn(t, heads, d, generator=gen)
+    k = torch.randn(s + 5, kv_heads, d, generator=gen)
+    v = torch.randn(s + 5, kv_heads, d, generator=gen)
+    key_slots = torch.randperm(s + 5, generator=gen)[:s].view(1, s)
+    mask = torch.ones(1, t, s, dtype=torch.bool)
+    mask[0, :, context:] = torch.ones(t, t, dtype=torch.bool).tril()
+    query_index = torch.arange(t).view(1, t)
+    out = tree_attention(q, k, v, query_index, key_slots, mask)
+    assert (out - tree_attention_reference(q, k, v, query_index, key_slots, mask)).abs().max() <= 2e-6
+    for row in (0, 1, 17, t - 1):
+        alone = tree_attention(q, k, v, query_index[:, row : row + 1], key_slots, mask[:, row : row + 1].contiguous())
+        assert torch.equal(out[:, row : row + 1], alone), row
+
+
 def test_opcheck_cpu_kernel() -> None:
     gen = torch.Generator().manual_seed(1)
     args = _random_groups(gen, 3, 4, 21, 4, 2, 32)
