@@ -78,7 +78,7 @@ def _fake_chain_level(tokens: Tensor, positions: Tensor, slots: list[Tensor], em
 def _fake_sampled_chain(
     first: Tensor | None, roots: Tensor | None, starts: Tensor, slots: list[Tensor], levels: list[int], *rest: Any
 ) -> tuple[Tensor, Tensor]:
-    most, b, embed = max(levels, default=0), starts.shape[0], rest[2]
+    most, b, embed = max(levels, default=0), starts.shape[0], rest[3]
     return starts.new_empty((b, most)), embed.new_empty((b, most + 1, embed.shape[0]))
 
 
@@ -258,16 +258,23 @@ class Int8DraftLM(_Op[Tensor]):
         return [list(column) for column in zip(*self.linears, strict=True)]
 
     def chain(
-        self, tokens: list[int], starts: list[int], slots: list[Tensor], levels: list[int], cache: PagedKVCache
+        self,
+        tokens: list[int],
+        starts: list[int],
+        slots: list[Tensor],
+        levels: list[int],
+        cache: PagedKVCache,
+        behind: list[list[int]] | None = None,
     ) -> list[list[int]] | None:
         """`specpipe_cpu::draft_lm_chain`: greedy chains, every level in one call. Request i's
         `tokens[i]` is fed at position `starts[i]` (`slots[i]`: the slots of its positions),
-        then the argmax after each fed token, `levels[i]` tokens in all; returns those argmaxes
+        after its `behind[i]` tokens at the positions just before (the same level), then the
+        argmax after each fed token, `levels[i]` tokens in all; returns those argmaxes
         (`levels[i]` per request), or None where the op does not take the step (as `__call__`)."""
         if self.stands_aside() or not cpu_kernels.load_with_fake("draft_lm_chain", _fake_chain):
             return None
         out = torch.ops.specpipe_cpu.draft_lm_chain(
-            torch.tensor(tokens), torch.tensor(starts), slots, levels, *self.model_arguments(cache)
+            torch.tensor(tokens), torch.tensor(starts), slots, levels, _behind(behind), *self.model_arguments(cache)
         )
         return [row[:n] for row, n in zip(out.tolist(), levels, strict=True)]
 
@@ -296,19 +303,30 @@ class Int8DraftLM(_Op[Tensor]):
         temperatures: list[float],
         uniforms: Tensor,
         cache: PagedKVCache,
+        behind: list[list[int]] | None = None,
     ) -> tuple[Tensor, Tensor] | None:
         """`specpipe_cpu::draft_lm_sampled_chain`: sampled chains, every level in one call.
         Request i draws `levels[i]` tokens, level j from softmax(logits / `temperatures[i]`)
         at `uniforms[i, j]` (level 0's logits `first[i]`, or those of `roots[i]` fed at
-        `starts[i]` - 1; the next ones those after feeding each draw at `starts[i]` + j).
-        Returns the draws `[B, max(levels)]` and their laws `[B, max(levels) + 1, V]` (row 0
-        zeros: the root's), or None where the op does not take the step (as `__call__`)."""
+        `starts[i]` - 1 after its `behind[i]` tokens; the next ones those after feeding each
+        draw at `starts[i]` + j). Returns the draws `[B, max(levels)]` and their laws
+        `[B, max(levels) + 1, V]` (row 0 zeros: the root's), or None where the op does not
+        take the step (as `__call__`)."""
         if self.stands_aside() or not cpu_kernels.load_with_fake("draft_lm_sampled_chain", _fake_sampled_chain):
             return None
         fed = None if roots is None else torch.tensor(roots)
         return torch.ops.specpipe_cpu.draft_lm_sampled_chain(
-            first, fed, torch.tensor(starts), slots, levels, temperatures, uniforms, *self.model_arguments(cache)
-        )
+            first, fed, torch.tensor(starts), slots, levels, _behind(behind), temperatures, uniforms,
+            *self.model_arguments(cache),
+        )  # fmt: skip
+
+
+def _behind(rows: list[list[int]] | None) -> Tensor | None:
+    """The chain ops' `behind` `[B, K]` (-1 past a request's tokens), None where none is behind."""
+    if rows is None or not any(rows):
+        return None
+    most = max(len(r) for r in rows)
+    return torch.tensor([[*r, *[-1] * (most - len(r))] for r in rows])
 
 
 def _columns(groups: list[AttentionGroup]) -> tuple[list[Tensor], ...]:

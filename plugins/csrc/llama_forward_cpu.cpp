@@ -189,8 +189,11 @@ struct ChainModel {
   double eps;
 
   at::Tensor level(at::TensorList slots, const std::vector<int64_t>& active, const std::vector<int64_t>& fed,
-                   const std::vector<int64_t>& pos) const {
+                   const std::vector<int64_t>& pos, const std::vector<std::vector<int64_t>>* before = nullptr) const {
     const int64_t n = static_cast<int64_t>(active.size());
+    if (before != nullptr)
+      for (int64_t i = 0; i < n; ++i)
+        if (!(*before)[i].empty()) return level_after(slots, active, fed, pos, *before);
     int64_t width = 0;
     for (int64_t i = 0; i < n; ++i) width = std::max(width, pos[i] + 1);
     // The metadata in this call's own buffers, wrapped (`from_blob`: no allocation and no
@@ -224,7 +227,79 @@ struct ChainModel {
     const int64_t head = static_cast<int64_t>(linear.weight.size()) - 1;
     return linear(head, rms_norm(x, final_norm, eps));  // [n, V]
   }
+
+  // `level` where request active[i] first feeds before[i] (its tokens behind: a chain's last
+  // draft, kept and never fed) at the positions just before pos[i], causal: one attention
+  // group of n requests x T rows (T = 1 + the most behind; a request's padding rows see its
+  // first key and are dropped), logits [n, V] at each request's fed[i] alone. Its rows are
+  // `level`'s rows, each reduced over its own keys, so fed[i]'s logits and the K/V written
+  // are those of feeding before[i] in a level of their own first, bit for bit, in one call
+  // instead of two (a call's own cost, ~0.1 ms at batch 1, where a row more costs ~nothing).
+  at::Tensor level_after(at::TensorList slots, const std::vector<int64_t>& active, const std::vector<int64_t>& fed,
+                         const std::vector<int64_t>& pos, const std::vector<std::vector<int64_t>>& before) const {
+    const int64_t n = static_cast<int64_t>(active.size());
+    int64_t T = 1, N = 0, width = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t fed_here = static_cast<int64_t>(before[i].size()) + 1;
+      TORCH_CHECK(pos[i] - fed_here + 1 >= 0, "request ", active[i], " feeds tokens before position 0");
+      T = std::max(T, fed_here);
+      N += fed_here;
+      width = std::max(width, pos[i] + 1);
+    }
+    std::vector<int64_t> tokens(N), positions(N), written(N), query(n * T, 0), rows(N), last(n), keys(n * width, 0);
+    std::vector<uint8_t> seen(n * T * width, 0), valid(n * T, 0);
+    int64_t row = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t* table = slots[active[i]].data_ptr<int64_t>();
+      const int64_t fed_here = static_cast<int64_t>(before[i].size()) + 1, p0 = pos[i] - fed_here + 1;
+      std::copy(table, table + pos[i] + 1, keys.begin() + i * width);
+      for (int64_t t = 0; t < T; ++t) {
+        uint8_t* mask_row = seen.data() + (i * T + t) * width;
+        if (t >= fed_here) {  // padding: sees the first key, dropped
+          query[i * T + t] = row - fed_here;  // (this request's first row)
+          mask_row[0] = 1;
+          continue;
+        }
+        const int64_t p = p0 + t;
+        tokens[row] = t + 1 < fed_here ? before[i][t] : fed[i];
+        positions[row] = p;
+        written[row] = table[p];
+        query[i * T + t] = row;
+        rows[row] = row;
+        valid[i * T + t] = 1;
+        std::fill(mask_row, mask_row + p + 1, 1);
+        ++row;
+      }
+      last[i] = row - 1;
+    }
+    const at::TensorOptions i64 = embed.options().dtype(at::kLong), flags = embed.options().dtype(at::kBool);
+    const at::Tensor token_t = at::from_blob(tokens.data(), {N}, i64), position_t = at::from_blob(positions.data(), {N}, i64);
+    const at::Tensor written_t = at::from_blob(written.data(), {N}, i64);
+    const at::Tensor query_t = at::from_blob(query.data(), {n, T}, i64), rows_t = at::from_blob(rows.data(), {N}, i64);
+    const at::Tensor keys_t = at::from_blob(keys.data(), {n, width}, i64);
+    const at::Tensor mask_t = at::from_blob(seen.data(), {n, T, width}, flags);
+    const at::Tensor valid_t = at::from_blob(valid.data(), {n, T}, flags);
+    const at::Tensor x = layers(linear, token_t, position_t, written_t, {query_t}, {keys_t}, {mask_t}, {valid_t},
+                                {rows_t}, embed, inv_freq, rope_scale, norms, k_cache, v_cache, num_heads, eps);
+    const int64_t head = static_cast<int64_t>(linear.weight.size()) - 1;
+    return linear(head, rms_norm(gather_rows(x, at::from_blob(last.data(), {n}, i64)), final_norm, eps));  // [n, V]
+  }
 };
+
+// Tokens behind per request from an optional [B, K] int64 tensor (-1 past a request's own,
+// which come first): what a chain op's first level feeds before each request's token.
+std::vector<std::vector<int64_t>> behind_rows(const std::optional<at::Tensor>& behind, int64_t B) {
+  std::vector<std::vector<int64_t>> out(B);
+  if (!behind) return out;
+  TORCH_CHECK(behind->dim() == 2 && behind->size(0) == B && behind->scalar_type() == at::kLong &&
+                  behind->is_contiguous(),
+              "behind must be dense int64 [B, K] (-1 past a request's tokens)");
+  const int64_t K = behind->size(1);
+  const int64_t* b = behind->data_ptr<int64_t>();
+  for (int64_t r = 0; r < B; ++r)
+    for (int64_t k = 0; k < K && b[r * K + k] >= 0; ++k) out[r].push_back(b[r * K + k]);
+  return out;
+}
 
 // The check the chain ops share: one dense int64 slots tensor per request (each op checks
 // that they cover the positions it feeds).
@@ -236,13 +311,14 @@ void check_chain_slots(at::TensorList slots, int64_t B) {
 }
 
 // A draft LM's greedy chains (SD at temperature 0), every level in one call: request b's
-// token tokens[b] is fed at position starts[b], and its argmax (the first index of the
+// token tokens[b] is fed at position starts[b] (after its tokens `behind`, if any, at the
+// positions just before, in the same level: `ChainModel::level_after`), and its argmax (the first index of the
 // row's largest logit) is fed next, one position on: levels[b] tokens fed in all. Returns
 // [B, max(levels)]: the argmax after each fed token, -1 past a request's levels. A level is
 // `ChainModel::level`; what it saves is the Python between levels (the metadata, the
 // argmax, the level's tree bookkeeping: ~0.4-0.5 ms a level at batch 1).
 at::Tensor draft_lm_chain(const at::Tensor& tokens, const at::Tensor& starts, at::TensorList slots,
-                          at::IntArrayRef levels, const at::Tensor& embed, const at::Tensor& inv_freq,
+                          at::IntArrayRef levels, const std::optional<at::Tensor>& behind, const at::Tensor& embed, const at::Tensor& inv_freq,
                           double rope_scale, at::TensorList norms, at::TensorList weights, at::TensorList blocked,
                           at::TensorList scales, at::TensorList sums, at::TensorList k_cache, at::TensorList v_cache,
                           const at::Tensor& final_norm, int64_t num_heads, double eps) {
@@ -261,17 +337,20 @@ at::Tensor draft_lm_chain(const at::Tensor& tokens, const at::Tensor& starts, at
     most = std::max(most, levels[b]);
   }
   const ChainModel model{linear, embed, inv_freq, rope_scale, norms, k_cache, v_cache, final_norm, num_heads, eps};
+  const std::vector<std::vector<int64_t>> fed_before = behind_rows(behind, B);
   at::Tensor out = at::full({B, most}, -1, tokens.options());
   std::vector<int64_t> current(tokens.data_ptr<int64_t>(), tokens.data_ptr<int64_t>() + B);
   for (int64_t j = 0; j < most; ++j) {
     std::vector<int64_t> active, fed, pos;
+    std::vector<std::vector<int64_t>> before;  // level 0: each active request's tokens behind
     for (int64_t b = 0; b < B; ++b)
       if (levels[b] > j) {
         active.push_back(b);
         fed.push_back(current[b]);
         pos.push_back(start[b] + j);
+        if (j == 0) before.push_back(fed_before[b]);
       }
-    const at::Tensor logits = model.level(slots, active, fed, pos);
+    const at::Tensor logits = model.level(slots, active, fed, pos, j == 0 ? &before : nullptr);
     const int64_t V = logits.size(1);
     const float* lp = logits.data_ptr<float>();
     for (size_t i = 0; i < active.size(); ++i) {
@@ -317,7 +396,8 @@ at::Tensor draft_lm_chain_level(const at::Tensor& tokens, const at::Tensor& posi
 // uniforms[b][j] (`specpipe::draw_row`, what `runtime.gumbel.draw_rows` draws), and, while
 // j + 1 < levels[b], the draw fed at position starts[b] + j for the next level's logits.
 // Level 0's logits are `first` (the roots', rows in request order), or, given `roots`, those
-// of the roots fed at starts[b] - 1 (a chain level, as `draft_lm_chain_level` feeds them).
+// of the roots fed at starts[b] - 1 (a chain level, as `draft_lm_chain_level` feeds them),
+// after each request's tokens `behind`, if any, in the same level (`draft_lm_chain`'s).
 // Returns the draws [B, max(levels)] (-1 past a request's levels) and the laws
 // [B, max(levels) + 1, V]: row j + 1 the law draw j came from, row 0 (the root, not drawn)
 // zeros, so request b's first levels[b] + 1 rows are its tree's `draft_probs`.
@@ -325,13 +405,14 @@ at::Tensor draft_lm_chain_level(const at::Tensor& tokens, const at::Tensor& posi
 // level the metadata, the warp, the draw and the device-to-host read.
 std::tuple<at::Tensor, at::Tensor> draft_lm_sampled_chain(
     const std::optional<at::Tensor>& first, const std::optional<at::Tensor>& roots, const at::Tensor& starts, at::TensorList slots, at::IntArrayRef levels,
-    at::ArrayRef<double> temperatures, const at::Tensor& uniforms, const at::Tensor& embed,
+    const std::optional<at::Tensor>& behind, at::ArrayRef<double> temperatures, const at::Tensor& uniforms, const at::Tensor& embed,
     const at::Tensor& inv_freq, double rope_scale, at::TensorList norms, at::TensorList weights,
     at::TensorList blocked, at::TensorList scales, at::TensorList sums, at::TensorList k_cache,
     at::TensorList v_cache, const at::Tensor& final_norm, int64_t num_heads, double eps) {
   const specpipe::Int8Linears linear = int8_linears(weights, blocked, scales, sums, k_cache.size());
   const int64_t B = starts.size(0);
   TORCH_CHECK(first.has_value() != roots.has_value(), "give the roots' logits (first) or the roots, not both");
+  TORCH_CHECK(!behind || roots, "tokens behind are fed before the roots: give the roots");
   TORCH_CHECK(!first || (first->dim() == 2 && first->size(0) == B && first->scalar_type() == at::kFloat),
               "first must be the roots' fp32 logits [B, V]");
   TORCH_CHECK(!roots || (roots->dim() == 1 && roots->size(0) == B && roots->scalar_type() == at::kLong &&
@@ -362,7 +443,8 @@ std::tuple<at::Tensor, at::Tensor> draft_lm_sampled_chain(
     const int64_t* r = roots->data_ptr<int64_t>();
     std::vector<int64_t> fed(r, r + B), pos(B);
     for (int64_t b = 0; b < B; ++b) pos[b] = start[b] - 1;
-    logits = model.level(slots, active, fed, pos);
+    const std::vector<std::vector<int64_t>> before = behind_rows(behind, B);
+    logits = model.level(slots, active, fed, pos, &before);
   }
   const int64_t V = logits.size(1);
   at::Tensor drawn = at::full({B, most}, -1, starts.options());
@@ -445,7 +527,8 @@ TORCH_LIBRARY_FRAGMENT(specpipe_cpu, m) {
       "Tensor(a!)[] k_cache, "
       "Tensor(b!)[] v_cache, Tensor final_norm, int num_heads, float eps) -> Tensor");
   m.def(
-      "draft_lm_chain(Tensor tokens, Tensor starts, Tensor[] slots, int[] levels, Tensor embed, Tensor inv_freq, "
+      "draft_lm_chain(Tensor tokens, Tensor starts, Tensor[] slots, int[] levels, Tensor? behind, Tensor embed, "
+      "Tensor inv_freq, "
       "float rope_scale, Tensor[] norms, Tensor[] weights, Tensor[] blocked, Tensor[] scales, Tensor[] sums, "
       "Tensor(a!)[] k_cache, Tensor(b!)[] v_cache, Tensor final_norm, int num_heads, float eps) -> Tensor");
   m.def(
@@ -453,7 +536,8 @@ TORCH_LIBRARY_FRAGMENT(specpipe_cpu, m) {
       "float rope_scale, Tensor[] norms, Tensor[] weights, Tensor[] blocked, Tensor[] scales, Tensor[] sums, "
       "Tensor(a!)[] k_cache, Tensor(b!)[] v_cache, Tensor final_norm, int num_heads, float eps) -> Tensor");
   m.def(
-      "draft_lm_sampled_chain(Tensor? first, Tensor? roots, Tensor starts, Tensor[] slots, int[] levels, float[] temperatures, "
+      "draft_lm_sampled_chain(Tensor? first, Tensor? roots, Tensor starts, Tensor[] slots, int[] levels, Tensor? behind, "
+      "float[] temperatures, "
       "Tensor uniforms, Tensor embed, Tensor inv_freq, float rope_scale, Tensor[] norms, Tensor[] weights, "
       "Tensor[] blocked, Tensor[] scales, Tensor[] sums, Tensor(a!)[] k_cache, Tensor(b!)[] v_cache, "
       "Tensor final_norm, int num_heads, float eps) -> (Tensor, Tensor)");

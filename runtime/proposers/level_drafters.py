@@ -102,6 +102,9 @@ class DraftLMLevels:
         self.slots: list[torch.Tensor] = []
         """Per request, the slots of every position its block table covers (the tree's
         included: the scheduler allocated them before drafting), looked up once."""
+        self.pending: list[list[int]] | None = None
+        """Per request, the tokens behind its root not yet fed (`_feed_behind`): the next
+        C++ chain op feeds them in its first level, any other forward first as chain levels."""
 
     @torch.inference_mode()
     def _run(
@@ -109,6 +112,7 @@ class DraftLMLevels:
     ) -> torch.Tensor:
         """One draft-LM forward over the flat batch; logits [len(rows), V] at `rows`.
         `tokens` may be a tensor on the draft LM's device (`chain_level_at`)."""
+        self._flush()
         step = step_input(
             torch.as_tensor(tokens),
             torch.tensor(positions),
@@ -153,26 +157,40 @@ class DraftLMLevels:
         return True
 
     def _feed_behind(self, behind: list[int]) -> None:
-        """Feed each request's `behind[i]` tokens before its root, a chain level (`chain_level_at`)
-        per position back from the root, so that its cache holds every token before the root.
-        What a request that drafted is behind after its step is the last draft of its chain
-        where all of them were kept (a leaf: drafted, never fed) and nothing else, so at
-        batch 8 nearly every step had one such request, and `first` then ran the general
-        forward over every request's catch-up (~0.6 ms at batch 8, sd: its metadata in
-        Python and a forward of ~16 tokens) where a level takes ~0.22 ms. sd's drafting
-        phase, 5-node chains (demo engine, 2-thread EPYC): batch 8 2.48 -> 2.27 ms at T=1,
-        2.17 -> 2.08 at T=0; batch 2 -0.04 ms; batch 1 the same within noise (the level
-        reads the draft LM's weights once more, what the metadata cost). The K/V are those
-        the general forward writes (a token attends to the same cache entries; products are
-        per row); the levels' logits are not used."""
-        for depth in range(max(behind, default=0), 0, -1):
-            rows = [i for i, b in enumerate(behind) if b >= depth]
-            positions = [self.requests[i].num_computed - depth for i in rows]
-            tokens = [self.requests[i].token_at(p) for i, p in zip(rows, positions, strict=True)]
-            self.chain_level_at(rows, tokens, positions)
+        """Feed each request's `behind[i]` tokens before its root, so that its cache holds
+        every token before the root. What a request that drafted is behind after its step is
+        the last draft of its chain where all of them were kept (a leaf: drafted, never fed)
+        and nothing else, so at batch 8 nearly every step had one such request, and `first`
+        then ran the general forward over every request's catch-up (~0.6 ms at batch 8, sd:
+        its metadata in Python and a forward of ~16 tokens) where a level takes ~0.22 ms.
+        Where the C++ chain ops run, they are held (`pending`) and the next chain op feeds
+        them in its first level, before each root (`Int8DraftLM.chain`'s `behind`): one call
+        where a chain level per position back from the root made two, a call's own cost
+        (~0.1 ms at batch 1) for a row more. Elsewhere, and before any other forward
+        (`_flush`), a chain level (`chain_level_at`) per position back from the root. The K/V
+        are those the general forward writes (a token attends to the same cache entries;
+        products are per row); the levels' logits are not used."""
+        held = [
+            [r.token_at(r.num_computed - d) for d in range(b, 0, -1)]
+            for r, b in zip(self.requests, behind, strict=True)
+        ]
         for r, b in zip(self.requests, behind, strict=True):
             if b:
                 r.draft_state = r.num_computed
+        self.pending = held if any(held) else None
+        if self.fused is None:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Feed the `pending` tokens behind as chain levels, a level per position back from
+        the root (before a forward that does not take them)."""
+        held, self.pending = self.pending, None
+        if held is None:
+            return
+        for depth in range(max(len(h) for h in held), 0, -1):
+            rows = [i for i, h in enumerate(held) if len(h) >= depth]
+            positions = [self.requests[i].num_computed - depth for i in rows]
+            self.chain_level_at(rows, [held[i][-depth] for i in rows], positions)
 
     def _roots_fed(self) -> list[int]:
         """`first`'s bookkeeping for a call that feeds the roots itself: each request's cache
@@ -217,7 +235,13 @@ class DraftLMLevels:
         starts = self._roots_fed() if at_root else [r.num_computed + 1 for r in self.requests]
         if self.fused is None:
             return self._chain_by_levels(tokens, starts, levels)
-        return self.fused.chain(tokens, starts, self.slots, levels, self.cache)
+        if not at_root:
+            self._flush()
+            return self.fused.chain(tokens, starts, self.slots, levels, self.cache)
+        chains = self.fused.chain(tokens, starts, self.slots, levels, self.cache, self.pending)
+        if chains is not None:
+            self.pending = None  # fed before the roots
+        return chains
 
     def _chain_by_levels(self, tokens: list[int], starts: list[int], levels: list[int]) -> list[list[int]]:
         """`chain` a level per `chain_level_at` call (request i's `tokens[i]` fed at
@@ -261,8 +285,16 @@ class DraftLMLevels:
         if first is None:
             self._roots_fed()
             roots = [r.token_at(r.num_computed) for r in self.requests]
+        else:
+            self._flush()
         starts = [r.num_computed + 1 for r in self.requests]
-        return self.fused.sampled_chain(first, roots, starts, self.slots, levels, temperatures, uniforms, self.cache)
+        behind = self.pending if roots is not None else None
+        out = self.fused.sampled_chain(
+            first, roots, starts, self.slots, levels, temperatures, uniforms, self.cache, behind
+        )
+        if out is not None and roots is not None:
+            self.pending = None  # fed before the roots
+        return out
 
     @torch.inference_mode()  # as `chain_level` runs (the op stands aside under autograd)
     def chains(self) -> bool:
@@ -290,6 +322,7 @@ class DraftLMLevels:
     def chain_level_at(self, rows: list[int], tokens: list[int] | torch.Tensor, positions: list[int]) -> torch.Tensor:
         """`chain_level` with each fed token's position given: one token per request, causal
         over its slots up to there (a chain node's ancestors are every node before it)."""
+        self._flush()
         if self.fused is not None:
             return self.fused.chain_level(tokens, positions, [self.slots[r] for r in rows], self.cache)
         segments = [Segment(k, p, self.slots[r][: p + 1]) for k, (r, p) in enumerate(zip(rows, positions, strict=True))]

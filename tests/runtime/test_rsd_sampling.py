@@ -12,6 +12,7 @@ a rejection (a plausible bug in recursive rejection sampling) is rejected.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -184,36 +185,56 @@ def test_chains_fed_from_the_roots_draft_what_first_and_chain_draft(
 
 @pytest.mark.skipif(TEST_DEVICE != "cpu" or not vectorized(), reason="the draft LM's C++ chain ops run on the CPU")
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_a_request_a_token_behind_is_caught_up_by_a_chain_level(
+def test_a_request_a_token_behind_is_caught_up_in_the_chain_ops_first_level(
     temperature: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`DraftLMLevels._feed_behind`: a request that kept its whole chain is behind by the
-    chain's last draft (never fed to the draft LM); that token goes in as a chain level,
-    then the chains start at the roots, in place of `first`'s forward over every request's
-    catch-up. The K/V it writes and the roots' logits after it are the general forward's
-    bits, so output and acceptances are those with the general forward (`SHORT_CATCH_UP`
-    0), token for token and seed for seed; the short path ran. Test of the test: token 0
-    fed in place of each behind token draws other sampled chains."""
+    chain's last draft (never fed to the draft LM); that token goes in before its root, in
+    the chain op's first level (`Int8DraftLM.chain` / `sampled_chain`'s `behind`), in place
+    of `first`'s forward over every request's catch-up. The K/V it writes and the roots'
+    logits after it are the general forward's bits, so output and acceptances are those
+    with the general forward (`SHORT_CATCH_UP` 0) and those with the token fed as a chain
+    level of its own first (`_flush`, the path off the CPU), token for token and seed for
+    seed; the folded path ran. Test of the test: token 0 fed in place of each behind token
+    draws other sampled chains."""
     generate = sd_runs(temperature)
     real = DraftLMLevels._feed_behind
     behind: list[int] = []
+    folded: list[int] = []
 
     def counted(self: DraftLMLevels, b: list[int]) -> None:
         behind.extend(b)
         real(self, b)
 
-    def wrong(self: DraftLMLevels, b: list[int]) -> None:  # each behind token fed as token 0
-        level = self.chain_level_at
-        self.chain_level_at = lambda rows, tokens, positions: level(rows, [0] * len(rows), positions)  # type: ignore[method-assign]
+    def eager(self: DraftLMLevels, b: list[int]) -> None:  # fed at once, a chain level per position
         real(self, b)
-        del self.chain_level_at
+        self._flush()
+
+    def wrong(self: DraftLMLevels, b: list[int]) -> None:  # each behind token fed as token 0
+        real(self, b)
+        if self.pending is not None:
+            self.pending = [[0] * len(h) for h in self.pending]
+
+    chain, sampled_chain = Int8DraftLM.chain, Int8DraftLM.sampled_chain
+
+    def chain_seen(self: Int8DraftLM, *args: Any) -> Any:
+        folded.append(bool(args[5:] and args[5]))
+        return chain(self, *args)
+
+    def sampled_seen(self: Int8DraftLM, *args: Any) -> Any:
+        folded.append(bool(args[8:] and args[8]))
+        return sampled_chain(self, *args)
 
     def run() -> list[tuple[list[int], int]]:
         return [(r.output_ids, r.num_accepted) for r in generate()]
 
     monkeypatch.setattr(DraftLMLevels, "_feed_behind", counted)
+    monkeypatch.setattr(Int8DraftLM, "chain", chain_seen)
+    monkeypatch.setattr(Int8DraftLM, "sampled_chain", sampled_seen)
     short = run()
-    assert any(k > 0 for k in behind)  # chains kept whole: their last drafts fed as levels
+    assert any(k > 0 for k in behind) and any(folded)  # chains kept whole: their last drafts fed by the chain op
+    monkeypatch.setattr(DraftLMLevels, "_feed_behind", eager)
+    assert run() == short
     monkeypatch.setattr(level_drafters, "SHORT_CATCH_UP", 0)
     assert run() == short
     if temperature > 0:  # (the toy draft LM's argmax chains here read the same either way)
