@@ -8,7 +8,8 @@
   with `context` committed tokens sits at slot `context + i` in each. `first()` catches
   the draft cache up on the request's tokens it has not seen (after prefill: the prompt;
   later: the last accepted token, if it was a leaf, and the pending root; where chains
-  start at the roots, a token or two behind go in as chain levels: `feeds_roots`); `extend()` runs
+  start at the roots, a token or two behind go in before them, in the chain op's first level
+  or as chain levels: `feeds_roots`); `extend()` runs
   one level of every tree in one forward, each node attending to the context and its own
   ancestors. The proposer applies the target's accepted-path compaction to this cache too,
   and keeps in `Request.draft_state` how many of the request's tokens the cache holds.
