@@ -312,16 +312,17 @@ void check_chain_slots(at::TensorList slots, int64_t B) {
 
 // A draft LM's greedy chains (SD at temperature 0), every level in one call: request b's
 // token tokens[b] is fed at position starts[b] (after its tokens `behind`, if any, at the
-// positions just before, in the same level: `ChainModel::level_after`), and its argmax (the first index of the
-// row's largest logit) is fed next, one position on: levels[b] tokens fed in all. Returns
-// [B, max(levels)]: the argmax after each fed token, -1 past a request's levels. A level is
-// `ChainModel::level`; what it saves is the Python between levels (the metadata, the
-// argmax, the level's tree bookkeeping: ~0.4-0.5 ms a level at batch 1).
+// positions just before, in the same level: `ChainModel::level_after`), and its argmax (the
+// first index of the row's largest logit) is fed next, one position on: levels[b] tokens fed
+// in all. Returns [B, max(levels)]: the argmax after each fed token, -1 past a request's
+// levels. A level is `ChainModel::level`; what it saves is the Python between levels (the
+// metadata, the argmax, the level's tree bookkeeping: ~0.4-0.5 ms a level at batch 1).
 at::Tensor draft_lm_chain(const at::Tensor& tokens, const at::Tensor& starts, at::TensorList slots,
-                          at::IntArrayRef levels, const std::optional<at::Tensor>& behind, const at::Tensor& embed, const at::Tensor& inv_freq,
-                          double rope_scale, at::TensorList norms, at::TensorList weights, at::TensorList blocked,
-                          at::TensorList scales, at::TensorList sums, at::TensorList k_cache, at::TensorList v_cache,
-                          const at::Tensor& final_norm, int64_t num_heads, double eps) {
+                          at::IntArrayRef levels, const std::optional<at::Tensor>& behind, const at::Tensor& embed,
+                          const at::Tensor& inv_freq, double rope_scale, at::TensorList norms,
+                          at::TensorList weights, at::TensorList blocked, at::TensorList scales, at::TensorList sums,
+                          at::TensorList k_cache, at::TensorList v_cache, const at::Tensor& final_norm,
+                          int64_t num_heads, double eps) {
   const specpipe::Int8Linears linear = int8_linears(weights, blocked, scales, sums, k_cache.size());
   const int64_t B = tokens.size(0);
   TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong && tokens.is_contiguous() &&
