@@ -178,7 +178,8 @@ class DraftLMLevels:
         for r, b in zip(self.requests, behind, strict=True):
             if b:
                 r.draft_state = r.num_computed
-        self.pending = held if any(held) else None
+        if any(held):  # (a later call finds them fed or held: their draft_state moved on)
+            self.pending = held
         if self.fused is None:
             self._flush()
 

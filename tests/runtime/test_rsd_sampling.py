@@ -195,8 +195,9 @@ def test_a_request_a_token_behind_is_caught_up_in_the_chain_ops_first_level(
     logits after it are the general forward's bits, so output and acceptances are those
     with the general forward (`SHORT_CATCH_UP` 0) and those with the token fed as a chain
     level of its own first (`_flush`, the path off the CPU), token for token and seed for
-    seed; the folded path ran. Test of the test: token 0 fed in place of each behind token
-    draws other sampled chains."""
+    seed; the folded path ran; and where the chain ops stand aside, the tokens held for them
+    are fed before the next forward. Test of the test: token 0 fed in place of each behind
+    token draws other sampled chains."""
     generate = sd_runs(temperature)
     real = DraftLMLevels._feed_behind
     behind: list[int] = []
@@ -235,6 +236,12 @@ def test_a_request_a_token_behind_is_caught_up_in_the_chain_ops_first_level(
     assert any(k > 0 for k in behind) and any(folded)  # chains kept whole: their last drafts fed by the chain op
     monkeypatch.setattr(DraftLMLevels, "_feed_behind", eager)
     assert run() == short
+    monkeypatch.setattr(DraftLMLevels, "_feed_behind", real)
+    monkeypatch.setattr(Int8DraftLM, "chain", lambda *args: None)  # the ops stand aside: `first` and levels feed them
+    monkeypatch.setattr(Int8DraftLM, "sampled_chain", lambda *args: None)
+    assert run() == short
+    monkeypatch.setattr(Int8DraftLM, "chain", chain_seen)
+    monkeypatch.setattr(Int8DraftLM, "sampled_chain", sampled_seen)
     monkeypatch.setattr(level_drafters, "SHORT_CATCH_UP", 0)
     assert run() == short
     if temperature > 0:  # (the toy draft LM's argmax chains here read the same either way)
