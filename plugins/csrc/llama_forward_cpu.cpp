@@ -188,70 +188,34 @@ struct ChainModel {
   int64_t num_heads;
   double eps;
 
+  // With `before`, request active[i] first feeds before[i] (its tokens behind: a chain's last
+  // draft, kept and never fed) at the positions just before pos[i], causal, in the same call:
+  // one attention group of n requests x T rows (T = 1 + the most behind; a request's padding
+  // rows see its first key and are dropped), logits at each request's fed[i] alone. Every row
+  // is reduced over its own keys, so fed[i]'s logits and the K/V written are those of feeding
+  // before[i] in a level of their own first, bit for bit, in one call instead of two (a
+  // call's own cost, ~0.1 ms at batch 1, where a row more costs ~nothing).
   at::Tensor level(at::TensorList slots, const std::vector<int64_t>& active, const std::vector<int64_t>& fed,
                    const std::vector<int64_t>& pos, const std::vector<std::vector<int64_t>>* before = nullptr) const {
     const int64_t n = static_cast<int64_t>(active.size());
-    if (before != nullptr)
-      for (int64_t i = 0; i < n; ++i)
-        if (!(*before)[i].empty()) return level_after(slots, active, fed, pos, *before);
-    int64_t width = 0;
-    for (int64_t i = 0; i < n; ++i) width = std::max(width, pos[i] + 1);
+    const auto behind = [&](int64_t i) { return before ? static_cast<int64_t>((*before)[i].size()) : int64_t{0}; };
+    int64_t T = 1, N = 0, width = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      TORCH_CHECK(pos[i] - behind(i) >= 0, "request ", active[i], " feeds tokens before position 0");
+      T = std::max(T, behind(i) + 1);
+      N += behind(i) + 1;
+      width = std::max(width, pos[i] + 1);
+    }
     // The metadata in this call's own buffers, wrapped (`from_blob`: no allocation and no
     // dispatched op each, where eight ATen ops made them): a greedy level of the demo draft
     // LM 0.191-0.199 -> 0.170-0.175 ms after a flush (`benchmarks.floor`, alternating builds).
     // The tensors live until `layers` returns.
-    std::vector<int64_t> ints(4 * n + n * width, 0);  // tokens, positions, written, rows, key slots
-    std::vector<uint8_t> seen(n * width + n, 0);      // mask, then valid
-    int64_t* keys = ints.data() + 4 * n;
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t p = pos[i];
-      const int64_t* table = slots[active[i]].data_ptr<int64_t>();
-      ints[i] = fed[i];
-      ints[n + i] = p;
-      ints[2 * n + i] = table[p];
-      ints[3 * n + i] = i;
-      std::copy(table, table + p + 1, keys + i * width);
-      std::fill(seen.begin() + i * width, seen.begin() + i * width + p + 1, 1);
-      seen[n * width + i] = 1;
-    }
-    const at::TensorOptions i64 = embed.options().dtype(at::kLong), flags = embed.options().dtype(at::kBool);
-    const at::Tensor tokens = at::from_blob(ints.data(), {n}, i64), positions = at::from_blob(ints.data() + n, {n}, i64);
-    const at::Tensor written = at::from_blob(ints.data() + 2 * n, {n}, i64);
-    const at::Tensor query_index = at::from_blob(ints.data() + 3 * n, {n, 1}, i64);
-    const at::Tensor rows = at::from_blob(ints.data() + 3 * n, {n}, i64);
-    const at::Tensor key_slots = at::from_blob(keys, {n, width}, i64);
-    const at::Tensor mask = at::from_blob(seen.data(), {n, 1, width}, flags);
-    const at::Tensor valid = at::from_blob(seen.data() + n * width, {n, 1}, flags);
-    const at::Tensor x = layers(linear, tokens, positions, written, {query_index}, {key_slots}, {mask}, {valid}, {rows},
-                                embed, inv_freq, rope_scale, norms, k_cache, v_cache, num_heads, eps);
-    const int64_t head = static_cast<int64_t>(linear.weight.size()) - 1;
-    return linear(head, rms_norm(x, final_norm, eps));  // [n, V]
-  }
-
-  // `level` where request active[i] first feeds before[i] (its tokens behind: a chain's last
-  // draft, kept and never fed) at the positions just before pos[i], causal: one attention
-  // group of n requests x T rows (T = 1 + the most behind; a request's padding rows see its
-  // first key and are dropped), logits [n, V] at each request's fed[i] alone. Its rows are
-  // `level`'s rows, each reduced over its own keys, so fed[i]'s logits and the K/V written
-  // are those of feeding before[i] in a level of their own first, bit for bit, in one call
-  // instead of two (a call's own cost, ~0.1 ms at batch 1, where a row more costs ~nothing).
-  at::Tensor level_after(at::TensorList slots, const std::vector<int64_t>& active, const std::vector<int64_t>& fed,
-                         const std::vector<int64_t>& pos, const std::vector<std::vector<int64_t>>& before) const {
-    const int64_t n = static_cast<int64_t>(active.size());
-    int64_t T = 1, N = 0, width = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t fed_here = static_cast<int64_t>(before[i].size()) + 1;
-      TORCH_CHECK(pos[i] - fed_here + 1 >= 0, "request ", active[i], " feeds tokens before position 0");
-      T = std::max(T, fed_here);
-      N += fed_here;
-      width = std::max(width, pos[i] + 1);
-    }
     std::vector<int64_t> tokens(N), positions(N), written(N), query(n * T, 0), rows(N), last(n), keys(n * width, 0);
     std::vector<uint8_t> seen(n * T * width, 0), valid(n * T, 0);
     int64_t row = 0;
     for (int64_t i = 0; i < n; ++i) {
       const int64_t* table = slots[active[i]].data_ptr<int64_t>();
-      const int64_t fed_here = static_cast<int64_t>(before[i].size()) + 1, p0 = pos[i] - fed_here + 1;
+      const int64_t fed_here = behind(i) + 1, p0 = pos[i] - fed_here + 1;
       std::copy(table, table + pos[i] + 1, keys.begin() + i * width);
       for (int64_t t = 0; t < T; ++t) {
         uint8_t* mask_row = seen.data() + (i * T + t) * width;
@@ -261,7 +225,7 @@ struct ChainModel {
           continue;
         }
         const int64_t p = p0 + t;
-        tokens[row] = t + 1 < fed_here ? before[i][t] : fed[i];
+        tokens[row] = t + 1 < fed_here ? (*before)[i][t] : fed[i];
         positions[row] = p;
         written[row] = table[p];
         query[i * T + t] = row;
@@ -282,7 +246,8 @@ struct ChainModel {
     const at::Tensor x = layers(linear, token_t, position_t, written_t, {query_t}, {keys_t}, {mask_t}, {valid_t},
                                 {rows_t}, embed, inv_freq, rope_scale, norms, k_cache, v_cache, num_heads, eps);
     const int64_t head = static_cast<int64_t>(linear.weight.size()) - 1;
-    return linear(head, rms_norm(gather_rows(x, at::from_blob(last.data(), {n}, i64)), final_norm, eps));  // [n, V]
+    const at::Tensor fed_rows = N == n ? x : gather_rows(x, at::from_blob(last.data(), {n}, i64));
+    return linear(head, rms_norm(fed_rows, final_norm, eps));  // [n, V]
   }
 };
 
@@ -312,7 +277,7 @@ void check_chain_slots(at::TensorList slots, int64_t B) {
 
 // A draft LM's greedy chains (SD at temperature 0), every level in one call: request b's
 // token tokens[b] is fed at position starts[b] (after its tokens `behind`, if any, at the
-// positions just before, in the same level: `ChainModel::level_after`), and its argmax (the
+// positions just before, in the same level: `ChainModel::level`), and its argmax (the
 // first index of the row's largest logit) is fed next, one position on: levels[b] tokens fed
 // in all. Returns [B, max(levels)]: the argmax after each fed token, -1 past a request's
 // levels. A level is `ChainModel::level`; what it saves is the Python between levels (the

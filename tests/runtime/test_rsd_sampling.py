@@ -201,7 +201,7 @@ def test_a_request_a_token_behind_is_caught_up_in_the_chain_ops_first_level(
     generate = sd_runs(temperature)
     real = DraftLMLevels._feed_behind
     behind: list[int] = []
-    folded: list[int] = []
+    folded: list[bool] = []
 
     def counted(self: DraftLMLevels, b: list[int]) -> None:
         behind.extend(b)
