@@ -3,14 +3,16 @@ configuration, all on the same loaded weights, step in turn, so every configurat
 the same machine at the same moments.
 
     python -m benchmarks.lockstep --engine engines/demo-redrafter --batch 1 --temperature 1 \\
-        redrafter "redrafter@runtime.speculation_policy.EXPLORERS=0" redrafter:fixed
+        redrafter "redrafter@runtime.speculation_policy.EXPLORERS=0" "redrafter:fixed[beam_width=1]"
 
-A configuration is `METHOD[:SPECULATION][@MODULE.ATTR=VALUE;...]`: a decoding method, its
-speculation (`load-aware`, the default, or `fixed`), and module attributes set around each of
-its steps (and restored after), so variants of a policy constant run side by side in one
-process. Each round (seeded apart) every engine decodes the same `--batch` held-out prompts
-of `--max-tokens` tokens (EOS ignored). A configuration's ratio is its tokens per second of
-its own step time over AR's: overall, and per round (median, range, standard error).
+A configuration is `METHOD[:SPECULATION][[KEY=VALUE,...]][@MODULE.ATTR=VALUE;...]`: a decoding
+method, its speculation (`load-aware`, the default, or `fixed`), its method's settings over
+the engine's (as `--fixed-also` of `benchmarks.batch_sweep`: `[beam_width=1]`, one-beam
+chains), and module attributes set around each of its steps (and restored after), so
+variants of a policy constant run side by side in one process. Each round (seeded apart)
+every engine decodes the same `--batch` held-out prompts of `--max-tokens` tokens (EOS
+ignored). A configuration's ratio is its tokens per second of its own step time over AR's:
+overall, and per round (median, range, standard error).
 
 Why: runs of their own, even alternating, read one configuration 3-10% apart from itself on
 a shared 2-core VM (AR against itself: 0.96 vs 1.07 ms a step); in lockstep, stepping in a
@@ -35,6 +37,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from benchmarks.batch_sweep import parse_settings
 from benchmarks.report import command, machine, write_report
 from benchmarks.timing import add_decoding_arguments, round_params, warm_up
 from runtime.config import RuntimeConfig
@@ -53,6 +56,8 @@ class Config:
     method: str
     speculation: str
     patches: tuple[Patch, ...]
+    settings: tuple[tuple[str, Any], ...] = ()
+    """The method's settings over the engine's (`LLMEngine.add_request`'s)."""
 
     def apply(self) -> list[Patch]:
         """Set the patches; returns what they replaced (to `restore`)."""
@@ -67,14 +72,25 @@ def restore(old: list[Patch]) -> None:
         setattr(module, attr, value)
 
 
+SYNTAX = "METHOD[:load-aware|fixed][[KEY=VALUE,...]][@MODULE.ATTR=VALUE;...]"
+
+
 def parse_config(text: str) -> Config:
-    """`METHOD[:SPECULATION][@MODULE.ATTR=VALUE;...]`; VALUE is a Python literal. Raises
-    ValueError naming what is wrong."""
+    """`METHOD[:SPECULATION][[KEY=VALUE,...]][@MODULE.ATTR=VALUE;...]`; a setting's VALUE as
+    `parse_settings` reads it, a patch's a Python literal. Raises ValueError naming what is
+    wrong."""
     main, _, patch = text.partition("@")
+    main, bracket, rest = main.partition("[")
+    if bracket and not rest.endswith("]"):
+        raise ValueError(f"config {text!r}: the method's settings end with ']', as in redrafter:fixed[beam_width=1]")
+    try:
+        settings = parse_settings(rest[:-1]) if bracket else {}
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"config {text!r}: {e}") from e
     method, _, speculation = main.partition(":")
     speculation = speculation or "load-aware"
     if not method or speculation not in ("load-aware", "fixed"):
-        raise ValueError(f"config {text!r}: expected METHOD[:load-aware|fixed][@MODULE.ATTR=VALUE;...]")
+        raise ValueError(f"config {text!r}: expected {SYNTAX}")
     patches = []
     for item in filter(None, patch.split(";")):
         target, sep, value = item.partition("=")
@@ -89,7 +105,7 @@ def parse_config(text: str) -> Config:
         except Exception as e:
             raise ValueError(f"config {text!r}: {value!r} is not a Python literal ({e})") from e
         patches.append((module, attr, literal))
-    return Config(text, method, speculation, tuple(patches))
+    return Config(text, method, speculation, tuple(patches), tuple(settings.items()))
 
 
 @dataclass
@@ -126,11 +142,18 @@ def in_turn(engines: dict[str, LLMEngine], round_: int) -> Iterator[tuple[str, L
 
 
 def add_round(
-    llm: LLMEngine, method: str, prompts: list[list[int]], max_tokens: int, temperature: float, round_: int
+    llm: LLMEngine,
+    method: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    temperature: float,
+    round_: int,
+    **settings: Any,
 ) -> list[Request]:
-    """Round `round_`'s requests of `prompts` (`round_params`: seeded apart by round), added to `llm`."""
+    """Round `round_`'s requests of `prompts` (`round_params`: seeded apart by round), added to
+    `llm` with the method's `settings` over the engine's."""
     params = round_params(len(prompts), max_tokens, temperature, round_)
-    return [llm.add_request(p, s, method) for p, s in zip(prompts, params, strict=True)]
+    return [llm.add_request(p, s, method, **settings) for p, s in zip(prompts, params, strict=True)]
 
 
 def lockstep(
@@ -149,7 +172,12 @@ def lockstep(
     done: dict[str, list[Request]] = {k: [] for k in engines}
     keys = list(engines)
     for r in tqdm(range(rounds), desc="lockstep rounds"):
-        requests = {k: add_round(engines[k], configs[k].method, prompts, max_tokens, temperature, r) for k in keys}
+        requests = {
+            k: add_round(
+                engines[k], configs[k].method, prompts, max_tokens, temperature, r, **dict(configs[k].settings)
+            )
+            for k in keys
+        }
         for k, llm in in_turn(engines, r):
             old = configs[k].apply()
             try:
@@ -190,7 +218,7 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("configs", nargs="+", help="METHOD[:load-aware|fixed][@MODULE.ATTR=VALUE;...], one or more")
+    ap.add_argument("configs", nargs="+", help=f"{SYNTAX}, one or more")
     ap.add_argument("--engine", default="engines/demo-redrafter", help="(default: %(default)s)")
     ap.add_argument("--batch", type=int, default=1, help="requests at once (default: %(default)s)")
     ap.add_argument(
@@ -215,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             llm = LLMEngine(engine, RuntimeConfig(max_batch_size=args.batch, speculation=config.speculation))
             llm.prepare()
-            warm_up(llm, prompts[0], config.method, args.temperature)
+            warm_up(llm, prompts[0], config.method, args.temperature, **dict(config.settings))
         finally:
             restore(old)
         engines[name] = llm

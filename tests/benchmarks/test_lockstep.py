@@ -1,6 +1,7 @@
 """`benchmarks/lockstep.py`, run for real on the CPU on a demo engine: AR's row reads 1, a
-configuration's patch holds during its steps only, greedy outputs are checked against AR's,
-and malformed configurations are refused with what is wrong."""
+configuration's patch holds during its steps only and its settings reach its requests,
+greedy outputs are checked against AR's, and malformed configurations are refused with what
+is wrong."""
 
 from __future__ import annotations
 
@@ -19,29 +20,38 @@ def test_configurations_step_in_turn_against_ar(
     engines: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen: list[tuple[str, int]] = []  # (method of the stepping engine's requests, EXPLORERS during its step)
+    widths: set[int] = set()  # the beam widths of its ReDrafter requests
     step = LLMEngine.step
 
     def spy(self: LLMEngine) -> list:
-        methods = {r.method for r in self.scheduler.running.values()} | {r.method for r in self.scheduler.waiting}
-        seen.extend((m, speculation_policy.EXPLORERS) for m in methods)
+        requests = [*self.scheduler.running.values(), *self.scheduler.waiting]
+        seen.extend((m, speculation_policy.EXPLORERS) for m in {r.method for r in requests})
+        widths.update(r.draft_params.beam_width for r in requests if r.method == "redrafter")
         return step(self)
 
     monkeypatch.setattr(LLMEngine, "step", spy)
     before = speculation_policy.EXPLORERS
     out = tmp_path / "lockstep"
-    configs = ["redrafter", "redrafter:fixed", "ngram@runtime.speculation_policy.EXPLORERS=7"]
+    configs = [
+        "redrafter",
+        "redrafter:fixed",
+        "redrafter:fixed[beam_width=1]",
+        "ngram@runtime.speculation_policy.EXPLORERS=7",
+    ]
     main(["--engine", str(engines["redrafter"]), "--batch", "2", "--max-tokens", "12", "--rounds", "3", *configs,
           "--out", str(out)])  # fmt: skip
     assert before == speculation_policy.EXPLORERS, "a patch outlived its steps"
     assert {x for m, x in seen if m == "ngram"} == {7} and {x for m, x in seen if m != "ngram"} == {before}
     doc = json.loads(out.with_suffix(".json").read_text())
     rows = {r["config"]: r for r in doc["rows"]}
-    assert list(rows) == ["ar", "redrafter", "redrafter:fixed", "ngram@runtime.speculation_policy.EXPLORERS=7"]
+    assert list(rows) == ["ar", *configs]
+    assert widths == {1, 4}  # the engine's beams, and one where the configuration set it
     assert rows["ar"]["ratio"] == 1 and rows["ar"]["per_round"] == [1.0] * 3 and rows["ar"]["tokens_per_step"] == 1
     for r in rows.values():
         assert r["same_as_ar"] is True, r  # greedy: every configuration's output is AR's
         assert r["ratio"] > 0 and len(r["per_round"]) == 3 and r["least"] <= r["median"] <= r["most"]
-    assert rows["redrafter:fixed"]["tokens_per_step"] > 1  # fixed speculation drafts every step
+    for fixed in ("redrafter:fixed", "redrafter:fixed[beam_width=1]"):
+        assert rows[fixed]["tokens_per_step"] > 1  # fixed speculation drafts every step
     assert "| `redrafter:fixed` |" in out.with_suffix(".md").read_text()
 
 
@@ -52,6 +62,8 @@ def test_configurations_step_in_turn_against_ar(
         ("redrafter@runtime.speculation_policy.NO_SUCH=1", "has no 'NO_SUCH'"),
         ("redrafter@EXPLORERS=1", "is not MODULE.ATTR=VALUE"),
         ("redrafter@runtime.speculation_policy.EXPLORERS=two", "is not a Python literal"),
+        ("redrafter:fixed[beam_width=1", r"end with '\]'"),
+        ("redrafter:fixed[beam_width]", "expected key=value"),
     ],
 )
 def test_a_malformed_configuration_is_refused(text: str, wrong: str) -> None:
@@ -61,7 +73,11 @@ def test_a_malformed_configuration_is_refused(text: str, wrong: str) -> None:
 
 def test_a_configuration_patches_and_restores() -> None:
     config = parse_config("sd:fixed@runtime.speculation_policy.PROBE_SHARE=0.5")
-    assert (config.method, config.speculation) == ("sd", "fixed")
+    assert (config.method, config.speculation, config.settings) == ("sd", "fixed", ())
+    assert parse_config("redrafter:fixed[beam_width=1,beam_length=3]").settings == (
+        ("beam_width", 1),
+        ("beam_length", 3),
+    )
     before = speculation_policy.PROBE_SHARE
     old = config.apply()
     assert speculation_policy.PROBE_SHARE == 0.5
