@@ -17,7 +17,7 @@ DEMO_PROMPTS := --prompt "def fibonacci(n):" \
 	--prompt "$$(printf 'class Stack:\n    def __init__(self):')" \
 	--prompt "$$(printf 'import os\n\n\ndef list_python_files(path):')"
 
-.PHONY: help setup cpu-kernels mpi perf-analyzer-install perf-tools genai-perf perf-analyzer engine demo serve test test-slow lint format model drafter drafter-soft draft-lm lyanna bench-redrafter bench-redrafter-kd bench-redrafter-grid bench-lyanna-throughput bench-batch bench-batch-methods bench-triton-overhead bench-rsd bench-ngram profile policy-trace bench-no-draft bench-churn bench-lockstep bench-floor bench-lyanna bench-drafter-tp loadtest loadtest-openai soak bench-table2 export-trtllm clean
+.PHONY: help setup cpu-kernels mpi perf-analyzer-install perf-tools genai-perf perf-analyzer engine demo serve test test-slow lint format model drafter drafter-soft draft-lm lyanna bench-redrafter bench-redrafter-kd bench-redrafter-grid bench-lyanna-throughput bench-batch bench-batch-methods bench-triton-overhead bench-rsd bench-ngram profile policy-trace bench-no-draft bench-churn bench-lockstep bench-floor bench-compiled-forward bench-lyanna bench-drafter-tp loadtest loadtest-openai soak bench-table2 export-trtllm clean
 
 help:  ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 25
@@ -232,6 +232,9 @@ bench-lockstep: engine  ## load-aware ReDrafter against AR in lockstep (engines 
 
 bench-floor: engine  ## the batch-1 floor: bytes and ms of the target's forward and of a drafter level, and the tau 2x needs -> benchmarks/results/floor.{json,md}
 	$(BIN)/python -m benchmarks.floor --engine $(SPEC_ENGINE) --engine $(DRAFT_ENGINE)
+
+bench-compiled-forward: engine  ## the target's forward: the C++ op vs eager vs torch.compile (inductor), 1/8/40 tokens -> benchmarks/results/compiled_forward.{json,md}
+	$(BIN)/python -m benchmarks.compiled_forward --engine $(SPEC_ENGINE)
 
 bench-ngram: engine  ## prompt-lookup (n-gram) decoding vs AR on held-out prompts, batch 1 and 8, T=0 and 1 -> benchmarks/results/
 	$(BIN)/python -m benchmarks.ngram_sweep --engine $(SPEC_ENGINE)

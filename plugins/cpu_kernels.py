@@ -132,14 +132,21 @@ def load() -> bool:
     return True
 
 
-@functools.cache
 def load_with_fake(op: str, fake: Callable[..., Any]) -> bool:
     """`load()`, then give the C++ op `specpipe_cpu::<op>` the fake kernel of the custom op
-    it serves (once), so it traces like its custom op; False where the kernels are off."""
-    if not load():
-        return False
-    torch.library.register_fake(f"specpipe_cpu::{op}")(fake)
-    return True
+    it serves (once), so it traces like its custom op; False where the kernels are off.
+    Once asked, the answer is a dict lookup, which `torch.compile` traces (`load` hashes
+    the sources: a graph break at every op that asked, 17 in a forward of the demo target)."""
+    ready = _with_fake.get(op)
+    if ready is None:
+        ready = load()
+        if ready:
+            torch.library.register_fake(f"specpipe_cpu::{op}")(fake)
+        _with_fake[op] = ready
+    return ready
+
+
+_with_fake: dict[str, bool] = {}
 
 
 def main() -> None:
