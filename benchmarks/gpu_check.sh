@@ -11,8 +11,9 @@
 #      fixed Lyanna ran 0.71x AR at batch 1, so load-aware rightly drafted nothing);
 #   4. `benchmarks.step_profile`, `benchmarks.torch_profile` (kernels by device time),
 #      `benchmarks.policy_trace` of sd and Lyanna at batch 1, T=0 (each drafting-cost fit's
-#      samples and prices) and `benchmarks.gpu_linear_bench` (few-row products: cuBLAS vs
-#      the split-K kernel);
+#      samples and prices), `benchmarks.gpu_linear_bench` (few-row products: cuBLAS vs
+#      the split-K kernel) and `benchmarks.compiled_forward` (the target's forward: eager vs
+#      torch.compile, not yet measured on a GPU);
 #   5. the rest of the decoding paths' CUDA tests (greedy == AR per method, verification,
 #      batch-invariant kernels).
 # Session 22 ran it in ~4.5 min of a call (the sweeps ~15-25 s each); session 24 in 5.7 min
@@ -55,6 +56,8 @@ for m in draft-lm:sd lyanna:lyanna; do  # what load-aware priced its drafting at
     --out "$R/policy_trace_${m##*:}" 2>&1 | grep "^| [a-z]" | cut -c1-160
 done
 timeout 60 python3 -m benchmarks.gpu_linear_bench --out "$R/gpu_linear" 2>&1 | grep "^| " | cut -c1-120
+timeout 90 python3 -m benchmarks.compiled_forward --device cuda --tokens 1,8,40 --repeats 20 --out "$R/compiled_forward" \
+  2>&1 | grep "^| " | cut -c1-120  # (the engine replays CUDA graphs of the eager forward: its ms is the "eager" row's floor)
 date; pack
 T 120 tests/plugins/test_batch_invariant.py tests/runtime/test_verify.py tests/runtime/test_redrafter_greedy.py \
   tests/runtime/test_rsd_greedy.py tests/runtime/test_lyanna_greedy.py
