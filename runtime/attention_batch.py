@@ -48,15 +48,36 @@ class Segment:
 
 
 def write_slots(segments: list[Segment]) -> torch.Tensor:
-    """[N] slot of every new token of the flat batch, in batch order."""
+    """[N] slot of every new token of the flat batch, in batch order (one request's: a view
+    of its slots, no copy)."""
+    if len(segments) == 1:
+        return segments[0].slots[segments[0].context_len :]
     return torch.cat([s.slots[s.context_len :] for s in segments])
 
 
 def group(segments: list[Segment], device: torch.device | str = "cpu") -> AttentionGroup:
-    """One padded attention group over `segments`. Filled in numpy (a slice assignment
-    costs ~0.5 us there, ~4 us as a torch op): a draft-LM step at batch 8 builds a group
-    per draft level and one for the target, ~0.25 ms each with torch ops, ~0.14 with numpy
-    and ~0.07 with each segment's size read once and causal masks built once per size."""
+    """One padded attention group over `segments` (`padded`; one segment's, or one of decode
+    tokens alone, with fewer host ops: `_one`, `_decode`)."""
+    if len(segments) == 1:
+        arrays = _one(segments[0])
+    elif all(s.tree_mask is None and s.num_new == 1 for s in segments):
+        arrays = _decode(segments)
+    else:
+        arrays = padded(segments)
+    if getattr(device, "type", device) == "cpu":  # (`.to` for the CPU: for nothing; `torch.device(...)`: ~10 us cold)
+        return AttentionGroup(*(torch.from_numpy(a) for a in arrays))
+    return AttentionGroup(*(torch.from_numpy(a).to(device) for a in arrays))
+
+
+GroupArrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+"""`AttentionGroup`'s fields as numpy arrays (query_index, key_slots, mask, valid, rows)."""
+
+
+def padded(segments: list[Segment]) -> GroupArrays:
+    """The group's arrays, any segments. Filled in numpy (a slice assignment costs ~0.5 us
+    there, ~4 us as a torch op): a draft-LM step at batch 8 builds a group per draft level
+    and one for the target, ~0.25 ms each with torch ops, ~0.14 with numpy and ~0.07 with
+    each segment's size read once and causal masks built once per size."""
     news = [s.num_new for s in segments]
     t = max(news)
     width = max(int(s.slots.shape[0]) for s in segments)
@@ -74,8 +95,32 @@ def group(segments: list[Segment], device: torch.device | str = "cpu") -> Attent
         mask[g, :n, : c + n - k] = True
         mask[g, :n, c + n - k : c + n] = own
         valid[g, :n] = True
-    arrays = (query_index, key_slots, mask, valid, query_index[valid])
-    return AttentionGroup(*(torch.from_numpy(a).to(device) for a in arrays))
+    return query_index, key_slots, mask, valid, query_index[valid]
+
+
+def _one(s: Segment) -> GroupArrays:
+    """`padded([s])` without padding: its slots as they are (a view), a mask of ones with its
+    own block last. The steps of batch 1 build one group a forward (and a draft LM's levels
+    one each); after a forward has left the caches cold, `padded`'s dozen numpy ops cost ~90
+    us here (2-core EPYC), ~10% of an auto-regressive step."""
+    n, w = s.num_new, int(s.slots.shape[0])
+    query_index = np.arange(s.start, s.start + n)[None]
+    own = _causal(n) if s.tree_mask is None else s.tree_mask.numpy()
+    mask = np.ones((1, n, w), dtype=np.bool_)
+    mask[0, :, w - own.shape[1] :] = own
+    return query_index, s.slots.numpy()[None], mask, np.ones((1, n), dtype=np.bool_), query_index[0]
+
+
+def _decode(segments: list[Segment]) -> GroupArrays:
+    """`padded(segments)` for one new token each (an auto-regressive batch, a draft LM's
+    roots): no padding queries, each row sees its own slots, so the mask is one comparison."""
+    lengths = np.array([int(s.slots.shape[0]) for s in segments])
+    key_slots = np.zeros((len(segments), int(lengths.max())), dtype=np.int64)
+    for g, s in enumerate(segments):
+        key_slots[g, : lengths[g]] = s.slots.numpy()
+    query_index = np.array([s.start for s in segments], dtype=np.int64)[:, None]
+    mask = (np.arange(key_slots.shape[1]) < lengths[:, None])[:, None, :]
+    return query_index, key_slots, mask, np.ones((len(segments), 1), dtype=np.bool_), query_index[:, 0]
 
 
 @functools.lru_cache(maxsize=256)

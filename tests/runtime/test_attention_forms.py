@@ -9,7 +9,7 @@ import torch
 
 from model_defs.paged_kv_cache import PagedBatch, RowMetadata
 from plugins.beam_packing import pack
-from runtime.attention_batch import Segment, build_groups, build_rows, write_slots
+from runtime.attention_batch import Segment, build_groups, build_rows, group, padded, write_slots
 from runtime.block_manager import BlockManager
 from tests.tiny_models import tiny_target
 
@@ -73,3 +73,25 @@ def test_rows_and_groups_give_the_same_forward() -> None:
     with torch.no_grad():
         bad = model(tokens[None], positions[None], PagedBatch(cache, slots, wrong)).logits[0]
     assert (bad - outputs[0]).abs().max() > 1e-3
+
+
+def test_one_segment_and_decode_groups_are_the_padded_group() -> None:
+    """`group` builds one request's group, and one of decode tokens alone, with fewer host
+    ops than `padded`: the same arrays, every field, for a decode token, a causal chunk
+    from position 0, a packed tree, a drafter level over cached nodes, and batches of
+    decode tokens of different contexts. A `_decode` that took every request's context to
+    be the first's fails this."""
+    blocks = BlockManager(64, 4)
+    segments, _, _ = _segments(blocks)
+    assert blocks.ensure("e", 5)
+    fresh = Segment(0, 0, blocks.slots("e", 0, 5))  # a first prefill chunk: no context, its mask all causal
+    singles = [*segments, fresh]
+    decodes = []
+    for i, context in enumerate((3, 11, 6, 1)):
+        assert blocks.ensure(f"t{i}", context + 1)
+        decodes.append(Segment(i, context, blocks.slots(f"t{i}", 0, context + 1)))
+    for batch in [[s] for s in singles] + [decodes, decodes[:2], decodes[1:3]]:
+        want = padded(batch)
+        got = group(batch)
+        for field, a, b in zip(got._fields, got, want, strict=True):
+            assert torch.equal(a, torch.from_numpy(b)), (field, batch)
