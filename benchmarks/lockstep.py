@@ -244,6 +244,8 @@ def main(argv: list[str] | None = None) -> None:
             llm = LLMEngine(engine, RuntimeConfig(max_batch_size=args.batch, speculation=config.speculation))
             llm.prepare()
             warm_up(llm, prompts[0], config.method, args.temperature, **dict(config.settings))
+        except ValueError as e:  # a method or setting the engine does not take: its message names the fix
+            ap.error(f"config {name!r}: {e}")
         finally:
             restore(old)
         engines[name] = llm

@@ -83,3 +83,12 @@ def test_a_configuration_patches_and_restores() -> None:
     assert speculation_policy.PROBE_SHARE == 0.5
     lockstep.restore(old)
     assert before == speculation_policy.PROBE_SHARE
+
+
+def test_a_setting_the_method_does_not_take_is_refused(
+    engines: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["--engine", str(engines["redrafter"]), "--rounds", "1", "--max-tokens", "4",
+              "redrafter:fixed[beam_wdth=1]", "--out", str(tmp_path / "x")])  # fmt: skip
+    assert "takes ['beam_length', 'beam_width', 'packing']; got ['beam_wdth']" in capsys.readouterr().err
