@@ -1,6 +1,6 @@
 """Does `torch.compile` (inductor) make the target's forward faster? The same forward, one
 request after `--context` cached positions, `--tokens` new tokens (1: an auto-regressive
-step; 8 and 40: batch-8 steps and their trees), run four ways:
+step; 8 and 40: batch-8 steps and their trees), run five ways:
 
 - `c++ op`: what the engine runs on the CPU (`plugins/llama_forward.py`'s `FusedTarget`:
   the whole forward in one C++ call, the few-row products on `plugins/fp32_linear.py`);
@@ -20,8 +20,8 @@ step; 8 and 40: batch-8 steps and their trees), run four ways:
 Each row: the median milliseconds of a forward (after warm-up), the first call's seconds
 (the compile, for `inductor`), and the largest |logit - eager's| with whether every
 argmax is eager's. Writes `<out>.json` and `<out>.md`. Compiling the engine's own weights
-is not a row: inductor took the blocked fp32 copies (oneDNN's and `fp32_linear`'s) for
-dense weights and its logits were off by up to ~9 (demo target, torch 2.13).
+(the blocked copies) is not a row: its logits were off by up to ~9 (demo target, torch
+2.13), though each product and norm compiled alone agreed; the cause was not found.
 """
 
 from __future__ import annotations
