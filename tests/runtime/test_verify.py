@@ -62,6 +62,9 @@ def test_greedy_follows_argmax_path() -> None:
     logits[5] = torch.tensor([0.0, 5.0, 0.0, 0.0])  # leaf: bonus is its argmax
     acc = accept_greedy(TREE, logits)
     assert acc.path == [0, 1, 5] and acc.tokens == [2, 2, 1]
+    # a root alone (an auto-regressive step): its argmax, with or without the caller's
+    root = DraftTree([3], [-1])
+    assert accept_greedy(root, logits[1:2]) == accept_greedy(root, logits[1:2], [2]) == Acceptance([0], [2])
 
 
 def accept_without_residual(
