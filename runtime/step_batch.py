@@ -62,7 +62,7 @@ def assemble(
             positions += [context + d for d in tree.depths]
             logits_start = len(logit_rows)
             logit_rows += range(start, start + len(tree.tokens))
-            mask = tree.mask
+            mask = tree.mask if len(tree.tokens) > 1 else None  # a root alone: causal (`attention_batch._decode`)
         seq_slots = blocks.slots(request.request_id, 0, len(tokens) - start + context)
         slots[request.request_id] = seq_slots
         segments.append(Segment(start, context, seq_slots, mask))
