@@ -247,6 +247,26 @@ def test_fixed_mode_always_drafts_the_largest_tree() -> None:
     assert p.chosen[("redrafter", 17)] == 32
 
 
+def test_a_fixed_policy_reports_what_a_choosing_one_does_and_prices_nothing() -> None:
+    """Fixed speculation (auto-regression included) never prices a choice, so its `observe`
+    learns only what reports read (`estimates`: every size a tree measures, its cuts
+    included), the same values a choosing policy reports from the same steps; no forward,
+    host or drafting cost and no request's own estimate (that learning was ~25 us of every
+    step, ~1% of AR's at batch 1)."""
+    rng = np.random.default_rng(0)
+    fixed, choosing = forward_calibrated(GOOD, adaptive=False), forward_calibrated(GOOD)
+    before = dict(fixed.forward_cost.tokens.points)
+    for step in range(30):
+        outcomes = [outcome(f"r{i}", BEAMS[1 + (step + i) % 3], rng, 0.7) for i in range(4)]
+        for p in (fixed, choosing):
+            p.observe(StepStats(40, 0.01, {"redrafter": (L, 36, 0, 36, 0.002)}, outcomes, 4,
+                                overhead_seconds=0.001))  # fmt: skip
+    assert fixed.estimates() == choosing.estimates() and len(fixed.estimates()["redrafter/True"]) == 3
+    assert fixed.forward_cost.tokens.points == before and not fixed.forward_cost.extra_trees
+    assert not fixed.draft_cost and not fixed.requests and not fixed.overhead_trees
+    assert choosing.draft_cost and choosing.requests and choosing.forward_cost.extra_trees
+
+
 @pytest.mark.parametrize(
     ("world", "batch"),
     [(GOOD, 1), (GOOD, 8), (GOOD, 32), (POOR, 1), (POOR, 8), (POOR, 32), (CPU_BATCH, 8)],
