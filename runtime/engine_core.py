@@ -397,13 +397,15 @@ class EngineCore:
 
     def _notify(self, request: Request, tokens: list[int], error: str | None = None) -> None:
         self.clock.emitted(len(tokens))
+        start = self.clock.mark()
         try:
-            with self.clock.nested("emit"):
-                request.notify(tokens, error)
+            request.notify(tokens, error)
         except Exception:  # a broken consumer must not take the engine (or other requests) down
             log.exception("callback of request %s failed; cancelling it", request.request_id)
             request.callback = None
             request.cancel_requested = "cancelled"
+        finally:
+            self.clock.nested("emit", start)
 
     def _finish(self, request: Request, reason: str, error: str | None = None) -> Request:
         """Take the request out, free its blocks, send its final event."""

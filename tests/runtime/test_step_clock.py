@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
+from runtime import step_clock
 from runtime.config import RuntimeConfig
 from runtime.llm_engine import LLMEngine
 from runtime.sampling import SamplingParams
@@ -70,3 +73,19 @@ def test_an_engines_plain_steps_after_its_prefill_are_steady_after_a_few() -> No
     llm.generate([toy_sampling.PROMPT], [SamplingParams(max_tokens=12, ignore_eos=True)], "ar")
     assert llm.clock.plain_steps == 11
     assert llm.clock.steady_steps == 11 - AFTER_PREFILL
+
+
+def test_a_nested_stretch_goes_to_its_phase_and_out_of_the_enclosing_lap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The callbacks inside the commit lap (`EngineCore._notify`: `mark`, then `nested`) are
+    the emit phase's time, not the commit's, and the step's total stays what it took."""
+    now = [100.0]
+    monkeypatch.setattr(step_clock.time, "perf_counter", lambda: now[0])
+    clock = StepClock()
+    clock.start()
+    now[0] += 1.0
+    start = clock.mark()
+    now[0] += 2.0
+    clock.nested("emit", start)
+    now[0] += 4.0
+    clock.lap("commit")
+    assert (clock.step["emit"], clock.step["commit"], clock.totals["emit"]) == (2.0, 5.0, 2.0)
