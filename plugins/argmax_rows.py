@@ -38,10 +38,7 @@ def _kernel_built() -> bool:
 def kernel_applies(logits: list[Tensor]) -> bool:
     """Whether `specpipe_cpu::argmax_rows` takes these logits (and is built): fp32 CPU rows,
     each contiguous."""
-    return (
-        all(t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1 for t in logits)
-        and _kernel_built()
-    )
+    return all(t.is_cpu and t.dtype == torch.float32 and t.stride(-1) == 1 for t in logits) and _kernel_built()
 
 
 def greedy_tokens(logits: list[Tensor]) -> list[int]:

@@ -34,7 +34,7 @@ def kernel_applies(logits: list[Tensor]) -> bool:
     """Whether the op takes these chains' logits (and is built): fp32 on the CPU."""
     return (
         bool(logits)
-        and all(x.device.type == "cpu" and x.dtype == torch.float32 for x in logits)
+        and all(x.is_cpu and x.dtype == torch.float32 for x in logits)
         and cpu_kernels.load_with_fake("verify_sampled_chains", _fake)
     )
 
