@@ -22,6 +22,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 from torch import nn
 
@@ -37,6 +40,8 @@ from runtime.model_runner import forward
 from runtime.request import Request
 from runtime.step_batch import step_input
 from runtime.tree import bit_rows
+
+_Out = TypeVar("_Out")
 
 
 class RNNLevels:
@@ -237,13 +242,23 @@ class DraftLMLevels:
         starts = self._roots_fed() if at_root else [r.num_computed + 1 for r in self.requests]
         if self.fused is None:
             return self._chain_by_levels(tokens, starts, levels)
+        fused = self.fused
+        return self._behind_roots(
+            at_root, lambda behind: fused.chain(tokens, starts, self.slots, levels, self.cache, behind)
+        )
+
+    def _behind_roots(self, at_root: bool, op: Callable[[list[list[int]] | None], _Out | None]) -> _Out | None:
+        """Run a C++ chain `op` with the tokens behind the roots (`pending`) where it feeds
+        the roots (`at_root`: it feeds them in its first level, and they are then fed), else
+        with none, fed first as chain levels (`_flush`). Where the op stands aside (None),
+        they stay pending for the forward that drafts instead."""
         if not at_root:
             self._flush()
-            return self.fused.chain(tokens, starts, self.slots, levels, self.cache)
-        chains = self.fused.chain(tokens, starts, self.slots, levels, self.cache, self.pending)
-        if chains is not None:
+            return op(None)
+        out = op(self.pending)
+        if out is not None:
             self.pending = None  # fed before the roots
-        return chains
+        return out
 
     def _chain_by_levels(self, tokens: list[int], starts: list[int], levels: list[int]) -> list[list[int]]:
         """`chain` a level per `chain_level_at` call (request i's `tokens[i]` fed at
@@ -287,16 +302,13 @@ class DraftLMLevels:
         if first is None:
             self._roots_fed()
             roots = [r.token_at(r.num_computed) for r in self.requests]
-        else:
-            self._flush()
-        starts = [r.num_computed + 1 for r in self.requests]
-        behind = self.pending if roots is not None else None
-        out = self.fused.sampled_chain(
-            first, roots, starts, self.slots, levels, temperatures, uniforms, self.cache, behind
+        starts, fused = [r.num_computed + 1 for r in self.requests], self.fused
+        return self._behind_roots(
+            roots is not None,
+            lambda behind: fused.sampled_chain(
+                first, roots, starts, self.slots, levels, temperatures, uniforms, self.cache, behind
+            ),
         )
-        if out is not None and roots is not None:
-            self.pending = None  # fed before the roots
-        return out
 
     @torch.inference_mode()  # as `chain_level` runs (the op stands aside under autograd)
     def chains(self) -> bool:
