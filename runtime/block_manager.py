@@ -53,8 +53,7 @@ class BlockManager:
         table += new
         every = self._slots.get(request_id)
         if every is not None:
-            grown = (np.asarray(new, dtype=np.int64)[:, None] * self.block_size + self._offsets).reshape(-1)
-            self._slots[request_id] = np.concatenate((every, grown))
+            self._slots[request_id] = np.concatenate((every, self._slots_of(new)))
         return True
 
     def truncate(self, request_id: str, num_tokens: int) -> None:
@@ -82,8 +81,11 @@ class BlockManager:
         the table's slots in numpy each time ~5-10 (a 200-token context), a view ~2."""
         every = self._slots.get(request_id)
         if every is None:
-            table = np.asarray(self._tables[request_id], dtype=np.int64)
-            every = self._slots[request_id] = (table[:, None] * self.block_size + self._offsets).reshape(-1)
+            every = self._slots[request_id] = self._slots_of(self._tables[request_id])
         if end > every.shape[0]:
             raise IndexError(f"positions up to {end} exceed the {every.shape[0]} slots of {request_id}'s blocks")
         return torch.from_numpy(every[start:end])
+
+    def _slots_of(self, blocks: list[int]) -> np.ndarray:
+        """Every slot of `blocks`, in order: `block * block_size + offset`."""
+        return (np.asarray(blocks, dtype=np.int64)[:, None] * self.block_size + self._offsets).reshape(-1)
