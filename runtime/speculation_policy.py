@@ -457,6 +457,8 @@ class Estimate:
     def weight(self, idle: int) -> float:
         """The trees behind it as they count against a new measurement once the policy's
         `idle` clock reads `idle`: halved every `KIND_HALF_LIFE` steps without trees since its last."""
+        if idle == self.idle:  # no step without trees since: as it counted (the line below, without its power)
+            return self.recent
         aged = self.recent * 0.5 ** ((idle - self.idle) / KIND_HALF_LIFE)
         return max(aged, min(self.recent, KIND_LEAST_TREES))
 
@@ -524,9 +526,9 @@ class _Settled:
     """Each position's most tokens a step at its size can yield (`ceiling`; 1 at size 1)."""
     chains: list[bool] = field(default_factory=list)
     """Whether each position's size is a chain `_within` may cut (size 1 included)."""
-    yields: list[tuple[float, float, float]] = field(default_factory=list)
+    yields: tuple[float, float, float] = (0.0, 0.0, 0.0)
     """(tokens its trees yielded, tokens they were expected to, a bound on that number's
-    variance) of each of its steps (`strays`)."""
+    variance), summed over its steps in their order (`strays`, `yielded`)."""
     expecting: tuple[float, float] | None = None
     """(tokens, variance bound) the trees of the step under way are expected to yield
     (`give`; None: it drafts none)."""
@@ -571,11 +573,17 @@ class _Settled:
         lie in [1, c], c the most its tree can yield, so a step's variance is at most
         (e - 1)(c - e) for e the tokens expected (Bhatia-Davis), plus a quarter token for
         the estimate's own error."""
-        made = expected = variance = 0.0
-        for y, e, v in self.yields:
-            made, expected, variance = made + y, expected + e, variance + v
+        made, expected, variance = self.yields
         spread = variance**0.5
         return made < expected - z * spread or made > expected + STAND_Z_OVER * spread
+
+    def yielded(self, tokens: float) -> None:
+        """The step under way's trees yielded `tokens` (`SpeculationPolicy.observe`): into
+        `yields` with what they were expected to (`expecting`)."""
+        if self.expecting is not None:
+            made, expected, variance = self.yields
+            self.yields = (made + tokens, expected + self.expecting[0], variance + self.expecting[1])
+        self.expecting = None
 
 
 def _signature(offers: list[Offer], others: int, chains: Sequence[bool] | None = None) -> tuple[object, ...]:
@@ -1242,9 +1250,11 @@ class SpeculationPolicy:
             return s
         keys = [o.key for o in offers]
         replaced = keys != s.keys
-        # the same requests (their kinds and options frozen) with as many others: an
-        # auto-regressive decision's signature holds without building it (~25 us at batch 32)
-        same = not s.drafts and not replaced and others == s.signature[0]
+        # the same requests (their kinds and options frozen) with as many others: the
+        # signature of an auto-regressive decision, or of one whose every size is a chain (no
+        # bound on what a request may still emit in it), holds without building it (~25 us at
+        # batch 32)
+        same = not replaced and others == s.signature[0] and (not s.drafts or all(s.chains))
         if not same and (
             len(offers) != len(s.keys) or _signature(offers, others, s.chains if s.drafts else None) != s.signature
         ):
@@ -1527,9 +1537,9 @@ class SpeculationPolicy:
         if settled is not None:
             if any(o.size != settled.given.get(o.key) for o in stats.outcomes):
                 self._settled = None  # a tree of a size it did not give (a probe's): decide afresh
-            elif settled.expecting is not None:
-                settled.yields.append((sum(1.0 + o.accepted for o in stats.outcomes), *settled.expecting))
-            settled.expecting = None
+                settled.expecting = None
+            else:
+                settled.yielded(sum(1.0 + o.accepted for o in stats.outcomes))
         trees = stats.num_tokens > stats.num_requests
         self.idle += not stats.outcomes
         self._settle_probe(stats, trees)
@@ -1565,9 +1575,12 @@ class SpeculationPolicy:
         for o in outcomes:
             measured = [(o.size, o.accepted, o.nodes)]
             if o.node_budget:
-                kept = [o.node_budget[n] for n in o.path[1:]]
+                # at each smaller size c: the kept nodes and the nodes whose budget is within c
+                budget = o.node_budget
+                kept = sorted([budget[n] for n in o.path[1:]])
+                budgets = sorted(budget)
                 measured += [
-                    (c, sum(b <= c for b in kept), sum(b <= c for b in o.node_budget))
+                    (c, bisect.bisect_right(kept, c), bisect.bisect_right(budgets, c))
                     for c in o.sizes
                     if 1 < c < o.size
                 ]

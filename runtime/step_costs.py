@@ -145,9 +145,10 @@ class ForwardCost:
         if not self.tokens.points:  # never calibrated (a cost fit learning from live steps only)
             self.tokens.add(n, seconds)
             return first
+        base = self.tokens(n)
         if table.timed(requests) or (first and n > requests):  # the first tree timing: against the extrapolation
-            seconds = min(seconds, SPIKE * self(n, requests))
-        table.add(requests, seconds - self.tokens(n), probe)
+            seconds = min(seconds, SPIKE * (base + self.residual(requests, n > requests)))
+        table.add(requests, seconds - base, probe)
         return first
 
 
