@@ -396,7 +396,7 @@ class Offer:
         return self.cut(self.sizes[-1])
 
 
-@dataclass
+@dataclass(slots=True)
 class Outcome:
     """One verified tree."""
 
@@ -416,7 +416,7 @@ class Outcome:
     """Tree nodes, root included."""
 
 
-@dataclass
+@dataclass(slots=True)
 class StepStats:
     """Measurements of one step, reported by the engine."""
 
@@ -441,7 +441,7 @@ class StepStats:
     (its own step's and the next's, `_settle_probe`)."""
 
 
-@dataclass
+@dataclass(slots=True)
 class Estimate:
     tau: float
     nodes: float
@@ -463,7 +463,7 @@ class Estimate:
         return max(aged, min(self.recent, KIND_LEAST_TREES))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Group:
     """`count` requests of one method with the same options and beliefs (`row`)."""
 
@@ -482,7 +482,7 @@ class _Group:
         raise KeyError(size)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Choice:
     sizes: list[int]
     tokens: float
@@ -493,7 +493,7 @@ class _Choice:
         return self.tokens / max(self.seconds, 1e-12)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Settled:
     """A decision that stands for a few steps and what it was made for
     (`SpeculationPolicy._settled`; module docstring)."""
