@@ -697,6 +697,9 @@ class SpeculationPolicy:
     """Whether the last full solve chose to draft (`_settle`)."""
     reused: int = 0
     """Steps that reused a settled decision instead of solving again (for tests and reports)."""
+    _unlearned: list[tuple[list[Outcome], dict[str, DraftCall], int, int]] = field(default_factory=list)
+    """Steps observed whose trees and drafting calls are not learned yet, in their order
+    (`learn`): (verified trees, drafting calls, the step, the `idle` clock then)."""
     _prices: dict[tuple[int, float, bool], float] | None = None
     """While a full solve runs: (requests, nodes, whether trees) -> seconds of such a step's
     host work and forward (`_evaluate`; the costs do not move within a solve, and its
@@ -730,6 +733,7 @@ class SpeculationPolicy:
         chance (`_shift`), never less at a larger size than at a smaller one where smaller
         trees are cuts of larger ones (`Offer.exact`: the larger holds the smaller's accepted
         path). `kinds`: the kind estimates already worked out this step (a batch is mostly one kind)."""
+        self.learn()
         shared_taus = self._kind_row(offer, kinds, optimistic)
         out: list[float] = []
         floor, shift = 1.0, 0.0
@@ -794,6 +798,7 @@ class SpeculationPolicy:
         (`EXPLORERS`): pessimistic the same way, `KIND_PRIOR` trees' worth of the next smaller
         size's estimate (a gain: of none; the smallest drafted size: its mean, 1 token before
         any), so that a size never measured is worth no more than the next smaller one."""
+        self.learn()
         out: list[float] = []
         below: float | None = None  # the estimate of the next smaller drafted size
         for size in offer.sizes:
@@ -852,6 +857,7 @@ class SpeculationPolicy:
 
     def estimates(self) -> dict[str, dict[int, float]]:
         """kind -> size -> measured tokens per step (the decayed mean, before `KIND_PRIOR`; for reports)."""
+        self.learn()
         out: dict[str, dict[int, float]] = {}
         for (kind, size), e in sorted(self.kinds.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
             out.setdefault(_kind_name(kind), {})[size] = round(e.tau, 3)
@@ -925,6 +931,7 @@ class SpeculationPolicy:
     ) -> tuple[dict[str, int], str | None, bool]:
         """A full solve (`choose`): each request's size, the request probed (if any), and
         whether the step is a plain probe."""
+        self.learn()
         probed, plain = None, False
         # requests with the same options and beliefs (most of a batch) are decided together
         groups: dict[tuple[str, Row], list[Offer]] = {}
@@ -1323,6 +1330,7 @@ class SpeculationPolicy:
         """`s` made for `offers` and `others`, each request at the size of its place in it
         (`_churned`), priced as a step of theirs (what exploration's credit, a probe's
         aftermath and the trees' expectations read)."""
+        self.learn()
         s.keys = [o.key for o in offers]
         s.sizes = [s.sizes[i] for i in places]
         if s.drafts:
@@ -1531,7 +1539,7 @@ class SpeculationPolicy:
         if not self.adaptive:  # fixed sizes price nothing: learn only what reports read
             self.idle += not stats.outcomes
             self.since_heavy = 0 if stats.prefill or stats.num_tokens > stats.num_requests else self.since_heavy + 1
-            self._learn_trees(stats.outcomes, everything=False)
+            self._learn_trees(stats.outcomes, self.steps, self.idle, everything=False)
             return
         settled = self._settled
         if settled is not None:
@@ -1559,18 +1567,40 @@ class SpeculationPolicy:
                 if table.timed(stats.num_requests):
                     host = min(host, step_costs.SPIKE * table[stats.num_requests])
                 table.add(stats.num_requests, host, probe)
-        for method, (levels, drafted, caught_up, request_levels, seconds) in stats.drafting.items():
-            if drafted:
-                self._add_draft_sample(method, (levels, drafted, caught_up, request_levels), seconds)
-        self._learn_trees(stats.outcomes)
+        for o in stats.outcomes:  # what a standing decision reads (`_standing`): learned at once
+            if o.size == o.sizes[-1]:
+                self._measured[o.key] = self._measured[o.kind] = self.steps
+            if o.key not in self.requests:
+                self.requests[o.key] = {}
+        if stats.outcomes or stats.drafting:
+            self._unlearned.append((stats.outcomes, stats.drafting, self.steps, self.idle))
 
-    def _learn_trees(self, outcomes: list[Outcome], everything: bool = True) -> None:
-        """The step's verified trees into the kinds' estimates (`estimates`, what reports
-        read) and, for a policy that chooses (`everything`), the gains between sizes, each
-        request's own estimates and when each was measured. Every step of a fixed policy
+    def learn(self) -> None:
+        """Learn the trees and drafting calls of the steps observed since the last call
+        (`observe`), in their order, as if each had been learned in its own step: what they
+        teach (the estimates, each request's own, the drafting-cost fits) is read only where
+        a decision is made afresh (`_solve`, `_rebase`, `_settle_probe`'s bill; `forget`,
+        `estimates`, `taus` and `kind_taus` too; a reader of the tables themselves calls
+        this first), not while one stands. Learned in every step, they cost ~75 us of a
+        batch-1 step with the caches a forward leaves (ReDrafter, 2-thread EPYC, recorded
+        steps replayed: the policy's choice and learning 200 -> 165 us a step at batch 1,
+        365 -> 330 at batch 8); several steps learned together meet warm caches after the first."""
+        if not self._unlearned:
+            return
+        steps, self._unlearned = self._unlearned, []
+        for outcomes, drafting, step, idle in steps:
+            for method, (levels, drafted, caught_up, request_levels, seconds) in drafting.items():
+                if drafted:
+                    self._add_draft_sample(method, (levels, drafted, caught_up, request_levels), seconds)
+            self._learn_trees(outcomes, step, idle)
+
+    def _learn_trees(self, outcomes: list[Outcome], step: int, idle: int, everything: bool = True) -> None:
+        """Step `step`'s verified trees (the `idle` clock then) into the kinds' estimates
+        (`estimates`, what reports read) and, for a policy that chooses (`everything`), the
+        gains between sizes and each request's own estimates. Every step of a fixed policy
         (auto-regression included) did it all, and the cost tables' learning too, for
         nothing: ~25 us of a step, AR at batch 1 ran ~1% faster without."""
-        step: dict[tuple[Hashable, int], list[tuple[float, float]]] = {}
+        means: dict[tuple[Hashable, int], list[tuple[float, float]]] = {}
         gains: dict[tuple[Hashable, int], list[tuple[float, float]]] = {}
         for o in outcomes:
             measured = [(o.size, o.accepted, o.nodes)]
@@ -1586,24 +1616,22 @@ class SpeculationPolicy:
                 ]
             if not everything:
                 for size, accepted, nodes in measured:
-                    step.setdefault((o.kind, size), []).append((1.0 + accepted, nodes))
+                    means.setdefault((o.kind, size), []).append((1.0 + accepted, nodes))
                 continue
-            if o.size == o.sizes[-1]:
-                self._measured[o.key] = self._measured[o.kind] = self.steps
             measured.sort()  # every offered size up to the tree's: each pair is a size and the next smaller
             for (_, kept_below, _), (size, accepted, _) in itertools.pairwise(measured):
                 gains.setdefault((o.kind, size), []).append((float(accepted - kept_below), 0.0))
             mine = self.requests.setdefault(o.key, {})
             for size, accepted, nodes in measured:
                 tau = 1.0 + accepted
-                step.setdefault((o.kind, size), []).append((tau, nodes))
+                means.setdefault((o.kind, size), []).append((tau, nodes))
                 own, n, _ = mine.get(size, (tau, 0, 0))
                 # a running mean over its first trees, decayed after (one lucky tree must not
                 # stand for five: started at the first tree, the decayed mean did)
                 weight = max(1.0 / (n + 1), REQUEST_EMA)
-                mine[size] = (own + weight * (tau - own), n + 1, self.steps)
+                mine[size] = (own + weight * (tau - own), n + 1, step)
         # one update per step, its trees' mean: weighed by its trees while they are few (`GROUP_EMA`)
-        for estimates, observed in ((self.kinds, step), (self.gains, gains)):
+        for estimates, observed in ((self.kinds, means), (self.gains, gains)):
             for key, values in observed.items():
                 # (numpy's mean: ~0.1 ms a step; batch 1's one value: no generator, ~2 us a key)
                 if len(values) == 1:
@@ -1614,10 +1642,10 @@ class SpeculationPolicy:
                 if e is None:
                     estimates[key] = e = Estimate(mean_tau, mean_nodes)
                 e.recent, e.trees, e.last, e.idle = (
-                    e.weight(self.idle) + len(values),
+                    e.weight(idle) + len(values),
                     e.trees + len(values),
-                    self.steps,
-                    self.idle,
+                    step,
+                    idle,
                 )
                 w = max(len(values) / e.recent, GROUP_EMA)  # a mean over its trees, then per step
                 e.tau += w * (mean_tau - e.tau)
@@ -1639,6 +1667,8 @@ class SpeculationPolicy:
         before them (ReDrafter at T=1, batch 8, 10 alternating rounds: 0.957 -> 0.978x AR
         charged; batch 1, 26 rounds: ~0.97 -> ~0.98)."""
         bill, self._bill = self._bill, None
+        if bill is not None:
+            self.learn()  # (the drafting-cost fits it reads)
         if stats.overhead_seconds is None or stats.prefill:
             self._aftermath = 0
             return
@@ -1668,6 +1698,7 @@ class SpeculationPolicy:
         """A request left: drop its own estimates (its run of drafting ends). A settled
         decision that counted it stands for a request with no trees of its own in its place
         (`_standing`), another under its id included."""
+        self.learn()  # (its last trees first)
         self._end_run(key)
         self._measured.pop(key, None)
         self.requests.pop(key, None)

@@ -433,6 +433,7 @@ def test_one_step_measures_every_smaller_size() -> None:
     stats = StepStats(14, 0.01, outcomes=[Outcome("r", "k", 17, BEAMS, 3, budgets, [0, 1, 2, 3], len(budgets))])
     p = SpeculationPolicy()
     p.observe(stats)
+    p.learn()  # what `observe` queued, before its tables are read
     assert {s: e.tau for (_, s), e in p.kinds.items()} == {17: 4.0, 5: 2.0, 9: 2.0}
     assert {s: e.nodes for (_, s), e in p.kinds.items()} == {17: 17.0, 5: 5.0, 9: 9.0}
     assert p.requests["r"][9][:2] == (2.0, 1)
@@ -955,6 +956,7 @@ def test_one_lucky_tree_is_one_tree_in_a_request_estimate() -> None:
     p = SpeculationPolicy()
     for i in range(40):  # the kind: 1.5 tokens per tree of 17 nodes
         p.observe(StepStats(17, 0.01, outcomes=[Outcome(f"k{i}", KIND, 17, BEAMS, i % 2, [], [0], 17)]))
+    p.learn()  # what `observe` queued, before its tables are read
     shared = p.kinds[(KIND, 17)].tau
     assert shared == pytest.approx(1.5, abs=0.05)
     offer = Offer("r", KIND, "redrafter", BEAMS, LEVELS)
@@ -965,6 +967,7 @@ def test_one_lucky_tree_is_one_tree_in_a_request_estimate() -> None:
     assert 0 < lifted <= bound + 1e-9
     for _ in range(4):
         p.observe(StepStats(17, 0.01, outcomes=[Outcome("r", KIND, 17, BEAMS, 0, [], [0], 17)]))
+    p.learn()
     assert p.requests["r"][17][:2] == (pytest.approx(1.8), 5)
     assert p.taus(offer)[-1] == pytest.approx(p.kind_taus(offer)[-1])
 
@@ -1227,12 +1230,15 @@ def test_a_kinds_estimate_is_a_mean_over_its_trees_while_they_are_few() -> None:
         p.observe(StepStats(17, 0.01, outcomes=[Outcome("w", KIND, 17, BEAMS, 4, [], [0, 1, 2, 3, 4], 17)]))
     batch = [Outcome(f"r{i}", KIND, 17, BEAMS, 1, [], [0, 1], 17) for i in range(32)]
     p.observe(StepStats(32 * 17, 0.05, num_requests=32, outcomes=batch))
+    p.learn()  # what `observe` queued, before its tables are read
     assert p.kinds[(KIND, 17)].tau == pytest.approx((5 * 5 + 32 * 2) / 37)
     assert p.kinds[(KIND, 17)].trees == 37
     for _ in range(40):
         p.observe(StepStats(32 * 17, 0.05, num_requests=32, outcomes=batch))
+    p.learn()
     before = p.kinds[(KIND, 17)].tau
     p.observe(StepStats(17, 0.01, outcomes=[Outcome("w", KIND, 17, BEAMS, 4, [], [0, 1, 2, 3, 4], 17)]))
+    p.learn()
     assert p.kinds[(KIND, 17)].tau - before == pytest.approx(speculation_policy.GROUP_EMA * (5 - before))
 
 
@@ -1267,9 +1273,11 @@ def test_live_steps_that_catch_up_a_token_or_two_replace_the_start_up_samples_of
     p.add_draft_samples("sd", [(k, 8 * k, 0, 8 * k, 0.0036 if k == 3 else live(8 * k)) for k in (1, 2, 3, 4)])
     for caught_up in (2, 3, 5, 2, 4, 3):
         p.observe(StepStats(32, 0.009, {"sd": (3, 24, caught_up, 24, live(24))}, num_requests=8))
+    p.learn()  # what `observe` queued, before its tables are read
     assert p.draft_cost["sd"](3, 24, 0, 24) == pytest.approx(live(24), rel=0.02)
     assert [x[:2] for x, _ in p.draft_cost["sd"].samples].count((3, 24)) == 6  # the stand-in left
     p.observe(StepStats(32, 0.009, {"sd": (3, 24, 200, 24, live(24) + 0.003)}, num_requests=8))
+    p.learn()
     assert len(p.draft_cost["sd"].samples) == 4 + 6  # a prompt read in full: a shape of its own
 
 
@@ -1298,6 +1306,7 @@ def test_a_draft_lm_level_is_priced_per_request_that_goes_through_it() -> None:
         requests = x[3] // x[0]
         p.observe(StepStats(requests + x[1], 0.005, {"rsd-c": (*x, world(*x))}, num_requests=requests))
         blind.add(x[:3], world(*x))
+    p.learn()  # what `observe` queued, before its tables are read
     for x in shapes:
         assert p.draft_cost["rsd-c"](*x) == pytest.approx(world(*x), rel=0.01)
     probe, chains = (4, 16, 0, 4), (3, 24, 0, 24)
@@ -1981,6 +1990,7 @@ def test_a_request_whose_own_trees_are_within_chance_gets_its_kinds_row() -> Non
         p.observe(StepStats(6, 0.01, outcomes=[rd_chain(f"a{i}", 6, 2 if i % 10 else 3)]))
     for _ in range(6):  # "near": its kind's acceptance; "far": nothing accepted
         p.observe(StepStats(12, 0.01, num_requests=2, outcomes=[rd_chain("near", 6, 2), rd_chain("far", 6, 0)]))
+    p.learn()  # what `observe` queued, before its tables are read
     fresh, near, far = (Offer(k, KIND, "redrafter", RD_SIZES, RD_LEVELS, cuts=6) for k in ("fresh", "near", "far"))
     kinds: dict[tuple[object, ...], list[float]] = {}
     for optimistic in (True, False):
