@@ -343,7 +343,8 @@ so batches drafted at a loss. The same after tree steps: a plain step amid draft
 plain probe, one step) took 3.3-3.5 ms for 8 one-token ReDrafter requests where a run of
 them takes ~2.5, and priced so, auto-regression lost to 4-node chains that ran 0.84x it
 (load-aware 0.88-0.92x at batch 8 in 3 of 4 sweeps). So a plain probe is a run of
-`AFTER_PREFILL` + 1 plain steps whose last one is timed (`_plain_probe`). Steps with trees
+`AFTER_PREFILL` + 1 plain steps whose last one is timed (`_plain_probe`; and the next ones
+while its count rests on fewer than `PLAIN_SAMPLES` timings). Steps with trees
 still teach theirs (a choice to draft times its own steps every step, in the state its
 own run of them leaves the CPU in), and so do plain steps of one request (never probed:
 their forward is the calibration's own)."""
@@ -1060,7 +1061,10 @@ class SpeculationPolicy:
         4.4 ms (the overhead's line through 1 and 2 requests) where it took ~2.6, drafted
         3-node chains at 2.25 tokens/ms for the whole run where auto-regression makes ~3,
         and ran 0.74x auto-regression. Never for one request: its plain forward is the
-        engine-start table's own (timed on one request)."""
+        engine-start table's own (timed on one request). The run goes on for as many steps
+        more as the count lacks timings of `PLAIN_SAMPLES` (its later steps are timed alike):
+        one timing a run, ReDrafter at batch 8, T=0 ran 9 plain probes in 12 rounds of 64
+        tokens, ~12% of its steps plain where 4-node chains made ~1.5x the tokens per second."""
         requests = others + sum(g.count for g in batch)
         if max(best.sizes) == 1 or not self._plain_untimed(requests):
             return False
@@ -1068,12 +1072,19 @@ class SpeculationPolicy:
         loss = plain.seconds - plain.tokens / max(best.rate, 1e-12)  # a step's
         if loss > self.credit:
             return False
-        run = AFTER_PREFILL + 1 - min(self.since_heavy, AFTER_PREFILL)  # steps until one is timed
+        run = self._plain_run(requests)
         self.credit -= max(loss, 0.0)
         self.plain_probes += 1
         self._plain_left, self._plain_loss = run - 1, max(loss, 0.0)
         self._plain_probing = run == 1
         return True
+
+    def _plain_run(self, requests: int) -> int:
+        """Steps of a plain probe's run at `requests` requests (`_plain_probe`): until one is
+        timed (`AFTER_PREFILL` after the last step that prefilled or drafted trees), then one
+        more for each other timing the count lacks (`PLAIN_SAMPLES`)."""
+        missing = max(step_costs.PLAIN_SAMPLES - self.forward_cost.extra.seen[requests], 1)
+        return AFTER_PREFILL + 1 - min(self.since_heavy, AFTER_PREFILL) + missing - 1
 
     def _plain_untimed(self, requests: int) -> bool:
         """Whether the plain step of `requests` requests is priced on fewer than

@@ -611,6 +611,10 @@ def test_a_decision_to_draft_stands_a_few_steps(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(speculation_policy, "DRAFTING_STANDS", stands)
     r = calibrated(GOOD)
     run(r, GOOD, batch=2, steps=40)
+    for _ in range(20):  # on to a decision with a few steps of its stand left
+        if (s := r._settled) is not None and s.drafts and r.steps - s.step + 3 < s.stands:
+            break
+        run(r, GOOD, batch=2, steps=1)
     assert r._settled is not None and r._settled.drafts
     sizes, reused = dict(zip(r._settled.keys, r._settled.sizes, strict=True)), r.reused
     assert r.choose(offers(2)) == sizes and r.reused == reused + 1  # it stands
@@ -1578,6 +1582,35 @@ def test_a_plain_price_set_by_a_slow_burst_is_timed_again(monkeypatch: pytest.Mo
     monkeypatch.setattr(speculation_policy, "PLAIN_EVERY", 10**9)
     stuck, _ = run(after_a_burst(), world, batch=8, steps=2000)
     assert rate >= 0.95 * best and stuck < 0.85 * best, (rate, stuck, best)
+
+
+def test_a_plain_probe_takes_every_timing_its_count_lacks_in_one_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`_plain_run`: a plain probe's run waits `AFTER_PREFILL` plain steps after the last tree
+    step (the CPU runs them slow) before one is timed, and a count's plain price rests on
+    `PLAIN_SAMPLES` timings. The run's next steps are timed alike, so the first probe of a
+    batch of 8 that drafts takes all of them in one run of `AFTER_PREFILL` + `PLAIN_SAMPLES`
+    steps; timed once a run (the wrong variant), it took `PLAIN_SAMPLES` runs of
+    `AFTER_PREFILL` + 1 (ReDrafter at batch 8, T=0: 9 plain probes in 12 rounds of 64
+    tokens, ~12% of its steps plain)."""
+
+    def first_probe() -> tuple[int, int]:
+        """Plain steps of the first plain probe's run, and the timings of the plain step of
+        8 requests after it."""
+        p = calibrated(GOOD)
+        for _ in range(500):
+            if p.plain_probes:
+                break
+            run(p, GOOD, batch=8, steps=1)
+        plain = 1  # the step that started it
+        while max(run(p, GOOD, batch=8, steps=1)[1][0]) == 1:
+            plain += 1
+        return plain, p.forward_cost.extra.seen[8]
+
+    after = speculation_policy.AFTER_PREFILL
+    assert first_probe() == (after + PLAIN_SAMPLES, PLAIN_SAMPLES)
+    once = lambda self, requests: after + 1 - min(self.since_heavy, after)  # noqa: E731 (timed once a run)
+    monkeypatch.setattr(SpeculationPolicy, "_plain_run", once)
+    assert first_probe() == (after + 1, 1)
 
 
 def test_a_count_below_one_timed_lately_is_priced_between_them_not_probed(monkeypatch: pytest.MonkeyPatch) -> None:
