@@ -321,6 +321,8 @@ STAND_LONGER_Z = 1.0
 while acceptance falls, each solve expects a little less than the last, its trees yield
 less still, and doubled stands left synthetic batch-1 runs drafting ~5 steps longer
 before they went auto-regressive (`STAND_Z` alone; 2 standard deviations then)."""
+TreeSums = dict[tuple[Hashable, int], list[float]]
+"""(kind, size) -> [tokens, nodes, trees] of a step's trees, summed in their order (`_learn_trees`)."""
 Row = tuple[tuple[int, float, float, int, str], ...]
 """One request's options: (size, tau, nodes, levels, drafting-cost fit) per size."""
 DraftCall = tuple[int, int, int, int, float]
@@ -1611,8 +1613,8 @@ class SpeculationPolicy:
         gains between sizes and each request's own estimates. Every step of a fixed policy
         (auto-regression included) did it all, and the cost tables' learning too, for
         nothing: ~25 us of a step, AR at batch 1 ran ~1% faster without."""
-        means: dict[tuple[Hashable, int], list[tuple[float, float]]] = {}
-        gains: dict[tuple[Hashable, int], list[tuple[float, float]]] = {}
+        means: TreeSums = {}
+        gains: TreeSums = {}
         for o in outcomes:
             measured = [(o.size, o.accepted, o.nodes)]
             if o.node_budget:
@@ -1627,15 +1629,15 @@ class SpeculationPolicy:
                 ]
             if not everything:
                 for size, accepted, nodes in measured:
-                    means.setdefault((o.kind, size), []).append((1.0 + accepted, nodes))
+                    _add_tree(means, (o.kind, size), 1.0 + accepted, nodes)
                 continue
             measured.sort()  # every offered size up to the tree's: each pair is a size and the next smaller
             for (_, kept_below, _), (size, accepted, _) in itertools.pairwise(measured):
-                gains.setdefault((o.kind, size), []).append((float(accepted - kept_below), 0.0))
+                _add_tree(gains, (o.kind, size), float(accepted - kept_below), 0.0)
             mine = self.requests.setdefault(o.key, {})
             for size, accepted, nodes in measured:
                 tau = 1.0 + accepted
-                means.setdefault((o.kind, size), []).append((tau, nodes))
+                _add_tree(means, (o.kind, size), tau, nodes)
                 own, n, _ = mine.get(size, (tau, 0, 0))
                 # a running mean over its first trees, decayed after (one lucky tree must not
                 # stand for five: started at the first tree, the decayed mean did)
@@ -1643,22 +1645,14 @@ class SpeculationPolicy:
                 mine[size] = (own + weight * (tau - own), n + 1, step)
         # one update per step, its trees' mean: weighed by its trees while they are few (`GROUP_EMA`)
         for estimates, observed in ((self.kinds, means), (self.gains, gains)):
-            for key, values in observed.items():
-                # (numpy's mean: ~0.1 ms a step; batch 1's one value: no generator, ~2 us a key)
-                if len(values) == 1:
-                    mean_tau, mean_nodes = float(values[0][0]), float(values[0][1])
-                else:
-                    mean_tau, mean_nodes = (sum(v) / len(values) for v in zip(*values, strict=True))
+            for key, (tokens_sum, nodes_sum, count) in observed.items():
+                trees = int(count)
+                mean_tau, mean_nodes = tokens_sum / trees, nodes_sum / trees
                 e = estimates.get(key)
                 if e is None:
                     estimates[key] = e = Estimate(mean_tau, mean_nodes)
-                e.recent, e.trees, e.last, e.idle = (
-                    e.weight(idle) + len(values),
-                    e.trees + len(values),
-                    step,
-                    idle,
-                )
-                w = max(len(values) / e.recent, GROUP_EMA)  # a mean over its trees, then per step
+                e.recent, e.trees, e.last, e.idle = e.weight(idle) + trees, e.trees + trees, step, idle
+                w = max(trees / e.recent, GROUP_EMA)  # a mean over its trees, then per step
                 e.tau += w * (mean_tau - e.tau)
                 e.nodes += w * (mean_nodes - e.nodes)
 
@@ -1713,6 +1707,17 @@ class SpeculationPolicy:
         self._end_run(key)
         self._measured.pop(key, None)
         self.requests.pop(key, None)
+
+
+def _add_tree(sums: TreeSums, key: tuple[Hashable, int], tokens: float, nodes: float) -> None:
+    """One tree's tokens and nodes into a step's sums per (kind, size) (`_learn_trees`)."""
+    acc = sums.get(key)
+    if acc is None:
+        sums[key] = [tokens, nodes, 1]
+    else:
+        acc[0] += tokens
+        acc[1] += nodes
+        acc[2] += 1
 
 
 def _pick(group: _Group, rate: float, fslope: float, slopes: dict[str, tuple[float, float, float]]) -> int:
