@@ -702,7 +702,8 @@ class SpeculationPolicy:
     """Steps that reused a settled decision instead of solving again (for tests and reports)."""
     _unlearned: list[tuple[list[Outcome], dict[str, DraftCall], int, int]] = field(default_factory=list)
     """Steps observed whose trees and drafting calls are not learned yet, in their order
-    (`learn`): (verified trees, drafting calls, the step, the `idle` clock then)."""
+    (`learn`): (verified trees, drafting calls, the step, the `idle` clock then; the
+    engine builds each step's lists and trees anew, so they are kept as they are)."""
     _prices: dict[tuple[int, float, bool], float] | None = None
     """While a full solve runs: (requests, nodes, whether trees) -> seconds of such a step's
     host work and forward (`_evaluate`; the costs do not move within a solve, and its
@@ -859,8 +860,10 @@ class SpeculationPolicy:
         return shared.nodes if shared is not None else float(size)
 
     def estimates(self) -> dict[str, dict[int, float]]:
-        """kind -> size -> measured tokens per step (the decayed mean, before `KIND_PRIOR`; for reports)."""
-        self.learn()
+        """kind -> size -> measured tokens per step (the decayed mean, before `KIND_PRIOR`; for
+        reports), as of the last `learn`: a front end's thread reads it while the engine's
+        steps (`LLMEngine.stats`), so it learns nothing itself (a few steps behind while a
+        decision stands; all of them once the requests left)."""
         out: dict[str, dict[int, float]] = {}
         for (kind, size), e in sorted(self.kinds.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
             out.setdefault(_kind_name(kind), {})[size] = round(e.tau, 3)
@@ -1593,8 +1596,8 @@ class SpeculationPolicy:
         (`observe`), in their order, as if each had been learned in its own step: what they
         teach (the estimates, each request's own, the drafting-cost fits) is read only where
         a decision is made afresh (`_solve`, `_rebase`, `_settle_probe`'s bill; `forget`,
-        `estimates`, `taus` and `kind_taus` too; a reader of the tables themselves calls
-        this first), not while one stands. Learned in every step, they cost ~75 us of a
+        `taus` and `kind_taus` too; a reader of the tables themselves calls this first, in
+        the engine's thread), not while one stands. Learned in every step, they cost ~75 us of a
         batch-1 step with the caches a forward leaves (ReDrafter, 2-thread EPYC, recorded
         steps replayed: the policy's choice and learning 200 -> 165 us a step at batch 1,
         365 -> 330 at batch 8); several steps learned together meet warm caches after the first."""

@@ -261,6 +261,7 @@ def test_a_fixed_policy_reports_what_a_choosing_one_does_and_prices_nothing() ->
         for p in (fixed, choosing):
             p.observe(StepStats(40, 0.01, {"redrafter": (L, 36, 0, 36, 0.002)}, outcomes, 4,
                                 overhead_seconds=0.001))  # fmt: skip
+    choosing.learn()  # (what its `observe` queued; a fixed policy's learns at once)
     assert fixed.estimates() == choosing.estimates() and len(fixed.estimates()["redrafter/True"]) == 3
     assert fixed.forward_cost.tokens.points == before and not fixed.forward_cost.extra_trees
     assert not fixed.draft_cost and not fixed.requests and not fixed.overhead_trees
