@@ -223,6 +223,16 @@ policy-trace: engine  ## why load-aware speculation chose what it chose: each st
 bench-no-draft: engine  ## what speculation costs while switched off: load-aware no-draft steps vs AR steps, in lockstep, batch 1/8/32, T=0/1 -> benchmarks/results/no_draft.{json,md}
 	$(BIN)/python -m benchmarks.no_draft
 
+bench-policy-replay: engine  ## the load-aware policy's own host time: its calls recorded in lockstep (ReDrafter batch 1/8/32, T=0/1; sd batch 1/8) and replayed alone, with a fingerprint of its state -> benchmarks/results/policy_replay.{json,md}
+	$(BIN)/python -m benchmarks.policy_replay record redrafter --engine $(SPEC_ENGINE) --batch 1 --rounds 6 --recording work_dirs/policy/redrafter_b1_t0.pkl
+	$(BIN)/python -m benchmarks.policy_replay record redrafter --engine $(SPEC_ENGINE) --batch 8 --rounds 6 --recording work_dirs/policy/redrafter_b8_t0.pkl
+	$(BIN)/python -m benchmarks.policy_replay record redrafter --engine $(SPEC_ENGINE) --batch 8 --rounds 6 --temperature 1 --recording work_dirs/policy/redrafter_b8_t1.pkl
+	$(BIN)/python -m benchmarks.policy_replay record redrafter --engine $(SPEC_ENGINE) --batch 32 --rounds 2 --recording work_dirs/policy/redrafter_b32_t0.pkl
+	$(BIN)/python -m benchmarks.policy_replay record sd --engine $(DRAFT_ENGINE) --batch 1 --rounds 4 --recording work_dirs/policy/sd_b1_t0.pkl
+	$(BIN)/python -m benchmarks.policy_replay record sd --engine $(DRAFT_ENGINE) --batch 8 --rounds 4 --temperature 1 --recording work_dirs/policy/sd_b8_t1.pkl
+	$(BIN)/python -m benchmarks.policy_replay replay work_dirs/policy/redrafter_b1_t0.pkl work_dirs/policy/redrafter_b8_t0.pkl \
+	  work_dirs/policy/redrafter_b8_t1.pkl work_dirs/policy/redrafter_b32_t0.pkl work_dirs/policy/sd_b1_t0.pkl work_dirs/policy/sd_b8_t1.pkl
+
 bench-churn: engine  ## load-aware vs AR in lockstep while requests of 16-96 tokens come and go (4 x batch a round), batch 8/32, T=0/1 -> benchmarks/results/churn.{json,md}
 	$(BIN)/python -m benchmarks.churn
 

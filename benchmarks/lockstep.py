@@ -127,6 +127,27 @@ class Row:
     """At T=0: every request's output equals AR's (None at T > 0)."""
 
 
+def prepared(
+    engine: LoadedEngine, configs: dict[str, Config], batch: int, prompt: list[int], temperature: float
+) -> dict[str, LLMEngine]:
+    """One engine per configuration on `engine`'s weights, calibrated and warmed up on
+    `prompt` with its patches set. Raises ValueError naming the configuration whose method
+    or setting the engine does not take (the engine's message names the fix)."""
+    engines = {}
+    for name, config in configs.items():
+        old = config.apply()
+        try:
+            llm = LLMEngine(engine, RuntimeConfig(max_batch_size=batch, speculation=config.speculation))
+            llm.prepare()
+            warm_up(llm, prompt, config.method, temperature, **dict(config.settings))
+        except ValueError as e:
+            raise ValueError(f"config {name!r}: {e}") from e
+        finally:
+            restore(old)
+        engines[name] = llm
+    return engines
+
+
 def in_turn(engines: dict[str, LLMEngine], round_: int) -> Iterator[tuple[str, LLMEngine]]:
     """Each engine that has unfinished requests, in turn, until none has: the order rotates
     by `round_` and reverses every other cycle of rounds, so each engine steps after each
@@ -237,18 +258,10 @@ def main(argv: list[str] | None = None) -> None:
     engine = LoadedEngine.load(args.engine, device=args.device)
     count = args.prompts or max(args.batch, 8)  # at batch 1, one prompt a round read 0.79-1.05 between rounds
     prompts = [engine.encode(t) for t in heldout_prompts(count)]
-    engines = {}
-    for name, config in configs.items():
-        old = config.apply()
-        try:
-            llm = LLMEngine(engine, RuntimeConfig(max_batch_size=args.batch, speculation=config.speculation))
-            llm.prepare()
-            warm_up(llm, prompts[0], config.method, args.temperature, **dict(config.settings))
-        except ValueError as e:  # a method or setting the engine does not take: its message names the fix
-            ap.error(f"config {name!r}: {e}")
-        finally:
-            restore(old)
-        engines[name] = llm
+    try:
+        engines = prepared(engine, configs, args.batch, prompts[0], args.temperature)
+    except ValueError as e:
+        ap.error(str(e))
     seconds, tokens, outputs, done = lockstep(engines, configs, prompts, args.max_tokens, args.temperature, args.rounds)
     ar_rate = sum(tokens["ar"]) / sum(seconds["ar"])
     rows = []
