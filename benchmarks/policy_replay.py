@@ -12,7 +12,8 @@ policy as it stood before the first (after the engine's calibration and warm-up)
 a 48 MB read (the caches a target forward leaves the policy; `--warm`: without, ~4x less),
 best of `--reps`: microseconds a step of `choose` (standing decisions and full solves apart),
 `observe` and `forget`; how many choices differ from the recorded ones; and a fingerprint of
-the policy's state after the last call (every field, recursively, after `learn`).
+the policy's state after the last call (every field, recursively, after `learn`), and its
+full solves by what ended the decision before each (`speculation_policy.SOLVE_CAUSES`).
 
 Why: in the engine the policy's share of a step is ~3-8% and moves by less than the noise
 of a whole run, and a change meant to cut its host work must leave every decision and
@@ -61,8 +62,11 @@ class Row:
     """`choose` + `observe` + `forget` over the recording, per `choose`."""
     choose_standing_us: float
     choose_solving_us: float
-    """A `choose` that solved in full (or had nothing to decide), per call."""
+    """A `choose` that solved in full, per call (standing: every other, a plain probe's run and
+    a step with nothing to decide included)."""
     solves: int
+    causes: dict[str, int]
+    """Full solves by what ended the decision before them (`speculation_policy.SOLVE_CAUSES`)."""
     observe_us: float
     forget_us: float
     differing_choices: int
@@ -145,6 +149,7 @@ def replay(recording: dict[str, Any], name: str, reps: int = 3, cold: bool = Tru
     best: Row | None = None
     for _ in range(reps):
         policy = _fresh(recording["policy"])
+        before = policy.solves.copy()  # (the warm-up's, in the recording)
         seconds = dict.fromkeys(("standing", "solving", "observe", "forget"), 0.0)
         counts = dict.fromkeys(seconds, 0)
         differing = 0
@@ -152,11 +157,11 @@ def replay(recording: dict[str, Any], name: str, reps: int = 3, cold: bool = Tru
             args = copy.deepcopy(args) if call != "forget" else args  # (the policy keeps what observe gets)
             if cold:
                 junk.sum()
-            reused = policy.reused
+            solved = policy.solves.total()
             start = time.perf_counter()
             got = getattr(policy, call)(*args)
             elapsed = time.perf_counter() - start
-            kind = call if call != "choose" else ("standing" if policy.reused > reused else "solving")
+            kind = call if call != "choose" else ("solving" if policy.solves.total() > solved else "standing")
             seconds[kind] += elapsed
             counts[kind] += 1
             differing += call == "choose" and got != out
@@ -169,6 +174,7 @@ def replay(recording: dict[str, Any], name: str, reps: int = 3, cold: bool = Tru
             choose_standing_us=round(seconds["standing"] / max(counts["standing"], 1) * 1e6, 1),
             choose_solving_us=round(seconds["solving"] / max(counts["solving"], 1) * 1e6, 1),
             solves=counts["solving"],
+            causes=dict(policy.solves - before),
             observe_us=round(seconds["observe"] / max(counts["observe"], 1) * 1e6, 1),
             forget_us=round(seconds["forget"] / max(counts["forget"], 1) * 1e6, 1),
             differing_choices=differing,
@@ -190,14 +196,16 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
         "Fingerprint: the policy's whole state after the calls (equal for code that decides and "
         f"learns alike). Command: `{meta['command']}`",
         "",
-        "| recording | steps | per step | choose, standing | choose, solving (solves) | observe | forget "
-        "| choices differing | fingerprint |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| recording | steps | per step | choose, standing | choose, solving (solves) | solves by cause | observe "
+        "| forget | choices differing | fingerprint |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| `{r.recording}` | {r.steps} | **{r.us_per_step:.1f}** | {r.choose_standing_us:.1f} "
-            f"| {r.choose_solving_us:.1f} ({r.solves}) | {r.observe_us:.1f} | {r.forget_us:.1f} "
+            f"| {r.choose_solving_us:.1f} ({r.solves}) "
+            f"| {', '.join(f'{k} {v}' for k, v in sorted(r.causes.items(), key=lambda kv: -kv[1]))} "
+            f"| {r.observe_us:.1f} | {r.forget_us:.1f} "
             f"| {r.differing_choices} | `{r.fingerprint}` |"
         )
     return "\n".join(lines) + "\n"

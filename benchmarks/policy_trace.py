@@ -101,7 +101,9 @@ def markdown(meta: dict[str, Any], steps: list[dict[str, Any]], summary: dict[st
         f"{meta['rounds']} rounds of {meta['max_tokens']} tokens; {meta['machine']['cpu']}"
         + (f", {meta['machine']['gpu']}" if "gpu" in meta["machine"] else "")
         + f". {len(decoding)} decoding steps, {len(drafted)} with drafting; probes {summary['probes']}, "
-        f"plain probes {summary['plain_probes']}; sizes (request-steps): "
+        f"plain probes {summary['plain_probes']}; full solves by cause (`speculation_policy.SOLVE_CAUSES`): "
+        + (", ".join(f"{k} {v}" for k, v in summary["solves"].items()) or "none")
+        + "; sizes (request-steps): "
         + ", ".join(f"{k}: {v}" for k, v in sorted(summary["sizes"].items(), key=lambda kv: int(kv[0]))),
         "",
         "| fit | samples | start-up shapes | "
@@ -165,6 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     summary = {
         "probes": llm.policy.probes,
         "plain_probes": llm.policy.plain_probes,
+        "solves": dict(llm.policy.solves.most_common()),
         "sizes": {str(k): v for k, v in ({1: plain} | dict(sizes)).items() if v},
         "fits": fits(llm),
         "forward_table_ms": {n: round(llm.policy.forward_cost(n) * 1e3, 3) for n in TABLE_TOKENS},

@@ -321,6 +321,17 @@ STAND_LONGER_Z = 1.0
 while acceptance falls, each solve expects a little less than the last, its trees yield
 less still, and doubled stands left synthetic batch-1 runs drafting ~5 steps longer
 before they went auto-regressive (`STAND_Z` alone; 2 standard deviations then)."""
+SOLVE_CAUSES = {
+    "unsettled": "the solve before settled no decision (a first choice to draft, a probe, a plain probe's run)",
+    "tree": "a tree of a size the decision did not give (a probe's) ended it",
+    "shape": "a first step of its forward shape at this request count ended it (priced by extrapolation)",
+    "expired": "its stand ran out (`DRAFTING_STANDS`, `RECHOOSE_EVERY` and their doublings)",
+    "churn": "requests came or went beyond `CHURN_SHARE`, or unlike those it was made for",
+    "strays": "its trees yielded less (or more) than it expected (`STAND_Z`)",
+    "replaced": "a request with trees of its own took another's place",
+    "probe": "a probe came due",
+}
+"""What ended a decision before a full solve (`SpeculationPolicy.solves`)."""
 TreeSums = dict[tuple[Hashable, int], list[float]]
 """(kind, size) -> [tokens, nodes, trees] of a step's trees, summed in their order (`_learn_trees`)."""
 Row = tuple[tuple[int, float, float, int, str], ...]
@@ -700,6 +711,13 @@ class SpeculationPolicy:
     """Whether the last full solve chose to draft (`_settle`)."""
     reused: int = 0
     """Steps that reused a settled decision instead of solving again (for tests and reports)."""
+    solves: Counter[str] = field(default_factory=Counter)
+    """Full solves by what ended the decision before them (`SOLVE_CAUSES`; for reports:
+    `benchmarks.policy_replay`, `benchmarks.policy_trace`)."""
+    _why: str = "unsettled"
+    """Why no decision stands this step (`_standing`; a key of `SOLVE_CAUSES`)."""
+    _unsettled: str = "unsettled"
+    """Why no decision is settled: the last solve settled none, or `observe` ended it ("tree", "shape")."""
     _unlearned: list[tuple[list[Outcome], dict[str, DraftCall], int, int]] = field(default_factory=list)
     """Steps observed whose trees and drafting calls are not learned yet, in their order
     (`learn`): (verified trees, drafting calls, the step, the `idle` clock then; the
@@ -907,6 +925,7 @@ class SpeculationPolicy:
             chosen, roots = standing.give(offers), not standing.drafts
             self._expected = standing.seconds
         else:
+            self.solves[self._why] += 1
             self._prices = {}
             try:
                 chosen, probed, plain = self._solve(offers, others, prefilling, fixed)
@@ -994,6 +1013,7 @@ class SpeculationPolicy:
         if probe is not None and self._settled is not None and not self._settled.drafts:
             self._probed_plain = self._settled  # ended by its probe, not by what it was made for
         self._settled, expired, self._expired = None, self._expired, None
+        self._unsettled = "unsettled"
         if probe is None and not plain:
             self._settle(members, batch, others, best, offers, chosen, expired, candidate)
         return chosen, probed, plain
@@ -1262,10 +1282,11 @@ class SpeculationPolicy:
         more (`RECHOOSE_EVERY` in an all-auto-regressive decision)."""
         s = self._settled
         if s is None:
+            self._why = self._unsettled
             return None
         age = self.steps - s.step
         if age >= s.stands:
-            self._expired = s
+            self._expired, self._why = s, "expired"
             return None
         if self._quiet(s, offers, others):
             self.credit = self._earned(s.seconds, None, False)  # (no probe can come)
@@ -1282,19 +1303,23 @@ class SpeculationPolicy:
             len(offers) != len(s.keys) or _signature(offers, others, s.chains if s.drafts else None) != s.signature
         ):
             if (places := self._churned(s, offers, others)) is None:
+                self._why = "churn"
                 return None
             self._rebase(s, offers, others, places)
             replaced = False
             s.stands = min(s.stands, age + _first_stand(s.drafts))
         if s.drafts and age >= DRAFTING_STANDS and s.strays():
+            self._why = "strays"
             return None  # its trees do not bear it out: solve afresh
         if replaced and any(o != k and o in self.requests for o, k in zip(keys, s.keys, strict=True)):
+            self._why = "replaced"
             return None
         stale = self.steps - PROBE_EVERY
         can_probe = any(self._measured.get(o.kind, -1) <= stale for o in offers)
         loss = s.probe_loss + s.probe_growth * age if can_probe and s.probe_loss is not None else None
         credit = self._earned(s.seconds, loss, s.drafts)
         if loss is not None and credit >= loss:
+            self._why = "probe"
             return None  # a probe is due: solve this step in full
         if replaced:
             s.keys = keys
@@ -1560,7 +1585,8 @@ class SpeculationPolicy:
         settled = self._settled
         if settled is not None:
             if any(o.size != settled.given.get(o.key) for o in stats.outcomes):
-                self._settled = None  # a tree of a size it did not give (a probe's): decide afresh
+                # a tree of a size it did not give (a probe's): decide afresh
+                self._settled, self._unsettled = None, "tree"
                 settled.expecting = None
             else:
                 settled.yielded(sum(1.0 + o.accepted for o in stats.outcomes))
@@ -1577,7 +1603,7 @@ class SpeculationPolicy:
                 # extrapolation (a first auto-regressive step of 8 requests at 5.1 ms where it
                 # took ~7; standing 16 steps on it, sd at T=1 stayed auto-regressive where
                 # chains ran ~10% faster)
-                self._settled = None
+                self._settled, self._unsettled = None, "shape"
             if stats.overhead_seconds is not None:
                 table, host = self.overhead_trees if trees else self.overhead, stats.overhead_seconds
                 if table.timed(stats.num_requests):

@@ -12,6 +12,7 @@ import pytest
 
 from benchmarks.policy_replay import main
 from runtime import step_costs
+from runtime.speculation_policy import SOLVE_CAUSES
 
 
 def test_a_recording_replays_to_its_choices_and_one_fingerprint(
@@ -29,6 +30,7 @@ def test_a_recording_replays_to_its_choices_and_one_fingerprint(
 
     first, again = replayed("a"), replayed("b")
     assert first["steps"] > 0 and first["solves"] > 0 and first["differing_choices"] == 0
+    assert sum(first["causes"].values()) == first["solves"] and set(first["causes"]) <= set(SOLVE_CAUSES)
     assert first["fingerprint"] == again["fingerprint"] and first["us_per_step"] > 0
     assert f"`{first['fingerprint']}`" in (tmp_path / "a.md").read_text()
     # the wrong variant: a forward's timing moves its price by another weight

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.policy_trace import PRICED, main
+from runtime.speculation_policy import SOLVE_CAUSES
 
 
 def test_every_observed_step_and_every_fit_is_reported(engines: dict[str, Path], tmp_path: Path) -> None:
@@ -30,6 +31,7 @@ def test_every_observed_step_and_every_fit_is_reported(engines: dict[str, Path],
         assert any(shape["start_up"] for shape in fit["shapes"])  # timed at engine start
         assert set(fit["price_ms"]) == {str(x) for x in PRICED} and all(p > 0 for p in fit["price_ms"].values())
     assert list(doc["forward_table_ms"].values()) == sorted(doc["forward_table_ms"].values())
+    assert doc["solves"] and set(doc["solves"]) <= set(SOLVE_CAUSES)  # a fresh policy solves at least once
     md = out.with_suffix(".md").read_text()
     assert "| fit | samples | start-up shapes |" in md and "\n| sd/sampled | " in md
     assert md.count("\n| 0 | 0 | 2 |") == 1 and doc["meta"]["command"].startswith("python -m benchmarks.policy_trace")

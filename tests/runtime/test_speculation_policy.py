@@ -2032,3 +2032,44 @@ def test_a_request_whose_own_trees_are_within_chance_gets_its_kinds_row() -> Non
         assert p.taus(near, kinds, optimistic) == p.taus(fresh, kinds, optimistic)
         assert p._shifted(far, kinds, optimistic)
         assert p.taus(far, kinds, optimistic) != p.taus(fresh, kinds, optimistic)
+
+
+def test_each_full_solve_is_counted_by_what_ended_the_decision_before_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`SpeculationPolicy.solves` counts every full solve once, under the reason no decision
+    stood (`SOLVE_CAUSES`): a stand that ran out, a probe's tree, a request with trees of its
+    own in another's place. What reports read to see why a policy solves as often as it does."""
+    solves = 0
+    solve = SpeculationPolicy._solve
+
+    def counted(self: SpeculationPolicy, *args: object) -> object:
+        nonlocal solves
+        solves += 1
+        return solve(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(SpeculationPolicy, "_solve", counted)
+    p = calibrated(GOOD)
+    run(p, GOOD, batch=2, steps=200)
+    assert p.solves.total() == solves and set(p.solves) <= set(speculation_policy.SOLVE_CAUSES)
+    assert p.solves["expired"] > 0 and p.solves["unsettled"] > 0, p.solves
+    for _ in range(40):  # on to a decision that drafts, with a step of its stand left
+        if (s := p._settled) is not None and s.drafts and p.steps + 1 - s.step < s.stands:
+            break
+        run(p, GOOD, batch=2, steps=1)
+    assert p._settled is not None and p._settled.drafts
+    size = p._settled.sizes[0]
+    probe = Outcome("r0", KIND, 1 + size, BEAMS, 0, [], [0], 1 + size)  # a size it did not give
+    p.observe(StepStats(2, 0.01, outcomes=[probe], num_requests=2))
+    before = p.solves.copy()
+    p.choose(offers(2))
+    assert p.solves - before == Counter(tree=1)
+
+    run(p, GOOD, batch=2, steps=40)
+    for _ in range(40):
+        if (s := p._settled) is not None and s.drafts and p.steps + 1 - s.step < s.stands:
+            break
+        run(p, GOOD, batch=2, steps=1)
+    p.forget("r1")
+    p.requests["known"] = {size: (2.0, 3, p.steps)}  # trees of its own, in r1's place
+    before = p.solves.copy()
+    p.choose([offers(2)[0], Offer("known", KIND, "redrafter", BEAMS, LEVELS)])
+    assert p.solves - before == Counter(replaced=1) and p.solves.total() == solves
