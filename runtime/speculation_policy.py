@@ -1645,22 +1645,30 @@ class SpeculationPolicy:
         means: TreeSums = {}
         gains: TreeSums = {}
         for o in outcomes:
-            measured = [(o.size, o.accepted, o.nodes)]
-            if o.node_budget:
-                # at each smaller size c: the kept nodes and the nodes whose budget is within c
-                budget = o.node_budget
-                kept = sorted([budget[n] for n in o.path[1:]])
-                budgets = sorted(budget)
-                measured += [
-                    (c, bisect.bisect_right(kept, c), bisect.bisect_right(budgets, c))
-                    for c in o.sizes
-                    if 1 < c < o.size
-                ]
+            budget, accepted = o.node_budget, o.accepted
+            # a chain's budgets, its first nodes accepted (most trees): at each smaller size c,
+            # min(accepted, c - 1) of c nodes kept, as below, without sorting and bisecting
+            # (ascending: sizes ascend; same states after replaying recorded steps)
+            chain = o.nodes == o.size and budget == _chain_lists(o.nodes)[1]
+            if chain and o.path == _chain_lists(accepted + 1)[0]:
+                measured = [(c, min(accepted, c - 1), c) for c in o.sizes if 1 < c < o.size]
+                measured.append((o.size, accepted, o.nodes))
+            else:
+                measured = [(o.size, accepted, o.nodes)]
+                if budget:
+                    # at each smaller size c: the kept nodes and the nodes whose budget is within c
+                    kept = sorted([budget[n] for n in o.path[1:]])
+                    budgets = sorted(budget)
+                    measured += [
+                        (c, bisect.bisect_right(kept, c), bisect.bisect_right(budgets, c))
+                        for c in o.sizes
+                        if 1 < c < o.size
+                    ]
+                measured.sort()  # every offered size up to the tree's: each pair is a size and the next smaller
             if not everything:
                 for size, accepted, nodes in measured:
                     _add_tree(means, (o.kind, size), 1.0 + accepted, nodes)
                 continue
-            measured.sort()  # every offered size up to the tree's: each pair is a size and the next smaller
             for (_, kept_below, _), (size, accepted, _) in itertools.pairwise(measured):
                 _add_tree(gains, (o.kind, size), float(accepted - kept_below), 0.0)
             mine = self.requests.setdefault(o.key, {})
@@ -1736,6 +1744,19 @@ class SpeculationPolicy:
         self._end_run(key)
         self._measured.pop(key, None)
         self.requests.pop(key, None)
+
+
+_CHAINS: list[tuple[list[int], list[int]]] = []
+
+
+def _chain_lists(nodes: int) -> tuple[list[int], list[int]]:
+    """([0, ..., nodes - 1], [1, ..., nodes]): the path through a chain's first `nodes`
+    nodes, and the `DraftTree.node_budget` of a chain of `nodes` nodes (node i is in every
+    tree of i + 1 nodes or more), for `_learn_trees` to compare with."""
+    while len(_CHAINS) <= nodes:
+        n = len(_CHAINS)
+        _CHAINS.append((list(range(n)), list(range(1, n + 1))))
+    return _CHAINS[nodes]
 
 
 def _add_tree(sums: TreeSums, key: tuple[Hashable, int], tokens: float, nodes: float) -> None:

@@ -2073,3 +2073,27 @@ def test_each_full_solve_is_counted_by_what_ended_the_decision_before_it(monkeyp
     before = p.solves.copy()
     p.choose([offers(2)[0], Offer("known", KIND, "redrafter", BEAMS, LEVELS)])
     assert p.solves - before == Counter(replaced=1) and p.solves.total() == solves
+
+
+def test_a_chain_is_learned_as_the_general_walk_of_its_budgets_learns_it() -> None:
+    """`_learn_trees` reads a chain (node budgets 1..n, its first nodes accepted: most
+    trees) without sorting and bisecting its budgets. Fed the same trees with the budgets as
+    tuples (which the shortcut does not take), a policy learns the same estimates, gains and
+    requests' own estimates, to the bit; so it does for a tree whose budgets ascend as a
+    chain's do but whose path skips a node (a sibling accepted), which is not a chain."""
+    rng = np.random.default_rng(0)
+    fast, walked = SpeculationPolicy(), SpeculationPolicy()
+    for _ in range(60):
+        trees = []
+        for i in range(3):
+            size = int(rng.choice([2, 3, 4, 5, 6]))
+            trees.append(rd_chain(f"r{i}", size, int(rng.integers(0, size))))
+        # ascending budgets, the path through node 2 (a child of the root beside node 1)
+        trees.append(Outcome("sib", KIND, 3, RD_SIZES, 1, [1, 2, 3], [0, 2], 3))
+        for p, as_tuples in ((fast, False), (walked, True)):
+            outcomes = [dataclasses.replace(o, node_budget=tuple(o.node_budget)) if as_tuples else o for o in trees]
+            p.observe(StepStats(sum(o.nodes for o in trees), 0.01, outcomes=outcomes, num_requests=len(trees)))
+    fast.learn()
+    walked.learn()
+    assert fast.kinds == walked.kinds and fast.gains == walked.gains and fast.requests == walked.requests
+    assert fast.requests["sib"][2][0] == 1.0  # at size 2 the sibling path keeps nothing
