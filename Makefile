@@ -233,11 +233,11 @@ bench-policy-replay: engine  ## the load-aware policy's own host time: its calls
 	$(BIN)/python -m benchmarks.policy_replay replay work_dirs/policy/redrafter_b1_t0.pkl work_dirs/policy/redrafter_b8_t0.pkl \
 	  work_dirs/policy/redrafter_b8_t1.pkl work_dirs/policy/redrafter_b32_t0.pkl work_dirs/policy/sd_b1_t0.pkl work_dirs/policy/sd_b8_t1.pkl
 
-bench-position: engine  ## drafts kept by position in the output (fixed ReDrafter chains and sd chains, T=0 and T=1, 64 held-out prompts, batch 8) -> benchmarks/results/acceptance_by_position_*.{json,md}
+bench-position: engine  ## drafts kept by position in the output (fixed ReDrafter chains and sd chains, T=0 and T=1 (4 seeds), 64 held-out prompts, batch 8) -> benchmarks/results/acceptance_by_position_*.{json,md}
 	$(BIN)/python -m benchmarks.acceptance_by_position "redrafter:fixed[beam_width=1]" --engine $(SPEC_ENGINE) --out benchmarks/results/acceptance_by_position_redrafter
-	$(BIN)/python -m benchmarks.acceptance_by_position "redrafter:fixed[beam_width=1]" --engine $(SPEC_ENGINE) --temperature 1 --out benchmarks/results/acceptance_by_position_redrafter_t1
+	$(BIN)/python -m benchmarks.acceptance_by_position "redrafter:fixed[beam_width=1]" --engine $(SPEC_ENGINE) --temperature 1 --rounds 4 --out benchmarks/results/acceptance_by_position_redrafter_t1
 	$(BIN)/python -m benchmarks.acceptance_by_position sd:fixed --engine $(DRAFT_ENGINE) --out benchmarks/results/acceptance_by_position_sd
-	$(BIN)/python -m benchmarks.acceptance_by_position sd:fixed --engine $(DRAFT_ENGINE) --temperature 1 --out benchmarks/results/acceptance_by_position_sd_t1
+	$(BIN)/python -m benchmarks.acceptance_by_position sd:fixed --engine $(DRAFT_ENGINE) --temperature 1 --rounds 4 --out benchmarks/results/acceptance_by_position_sd_t1
 
 bench-churn: engine  ## load-aware vs AR in lockstep while requests of 16-96 tokens come and go (4 x batch a round), batch 8/32, T=0/1 -> benchmarks/results/churn.{json,md}
 	$(BIN)/python -m benchmarks.churn

@@ -3,7 +3,8 @@
     python -m benchmarks.acceptance_by_position "redrafter:fixed[beam_width=1]" --batch 8
     python -m benchmarks.acceptance_by_position sd:fixed --engine engines/demo-draft-lm --temperature 1
 
-Decodes `--prompts` held-out prompts (`--max-tokens` each, EOS ignored, `--batch` at once) with
+Decodes `--prompts` held-out prompts `--rounds` times (`--max-tokens` each, EOS ignored,
+`--batch` at once; each round seeded apart) with
 one fixed configuration (as `benchmarks.lockstep` takes them: every request drafts the same
 tree every step, so that position is all that differs), and buckets every verified tree by
 the tokens its request had emitted before it (`--bucket` wide): trees, mean drafts kept,
@@ -73,7 +74,8 @@ def markdown(rows: list[Row], meta: dict[str, object]) -> str:
         "# Drafts kept by position in the output",
         "",
         f"Engine `{meta['engine']}`, `{meta['config']}`, batch {meta['batch']}, T={meta['temperature']:g}, "
-        f"{meta['prompts']} held-out prompts of {meta['max_tokens']} tokens (EOS ignored); every verified tree by "
+        f"{meta['prompts']} held-out prompts of {meta['max_tokens']} tokens (EOS ignored), {meta['rounds']} "
+        "round(s); every verified tree by "
         f"the tokens its request had emitted before it. Command: `{meta['command']}`",
         "",
         "| tokens emitted before | trees | drafts kept | tokens a step |",
@@ -114,8 +116,10 @@ def main(argv: list[str] | None = None) -> None:
         (llm,) = prepared(engine, {config.name: config}, args.batch, prompts[0], args.temperature).values()
     except ValueError as e:
         ap.error(str(e))
-    params = round_params(len(prompts), args.max_tokens, args.temperature, 0)
-    results = llm.generate(prompts, params, config.method, **dict(config.settings))
+    results = []
+    for round_ in range(args.rounds):  # (at T > 0 each round's seeds apart: another text per prompt)
+        params = round_params(len(prompts), args.max_tokens, args.temperature, round_)
+        results += llm.generate(prompts, params, config.method, **dict(config.settings))
     trees = [t for r in results for t in positions(r)]
     rows = bucketed(trees, args.bucket, args.max_tokens)
     meta = {
@@ -125,6 +129,7 @@ def main(argv: list[str] | None = None) -> None:
         "prompts": args.prompts,
         "temperature": args.temperature,
         "max_tokens": args.max_tokens,
+        "rounds": args.rounds,
         "command": command("benchmarks.acceptance_by_position", argv),
         "machine": machine(),
     }

@@ -30,6 +30,11 @@ def test_every_tree_is_reported_by_position(engines: dict[str, Path], tmp_path: 
     rows = doc["rows"]
     assert rows and all(0 <= r["kept"] <= 5 and r["tokens_per_step"] == pytest.approx(r["kept"] + 1) for r in rows)
     assert rows[0]["first"] == 0 and sum(r["trees"] for r in rows) >= 4  # every request drafts at least once
+    again = tmp_path / "twice"
+    main(["redrafter:fixed[beam_width=1]", "--engine", str(engines["redrafter"]), "--batch", "2",
+          "--prompts", "4", "--max-tokens", "12", "--bucket", "4", "--rounds", "2", "--out", str(again)])  # fmt: skip
+    twice = json.loads(again.with_suffix(".json").read_text())["rows"]
+    assert sum(r["trees"] for r in twice) == 2 * sum(r["trees"] for r in rows)  # T=0: the same trees again
     assert doc["meta"]["command"].startswith("python -m benchmarks.acceptance_by_position")
     assert "| tokens emitted before | trees |" in out.with_suffix(".md").read_text()
 
