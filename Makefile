@@ -239,6 +239,9 @@ bench-position: engine  ## drafts kept by position in the output (fixed ReDrafte
 	$(BIN)/python -m benchmarks.acceptance_by_position sd:fixed --engine $(DRAFT_ENGINE) --out benchmarks/results/acceptance_by_position_sd
 	$(BIN)/python -m benchmarks.acceptance_by_position sd:fixed --engine $(DRAFT_ENGINE) --temperature 1 --rounds 4 --out benchmarks/results/acceptance_by_position_sd_t1
 
+bench-first-round: engine  ## a fresh engine's first round: the slowest request's steps, plain request-steps and solves by cause, load-aware ReDrafter in 10 fresh engines at batch 8 (T=0) against fixed chains -> benchmarks/results/first_round.{json,md}
+	$(BIN)/python -m benchmarks.first_round --engine $(SPEC_ENGINE) --batch 8 --engines 10
+
 bench-churn: engine  ## load-aware vs AR in lockstep while requests of 16-96 tokens come and go (4 x batch a round), batch 8/32, T=0/1 -> benchmarks/results/churn.{json,md}
 	$(BIN)/python -m benchmarks.churn
 
