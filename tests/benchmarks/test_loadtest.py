@@ -129,16 +129,18 @@ def test_triton_overhead_report_times_the_same_requests_both_ways(server: Triton
     same fixed-length requests in-process and through Triton, with NVIDIA perf_analyzer and
     the Python gRPC client, and the report says so."""
     out = tmp_path / "overhead"
+    # 24 tokens: a ReDrafter request of 6 made them in one step or two, and where its first
+    # token and its end went out together there was no time between responses to report
     overhead_main(
         ["--engine", str(server.cfg.engine_dir), "--url", server.grpc_url, "--num-prompts", "2",
-         "--max-tokens", "6", "--rounds", "1", "--out", str(out)]
+         "--max-tokens", "24", "--rounds", "1", "--out", str(out)]
     )  # fmt: skip
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
     assert [(r["method"], r["client"]) for r in rows] == [
         ("ar", "perf_analyzer"), ("ar", "python"), ("redrafter", "perf_analyzer"), ("redrafter", "python")
     ]  # fmt: skip
     for r in rows:
-        assert r["tokens"] == [12, 12]
+        assert r["tokens"] == [48, 48]
         assert r["ratio"] > 0 and r["mean_response_gap_ms"] > 0 and r["mean_first_response_ms"] > 0
     md = out.with_suffix(".md").read_text()
     assert "python -m benchmarks.triton_overhead --engine" in md and "| redrafter | perf_analyzer |" in md

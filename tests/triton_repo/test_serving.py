@@ -462,6 +462,9 @@ def test_nvidia_perf_analyzer_streams_from_the_server(server: TritonServer, tmp_
     data = benchmark_input(tmp_path / "input_data.json", "heldout", 2, max_tokens=12, method="ar")
     sent = json.loads(data.read_text())["data"]
     assert [r["method"] for r in sent] == [["ar"]] * 2 and all(r["ignore_eos"] == [True] for r in sent)
+    # each step of these requests sleeps (`SLOW`): several responses at any machine speed (12
+    # one-token steps can all fit in one 20 ms stream interval, and did, on a fast 2-core EPYC)
+    data.write_text(json.dumps({"data": [r | {"seed": [SLOW]} for r in sent]}))
     export = tmp_path / "profile_export.json"
     command = perf_analyzer_command(server.grpc_url, data, export, request_rate=4, request_count=4)
     proc = run_perf_analyzer(command, export, timeout_s=300, capture=True)
