@@ -29,7 +29,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from benchmarks.lockstep import Config, add_round, parse_config, prepared, restore
+from benchmarks.lockstep import Config, add_round, parse_config, prepared
 from benchmarks.report import command, machine, write_report
 from benchmarks.timing import add_decoding_arguments
 from runtime.llm_engine import LLMEngine
@@ -52,18 +52,17 @@ class Row:
     solves: dict[str, int]
 
 
-def first_round(llm: LLMEngine, config: Config, prompts: list[list[int]], max_tokens: int, temperature: float) -> Row:
-    """One round of `prompts` on a freshly prepared `llm`."""
+def first_round(
+    number: int, llm: LLMEngine, config: Config, prompts: list[list[int]], max_tokens: int, temperature: float
+) -> Row:
+    """One round of `prompts` on a freshly prepared `llm`, engine `number` (`Row.engine`)."""
     requests = add_round(llm, config.method, prompts, max_tokens, temperature, 0, **dict(config.settings))
     while llm.has_unfinished():
-        old = config.apply()
-        try:
+        with config.patched():
             llm.step()
-        finally:
-            restore(old)
     sizes = [s for q in requests for s in q.result.sizes_per_step]
     return Row(
-        engine=0,
+        engine=number,
         config=config.name,
         slowest_steps=max(len(q.result.sizes_per_step) for q in requests),
         plain_share=round(sum(s == 1 for s in sizes) / max(len(sizes), 1), 3),
@@ -86,8 +85,8 @@ def markdown(rows: list[Row], meta: dict[str, object]) -> str:
         "|---|---|---|---|---|",
     ]
     for r in rows:
-        causes = ", ".join(f"{k} {v}" for k, v in r.solves.items()) or "-"
         name = "reference" if r.engine < 0 else str(r.engine)
+        causes = ", ".join(f"{k} {v}" for k, v in r.solves.items()) or "-"
         lines.append(f"| {name} | `{r.config}` | {r.slowest_steps} | {r.plain_share:.0%} | {causes} |")
     return "\n".join(lines) + "\n"
 
@@ -124,13 +123,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if reference is not None:
             (llm,) = prepared(engine, {reference.name: reference}, args.batch, prompts[0], args.temperature).values()
-            rows.append(
-                Row(**{**asdict(first_round(llm, reference, prompts, args.max_tokens, args.temperature)), "engine": -1})
-            )
+            rows.append(first_round(-1, llm, reference, prompts, args.max_tokens, args.temperature))
         for i in tqdm(range(args.engines), desc="fresh engines"):
             (llm,) = prepared(engine, {config.name: config}, args.batch, prompts[0], args.temperature).values()
-            row = first_round(llm, config, prompts, args.max_tokens, args.temperature)
-            rows.append(Row(**{**asdict(row), "engine": i}))
+            rows.append(first_round(i, llm, config, prompts, args.max_tokens, args.temperature))
     except ValueError as e:
         ap.error(str(e))
     meta = {

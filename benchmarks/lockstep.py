@@ -30,6 +30,7 @@ import importlib
 import statistics
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
@@ -65,6 +66,15 @@ class Config:
         for module, attr, value in self.patches:
             setattr(module, attr, value)
         return old
+
+    @contextmanager
+    def patched(self) -> Iterator[None]:
+        """The patches set for the block, what they replaced restored after it (however it ends)."""
+        old = self.apply()
+        try:
+            yield
+        finally:
+            restore(old)
 
 
 def restore(old: list[Patch]) -> None:
@@ -135,15 +145,13 @@ def prepared(
     or setting the engine does not take (the engine's message names the fix)."""
     engines = {}
     for name, config in configs.items():
-        old = config.apply()
         try:
-            llm = LLMEngine(engine, RuntimeConfig(max_batch_size=batch, speculation=config.speculation))
-            llm.prepare()
-            warm_up(llm, prompt, config.method, temperature, **dict(config.settings))
+            with config.patched():
+                llm = LLMEngine(engine, RuntimeConfig(max_batch_size=batch, speculation=config.speculation))
+                llm.prepare()
+                warm_up(llm, prompt, config.method, temperature, **dict(config.settings))
         except ValueError as e:
             raise ValueError(f"config {name!r}: {e}") from e
-        finally:
-            restore(old)
         engines[name] = llm
     return engines
 
@@ -200,13 +208,10 @@ def lockstep(
             for k in keys
         }
         for k, llm in in_turn(engines, r):
-            old = configs[k].apply()
-            try:
+            with configs[k].patched():
                 start = time.perf_counter()
                 llm.step()
                 seconds[k][r] += time.perf_counter() - start
-            finally:
-                restore(old)
         for k in keys:
             tokens[k][r] = sum(len(q.result.output_ids) for q in requests[k])
             outputs[k] += [q.result.output_ids for q in requests[k]]

@@ -83,6 +83,10 @@ def test_a_configuration_patches_and_restores() -> None:
     assert speculation_policy.PROBE_SHARE == 0.5
     lockstep.restore(old)
     assert before == speculation_policy.PROBE_SHARE
+    with pytest.raises(RuntimeError), config.patched():  # restored however the block ends
+        assert speculation_policy.PROBE_SHARE == 0.5
+        raise RuntimeError
+    assert before == speculation_policy.PROBE_SHARE
 
 
 def test_a_setting_the_method_does_not_take_is_refused(
