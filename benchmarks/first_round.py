@@ -30,7 +30,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from benchmarks.lockstep import Config, add_round, parse_config, prepared
-from benchmarks.report import command, machine, write_report
+from benchmarks.report import by_count, command, machine, write_report
 from benchmarks.timing import add_decoding_arguments
 from runtime.llm_engine import LLMEngine
 from runtime.loaded_engine import LoadedEngine
@@ -86,8 +86,7 @@ def markdown(rows: list[Row], meta: dict[str, object]) -> str:
     ]
     for r in rows:
         name = "reference" if r.engine < 0 else str(r.engine)
-        causes = ", ".join(f"{k} {v}" for k, v in r.solves.items()) or "-"
-        lines.append(f"| {name} | `{r.config}` | {r.slowest_steps} | {r.plain_share:.0%} | {causes} |")
+        lines.append(f"| {name} | `{r.config}` | {r.slowest_steps} | {r.plain_share:.0%} | {by_count(r.solves)} |")
     return "\n".join(lines) + "\n"
 
 

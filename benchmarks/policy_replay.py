@@ -42,7 +42,7 @@ import numpy as np
 from tqdm import tqdm
 
 from benchmarks.lockstep import Config, lockstep, parse_config, prepared
-from benchmarks.report import command, machine, write_report
+from benchmarks.report import by_count, command, machine, write_report
 from benchmarks.timing import add_decoding_arguments
 from runtime.loaded_engine import LoadedEngine
 from runtime.speculation_policy import SpeculationPolicy
@@ -204,7 +204,7 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
         lines.append(
             f"| `{r.recording}` | {r.steps} | **{r.us_per_step:.1f}** | {r.choose_standing_us:.1f} "
             f"| {r.choose_solving_us:.1f} ({r.solves}) "
-            f"| {', '.join(f'{k} {v}' for k, v in sorted(r.causes.items(), key=lambda kv: -kv[1]))} "
+            f"| {by_count(r.causes)} "
             f"| {r.observe_us:.1f} | {r.forget_us:.1f} "
             f"| {r.differing_choices} | `{r.fingerprint}` |"
         )

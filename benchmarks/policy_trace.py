@@ -26,7 +26,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from benchmarks.report import command, machine, write_report
+from benchmarks.report import by_count, command, machine, write_report
 from benchmarks.timing import add_decoding_arguments, round_params, warm_up
 from runtime.config import RuntimeConfig
 from runtime.llm_engine import LLMEngine
@@ -102,7 +102,7 @@ def markdown(meta: dict[str, Any], steps: list[dict[str, Any]], summary: dict[st
         + (f", {meta['machine']['gpu']}" if "gpu" in meta["machine"] else "")
         + f". {len(decoding)} decoding steps, {len(drafted)} with drafting; probes {summary['probes']}, "
         f"plain probes {summary['plain_probes']}; full solves by cause (`speculation_policy.SOLVE_CAUSES`): "
-        + (", ".join(f"{k} {v}" for k, v in summary["solves"].items()) or "none")
+        + by_count(summary["solves"])
         + "; sizes (request-steps): "
         + ", ".join(f"{k}: {v}" for k, v in sorted(summary["sizes"].items(), key=lambda kv: int(kv[0]))),
         "",

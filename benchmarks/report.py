@@ -27,6 +27,13 @@ class Cell:
     temperature: float
 
 
+def by_count(counts: dict[str, int]) -> str:
+    """`counts` as "key n, key n", the largest first ("-" where there are none): how the
+    policy's full solves by cause read in a report (`SpeculationPolicy.solves`)."""
+    ordered = sorted(counts.items(), key=lambda kv: -kv[1])  # (stable: ties as they came)
+    return ", ".join(f"{key} {n}" for key, n in ordered) or "-"
+
+
 def machine() -> dict[str, object]:
     cpu = next(
         (
