@@ -77,14 +77,15 @@ class Row:
 def record(
     engine_dir: str, config: Config, batch: int, temperature: float, max_tokens: int, rounds: int, device: str = "cpu"
 ) -> dict[str, Any]:
-    """A lockstep run of AR and `config` whose policy's calls are kept (module docstring)."""
+    """A lockstep run of AR and `config` whose policy's calls are kept (module docstring).
+    Raises ValueError for a fixed `config` (its policy decides nothing), before loading anything."""
+    if config.speculation != "load-aware":
+        raise ValueError(f"config {config.name!r}: a fixed policy decides nothing; record a load-aware one")
     engine = LoadedEngine.load(engine_dir, device=device)
     prompts = [engine.encode(t) for t in heldout_prompts(max(batch, 8))]
     configs = {"ar": Config("ar", "ar", "fixed", ()), "recorded": config}
     engines = prepared(engine, configs, batch, prompts[0], temperature)
     policy = engines["recorded"].policy
-    if not policy.adaptive:
-        raise ValueError(f"config {config.name!r}: a fixed policy decides nothing; record a load-aware one")
     start, calls = copy.deepcopy(policy), []
     originals = {name: getattr(SpeculationPolicy, name) for name in CALLS}
 
@@ -233,8 +234,6 @@ def main(argv: list[str] | None = None) -> None:
             ap.error("--batch, --rounds and --max-tokens must be >= 1")
         try:
             config = parse_config(args.config)
-            if config.speculation != "load-aware":
-                raise ValueError(f"config {args.config!r}: a fixed policy decides nothing; record a load-aware one")
             kept = record(args.engine, config, args.batch, args.temperature, args.max_tokens, args.rounds, args.device)
         except (ValueError, ImportError) as e:
             ap.error(str(e))
