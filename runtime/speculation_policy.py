@@ -294,18 +294,26 @@ options it was made for. With requests of 16-96 tokens streaming through a batch
 decision at ~70% of the steps, a ~0.4 ms solve each: the schedule phase cost +230-250 us a
 step over AR's (`benchmarks/churn.py`). At batch 1-3 any change re-solves (a quarter of the
 requests is less than one)."""
-DRAFTING_STANDS = 4
+DRAFTING_STANDS = 8
 """Steps a decision that drafts stands while the requests and their options are the same
 (and no probe is due; `_Settled`). Unlike an all-auto-regressive decision, each of its
 steps brings evidence (its trees), which the estimates take in at once; the choice follows
-it at most this many steps late. Solved every step, the choice cost ~2% of a drafting
-step (sd, T=0: 0.14 ms of ~6.8 at batch 1, 0.30 ms of ~16 at batch 8)."""
-DRAFTING_STANDS_MOST = 16
+it at most this many steps late (and a stand whose trees fall short ends at once:
+`STAND_Z`). Solved every step, the choice cost ~2% of a drafting step (sd, T=0: 0.14 ms of
+~6.8 at batch 1, 0.30 ms of ~16 at batch 8). At 4 steps, a full solve every ~5 steps still
+cost ~2-4% where acceptance is steady (a solve ~0.3-0.5 ms cold on a 2-thread AMD EPYC,
+on ~2-5 ms steps): against the best fixed size, in lockstep (16 rounds each, demo engines,
+held-out prompts, T=0), 4 -> 8 steps (with `DRAFTING_STANDS_MOST` 64) moved ReDrafter at
+batch 1 0.960 -> 0.984, at batch 8 0.951 -> 0.988 (0.941 -> 0.975 in a second run, where
+6 steps read 0.962 and 4 with a longer most 0.938) and sd at batch 1 0.960 -> 0.987."""
+DRAFTING_STANDS_MOST = 64
 """Steps a decision that drafts stands at most: a solve at the end of its stand that makes
 the same decision doubles the next one's, up to this, while its trees yield what it
 expected of them (`STAND_Z`, `_Settled.strays`). At batch 1 full solves (new requests and
 their last steps included) were ~1/3 of ReDrafter's steps, each ~0.27 ms on a ~1.85 ms
-step (2-thread EPYC): ~5% of batch-1 throughput, where fixed chains lost none."""
+step (2-thread EPYC): ~5% of batch-1 throughput, where fixed chains lost none. 16 before
+session 29 (`DRAFTING_STANDS`: 64 alone moved ReDrafter at batch 1 0.960 -> 0.981 of the
+best fixed size, at batch 8 nothing)."""
 STAND_TREES = 16
 """Trees of its kind each size a decision drafts must rest on before it stands past
 `DRAFTING_STANDS` steps (`_may_stand_long`)."""

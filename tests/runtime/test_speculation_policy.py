@@ -610,12 +610,12 @@ def test_a_decision_to_draft_stands_a_few_steps(monkeypatch: pytest.MonkeyPatch)
     assert off <= solved_off + stands and rate == pytest.approx(solved_rate, rel=0.01)
 
     monkeypatch.setattr(speculation_policy, "DRAFTING_STANDS", stands)
-    r = calibrated(GOOD)
-    run(r, GOOD, batch=2, steps=40)
-    for _ in range(20):  # on to a decision with a few steps of its stand left
-        if (s := r._settled) is not None and s.drafts and r.steps - s.step + 3 < s.stands:
+    r = calibrated(LIGHT)  # (where trees wider than a chain pay)
+    run(r, LIGHT, batch=2, steps=40)
+    for _ in range(40):  # on to a decision wider than a chain with a few steps of its stand left
+        if (s := r._settled) is not None and s.drafts and max(s.sizes) > 5 and r.steps - s.step + 3 < s.stands:
             break
-        run(r, GOOD, batch=2, steps=1)
+        run(r, LIGHT, batch=2, steps=1)
     assert r._settled is not None and r._settled.drafts
     sizes, reused = dict(zip(r._settled.keys, r._settled.sizes, strict=True)), r.reused
     assert r.choose(offers(2)) == sizes and r.reused == reused + 1  # it stands
@@ -624,7 +624,7 @@ def test_a_decision_to_draft_stands_a_few_steps(monkeypatch: pytest.MonkeyPatch)
     assert max(sizes.values()) > 5  # wider than a chain: not cut to what it may emit (`_within`)
     ending = [dataclasses.replace(o, left=2) for o in offers(2)]  # their last tokens: solved afresh
     assert r.choose(ending) and r.reused == reused + 2
-    run(r, GOOD, batch=2, steps=10)
+    run(r, LIGHT, batch=2, steps=10)
     assert r._settled is not None
     probe = Outcome("r0", KIND, 1 + sizes["r0"], BEAMS, 0, [], [0], 1 + sizes["r0"])  # a size it did not set
     r.observe(StepStats(2, 0.01, outcomes=[probe], num_requests=2))
@@ -635,8 +635,8 @@ def test_a_decision_made_again_stands_longer_while_its_trees_bear_it_out(monkeyp
     """A decision that drafts, made again by the solve at the end of its stand, stands twice
     as long (up to `DRAFTING_STANDS_MOST`), while its trees yield what it expected of them
     (`STAND_Z`): at batch 1 solves re-made the same choice every few steps (~5% of a
-    ReDrafter step's time). Steady acceptance: ~35% fewer solves than stands of
-    `DRAFTING_STANDS`, the throughput of solving every step. When acceptance falls, its
+    ReDrafter step's time). Steady acceptance: ~18% fewer solves than stands of
+    `DRAFTING_STANDS` (~35% when those were 4 steps), the throughput of solving every step. When acceptance falls, its
     trees fall short and end it: auto-regression comes back within `DRAFTING_STANDS` steps
     of when solving every step brings it back, where decisions that stand
     `DRAFTING_STANDS_MOST` steps whatever their trees yield come back ~20 steps later."""
@@ -659,7 +659,7 @@ def test_a_decision_made_again_stands_longer_while_its_trees_bear_it_out(monkeyp
     solves, _, rate = runs(steady)
     short_solves, _, _ = runs(steady, DRAFTING_STANDS_MOST=speculation_policy.DRAFTING_STANDS)
     every, _, every_rate = runs(steady, DRAFTING_STANDS=0)
-    assert solves < 0.75 * short_solves < every and rate == pytest.approx(every_rate, rel=0.01), (solves, short_solves)
+    assert solves < 0.9 * short_solves < every and rate == pytest.approx(every_rate, rel=0.01), (solves, short_solves)
 
     shift = [GOOD] * 300 + [POOR] * 100
     _, off, _ = runs(shift)
@@ -1195,6 +1195,7 @@ def test_a_first_step_at_a_new_batch_size_ends_a_settled_decision() -> None:
     it took ~7). The first such step's timing ends it; later ones, no news, do not."""
     p = calibrated(POOR)
     run(p, POOR, batch=1, steps=40)
+    p.credit = 0.0  # no probe due (its tree would end the decision too)
     assert set(p.choose(offers(8)).values()) == {1} and p._settled is not None
 
     def step() -> None:
@@ -1621,16 +1622,17 @@ def test_a_count_below_one_timed_lately_is_priced_between_them_not_probed(monkey
     T=0 ~10% of its steps. Below a count timed lately, the plain step is priced on the line
     between it and the next smaller count (or one request), as an interpolation, and not
     probed; above every timed count it is extrapolated and still probed. Probing each
-    count, the batch of 7 runs ~7% slower here."""
+    count, the batch of 7 runs ~9% slower here."""
 
     def shrinking() -> tuple[list[int], float]:
         p = calibrated(GOOD)
         for _ in range(PLAIN_SAMPLES):  # the plain step of 8 requests, timed just now
             p.observe(StepStats(8, GOOD.forward(8, 8), num_requests=8, overhead_seconds=GOOD.host(0)))
         probes, rate7 = [], 0.0
-        for batch in (7, 6, 5, 12):
+        # (at 7, the whole of a probe's run; 8's timing less than `PLAIN_EVERY` steps old until 12)
+        for batch, steps in ((7, 24), (6, 16), (5, 16), (12, 20)):
             before = p.plain_probes
-            rate, _ = run(p, GOOD, batch=batch, steps=20)
+            rate, _ = run(p, GOOD, batch=batch, steps=steps)
             probes.append(p.plain_probes - before)
             rate7 = rate7 or rate
         return probes, rate7
@@ -1836,7 +1838,8 @@ def test_while_it_drafts_nothing_a_probe_drafts_its_best_size_not_its_largest(mo
     # (`DRAFTING_STANDS_MOST`, which moves when probes come), nor a share that moves with the
     # drafting probes (`PROBE_BACKOFF`): the probe's size alone decides here
     monkeypatch.setattr(speculation_policy, "KIND_HALF_LIFE", float("inf"))
-    monkeypatch.setattr(speculation_policy, "DRAFTING_STANDS_MOST", speculation_policy.DRAFTING_STANDS)
+    monkeypatch.setattr(speculation_policy, "DRAFTING_STANDS", 4)  # (the stands this trace was drawn with)
+    monkeypatch.setattr(speculation_policy, "DRAFTING_STANDS_MOST", 4)
     monkeypatch.setattr(speculation_policy, "PROBE_BACKOFF", 0)
 
     def runs(best_while_plain: bool) -> list[tuple[float, list[int], list[int]]]:
