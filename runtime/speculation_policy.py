@@ -298,8 +298,10 @@ DRAFTING_STANDS = 8
 """Steps a decision that drafts stands while the requests and their options are the same
 (and no probe is due; `_Settled`). Unlike an all-auto-regressive decision, each of its
 steps brings evidence (its trees), which the estimates take in at once; the choice follows
-it at most this many steps late (and a stand whose trees fall short ends at once:
-`STAND_Z`). Solved every step, the choice cost ~2% of a drafting step (sd, T=0: 0.14 ms of
+it at most this many steps late (its trees are checked against what it expected of them
+only past this many steps, `STAND_Z`: checked from its first step, ReDrafter at batch 8,
+T=0 read -2.2% in lockstep, more solves on chance shortfalls; one that rests on sizes barely
+measured stands `UNMEASURED_STANDS`). Solved every step, the choice cost ~2% of a drafting step (sd, T=0: 0.14 ms of
 ~6.8 at batch 1, 0.30 ms of ~16 at batch 8). At 4 steps, a full solve every ~5 steps still
 cost ~2-4% where acceptance is steady (a solve ~0.3-0.5 ms cold on a 2-thread AMD EPYC,
 on ~2-5 ms steps): against the best fixed size, in lockstep (16 rounds each, demo engines,
@@ -314,6 +316,16 @@ their last steps included) were ~1/3 of ReDrafter's steps, each ~0.27 ms on a ~1
 step (2-thread EPYC): ~5% of batch-1 throughput, where fixed chains lost none. 16 before
 session 29 (`DRAFTING_STANDS`: 64 alone moved ReDrafter at batch 1 0.960 -> 0.981 of the
 best fixed size, at batch 8 nothing)."""
+UNMEASURED_STANDS = 4
+"""`DRAFTING_STANDS` for a decision that drafts a size measured by fewer than `STAND_TREES`
+trees of its kind (`_measured_well`): it rests on optimism, and its trees are not checked
+against it before `DRAFTING_STANDS` steps (`STAND_Z`): at batch 1 mostly ReDrafter's wider
+beams, which only probes measure, tried on optimism (at T=1, a lockstep run's first steps
+drafted 8 steps of 21-node trees, each ~3x a plain step). 8 -> 4, in lockstep against the
+best fixed size (demo engines, held-out prompts, 16-24 rounds, 2-4 runs a cell): ReDrafter
+at batch 1, T=0 +2.0 / +1.5 / +0.9 / +0.7%, sd at batch 1, T=0 +1.5 / +1.4 / +1.1%; at
+batch 8, T=0 +2.7 / +0.7 / +0.3 / -0.6%; T=1 cells within +-1% (ReDrafter at batch 1
+-0.6 / -0.2 / +0.9 / -0.1%), sd at batch 8, T=1 +2.1 / -1.5%."""
 STAND_TREES = 16
 """Trees of its kind each size a decision drafts must rest on before it stands past
 `DRAFTING_STANDS` steps (`_may_stand_long`)."""
@@ -1241,6 +1253,8 @@ class SpeculationPolicy:
                 stands = min(2 * expired.stands, PLAIN_STANDS_MOST)
             elif not expired.strays(STAND_LONGER_Z) and self._may_stand_long(offers, sizes, others):
                 stands = min(2 * expired.stands, DRAFTING_STANDS_MOST)
+        if drafts and stands == DRAFTING_STANDS and not self._measured_well(offers, sizes):
+            stands = min(stands, UNMEASURED_STANDS)
         taus = {o.key: g.entry(s)[1] for g, s, group in zip(batch, best.sizes, members, strict=True) for o in group}
         self._settled = _Settled(
             signature,
@@ -1277,10 +1291,14 @@ class SpeculationPolicy:
         batch-1 ReDrafter request drafted 21-node trees priced at 4.8 tokens on one tree, ~15%
         of its steps at ~1.5x a chain's cost), and no plain probe may be due (`_plain_untimed`:
         what it would correct is a price, which no tree shows)."""
+        return self._measured_well(offers, sizes) and not self._plain_untimed(others + len(offers))
+
+    def _measured_well(self, offers: list[Offer], sizes: list[int]) -> bool:
+        """Whether each size a decision drafts is measured by `STAND_TREES` trees of its kind."""
         for o, size in zip(offers, sizes, strict=True):
             if size > 1 and ((e := self.kinds.get((o.kind, size))) is None or e.trees < STAND_TREES):
                 return False
-        return not self._plain_untimed(others + len(offers))
+        return True
 
     def _standing(self, offers: list[Offer], others: int) -> _Settled | None:
         """The settled decision if it holds for this step (module docstring); if it does,
