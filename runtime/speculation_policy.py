@@ -301,8 +301,8 @@ steps brings evidence (its trees), which the estimates take in at once; the choi
 it at most this many steps late (its trees are checked against what it expected of them
 only past this many steps, `STAND_Z`: checked from its first step, ReDrafter at batch 8,
 T=0 read -2.2% in lockstep, more solves on chance shortfalls; one that rests on sizes barely
-measured stands `UNMEASURED_STANDS`). Solved every step, the choice cost ~2% of a drafting step (sd, T=0: 0.14 ms of
-~6.8 at batch 1, 0.30 ms of ~16 at batch 8). At 4 steps, a full solve every ~5 steps still
+measured stands `UNMEASURED_STANDS`). Solved every step, the choice cost ~2% of a drafting
+step (sd, T=0: 0.14 ms of ~6.8 at batch 1, 0.30 ms of ~16 at batch 8). At 4 steps, a full solve every ~5 steps still
 cost ~2-4% where acceptance is steady (a solve ~0.3-0.5 ms cold on a 2-thread AMD EPYC,
 on ~2-5 ms steps): against the best fixed size, in lockstep (16 rounds each, demo engines,
 held-out prompts, T=0), 4 -> 8 steps (with `DRAFTING_STANDS_MOST` 64) moved ReDrafter at
@@ -320,8 +320,8 @@ UNMEASURED_STANDS = 4
 """`DRAFTING_STANDS` for a decision that drafts a size measured by fewer than `STAND_TREES`
 trees of its kind (`_measured_well`): it rests on optimism, and its trees are not checked
 against it before `DRAFTING_STANDS` steps (`STAND_Z`): at batch 1 mostly ReDrafter's wider
-beams, which only probes measure, tried on optimism (at T=1, a lockstep run's first steps
-drafted 8 steps of 21-node trees, each ~3x a plain step). 8 -> 4, in lockstep against the
+beams, which only probes measure, tried on optimism (standing 8 steps, a lockstep run's
+first steps at T=1 drafted 8 steps of 21-node trees, each ~3x a plain step). 8 -> 4, in lockstep against the
 best fixed size (demo engines, held-out prompts, 16-24 rounds, 2-4 runs a cell): ReDrafter
 at batch 1, T=0 +2.0 / +1.5 / +0.9 / +0.7%, sd at batch 1, T=0 +1.5 / +1.4 / +1.1%; at
 batch 8, T=0 +2.7 / +0.7 / +0.3 / -0.6%; T=1 cells within +-1% (ReDrafter at batch 1

@@ -636,8 +636,8 @@ def test_a_decision_made_again_stands_longer_while_its_trees_bear_it_out(monkeyp
     as long (up to `DRAFTING_STANDS_MOST`), while its trees yield what it expected of them
     (`STAND_Z`): at batch 1 solves re-made the same choice every few steps (~5% of a
     ReDrafter step's time). Steady acceptance: ~18% fewer solves than stands of
-    `DRAFTING_STANDS` (~35% when those were 4 steps), the throughput of solving every step. When acceptance falls, its
-    trees fall short and end it: auto-regression comes back within `DRAFTING_STANDS` steps
+    `DRAFTING_STANDS` (~35% when those were 4 steps), the throughput of solving every step.
+    When acceptance falls, its trees fall short and end it: auto-regression comes back within `DRAFTING_STANDS` steps
     of when solving every step brings it back, where decisions that stand
     `DRAFTING_STANDS_MOST` steps whatever their trees yield come back ~20 steps later."""
     inf = float("inf")
