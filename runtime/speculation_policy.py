@@ -328,7 +328,7 @@ batch 8, T=0 +2.7 / +0.7 / +0.3 / -0.6%; T=1 cells within +-1% (ReDrafter at bat
 -0.6 / -0.2 / +0.9 / -0.1%), sd at batch 8, T=1 +2.1 / -1.5%."""
 STAND_TREES = 16
 """Trees of its kind each size a decision drafts must rest on before it stands past
-`DRAFTING_STANDS` steps (`_may_stand_long`)."""
+`DRAFTING_STANDS` steps (`_measured_well`)."""
 STAND_Z = 1.5
 """How many standard deviations the tokens a standing decision's trees yielded may fall
 short of what it expected of them before it is solved again (`_Settled.strays`): drafting
@@ -1248,12 +1248,15 @@ class SpeculationPolicy:
         stands = _first_stand(drafts)
         if PROBE_KEEPS_STAND and not drafts and probed is not None and probed.signature == signature:
             stands = probed.stands  # made again after a probe ended it
+        measured = not drafts or self._measured_well(offers, sizes)
         if expired is not None and expired.sizes == sizes:  # made again at the end of its stand
             if not drafts:
                 stands = min(2 * expired.stands, PLAIN_STANDS_MOST)
-            elif not expired.strays(STAND_LONGER_Z) and self._may_stand_long(offers, sizes, others):
+            # past `DRAFTING_STANDS` steps only on sizes measured well, and while no plain probe
+            # is due (`_plain_untimed`: what it would correct is a price, which no tree shows)
+            elif measured and not expired.strays(STAND_LONGER_Z) and not self._plain_untimed(others + len(offers)):
                 stands = min(2 * expired.stands, DRAFTING_STANDS_MOST)
-        if drafts and stands == DRAFTING_STANDS and not self._measured_well(offers, sizes):
+        if not measured:
             stands = min(stands, UNMEASURED_STANDS)
         taus = {o.key: g.entry(s)[1] for g, s, group in zip(batch, best.sizes, members, strict=True) for o in group}
         self._settled = _Settled(
@@ -1284,17 +1287,12 @@ class SpeculationPolicy:
         (the per-token slope of that size's drafting-cost fit)."""
         return self._draft_slopes(costs(offer)[offer.sizes.index(size)], 1)[2]
 
-    def _may_stand_long(self, offers: list[Offer], sizes: list[int], others: int) -> bool:
-        """Whether a decision that drafts `sizes` may stand past `DRAFTING_STANDS` steps: each
-        size it drafts is measured by `STAND_TREES` trees of its kind (a choice that rests on
-        optimism about a size barely measured must meet its trees soon: standing long, a
-        batch-1 ReDrafter request drafted 21-node trees priced at 4.8 tokens on one tree, ~15%
-        of its steps at ~1.5x a chain's cost), and no plain probe may be due (`_plain_untimed`:
-        what it would correct is a price, which no tree shows)."""
-        return self._measured_well(offers, sizes) and not self._plain_untimed(others + len(offers))
-
     def _measured_well(self, offers: list[Offer], sizes: list[int]) -> bool:
-        """Whether each size a decision drafts is measured by `STAND_TREES` trees of its kind."""
+        """Whether each size a decision drafts is measured by `STAND_TREES` trees of its kind:
+        only then may it stand past `DRAFTING_STANDS` steps (`_settle`), and otherwise it
+        stands `UNMEASURED_STANDS`. A choice that rests on optimism about a size barely
+        measured must meet its trees soon: standing long, a batch-1 ReDrafter request drafted
+        21-node trees priced at 4.8 tokens on one tree, ~15% of its steps at ~1.5x a chain's cost."""
         for o, size in zip(offers, sizes, strict=True):
             if size > 1 and ((e := self.kinds.get((o.kind, size))) is None or e.trees < STAND_TREES):
                 return False
