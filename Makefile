@@ -17,7 +17,7 @@ DEMO_PROMPTS := --prompt "def fibonacci(n):" \
 	--prompt "$$(printf 'class Stack:\n    def __init__(self):')" \
 	--prompt "$$(printf 'import os\n\n\ndef list_python_files(path):')"
 
-.PHONY: help setup cpu-kernels mpi perf-analyzer-install perf-tools genai-perf perf-analyzer engine demo serve test test-slow lint format model drafter drafter-soft draft-lm lyanna bench-redrafter bench-redrafter-kd bench-redrafter-grid bench-lyanna-throughput bench-batch bench-batch-methods bench-triton-overhead bench-rsd bench-ngram profile policy-trace bench-no-draft bench-churn bench-lockstep bench-floor bench-compiled-forward bench-lyanna bench-drafter-tp loadtest loadtest-openai soak bench-table2 export-trtllm clean
+.PHONY: help setup cpu-kernels mpi perf-analyzer-install perf-tools genai-perf perf-analyzer engine demo serve test test-slow lint format model drafter drafter-soft draft-lm lyanna bench-redrafter bench-redrafter-kd bench-redrafter-grid bench-lyanna-throughput bench-batch bench-batch-methods bench-triton-overhead bench-rsd bench-ngram profile policy-trace bench-no-draft bench-churn bench-goals bench-lockstep bench-floor bench-compiled-forward bench-lyanna bench-drafter-tp loadtest loadtest-openai soak bench-table2 export-trtllm clean
 
 help:  ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 25
@@ -244,6 +244,9 @@ bench-first-round: engine  ## a fresh engine's first round: the slowest request'
 
 bench-churn: engine  ## load-aware vs AR in lockstep while requests of 16-96 tokens come and go (4 x batch a round), batch 8/32, T=0/1 -> benchmarks/results/churn.{json,md}
 	$(BIN)/python -m benchmarks.churn
+
+bench-goals: engine  ## issue 16's CPU goals in one run: every goal cell (ReDrafter, draft LM, Lyanna; batch 1/8/32, T=0/1) in lockstep against AR and fixed speculation, judged (~10 min on 2 cores) -> benchmarks/results/goals.{json,md}
+	$(BIN)/python -m benchmarks.goals
 
 bench-lockstep: engine  ## load-aware ReDrafter against AR in lockstep (engines step in turn), T=1, batch 1/2/8 -> benchmarks/results/lockstep_redrafter_b*_t1.{json,md}
 	for b in 1 2 8; do $(BIN)/python -m benchmarks.lockstep --engine $(SPEC_ENGINE) --batch $$b --temperature 1 --rounds 12 \

@@ -135,6 +135,8 @@ class Row:
     steps: int
     same_as_ar: bool | None
     """At T=0: every request's output equals AR's (None at T > 0)."""
+    tokens_per_second: float = 0.0
+    """Its tokens over its summed step time, all rounds (AR's: the machine's speed that hour)."""
 
 
 def prepared(
@@ -219,6 +221,50 @@ def lockstep(
     return seconds, tokens, outputs, done
 
 
+def measure(
+    engine_dir: str | Path,
+    parsed: list[Config],
+    batch: int,
+    temperature: float,
+    rounds: int,
+    max_tokens: int = 64,
+    prompts: int | None = None,
+    device: str = "cpu",
+) -> tuple[list[Row], int]:
+    """AR (first row) and each of `parsed` in lockstep on `engine_dir`'s weights: a row each,
+    and the held-out prompts a round (`prompts`, default the batch, at least 8). Raises
+    ValueError naming a configuration the engine does not take."""
+    configs = {"ar": Config("ar", "ar", "fixed", ())} | {c.name: c for c in parsed}
+    engine = LoadedEngine.load(engine_dir, device=device)
+    count = prompts or max(batch, 8)  # at batch 1, one prompt a round read 0.79-1.05 between rounds
+    encoded = [engine.encode(t) for t in heldout_prompts(count)]
+    engines = prepared(engine, configs, batch, encoded[0], temperature)
+    seconds, tokens, outputs, done = lockstep(engines, configs, encoded, max_tokens, temperature, rounds)
+    ar_rate = sum(tokens["ar"]) / sum(seconds["ar"])
+    rows = []
+    for name, config in configs.items():
+        per_round = [(n / s) / (a / t) for n, s, a, t in zip(tokens[name], seconds[name], tokens["ar"], seconds["ar"],
+                                                              strict=True)]  # fmt: skip
+        rows.append(
+            Row(
+                config=name,
+                method=config.method,
+                speculation=config.speculation,
+                ratio=round(sum(tokens[name]) / sum(seconds[name]) / ar_rate, 4),
+                median=round(statistics.median(per_round), 4),
+                least=round(min(per_round), 4),
+                most=round(max(per_round), 4),
+                stderr=round(statistics.stdev(per_round) / len(per_round) ** 0.5, 4) if len(per_round) > 1 else 0.0,
+                per_round=[round(x, 4) for x in per_round],
+                tokens_per_step=round(tokens_per_step([q.result for q in done[name]]), 3),
+                steps=sum(q.result.num_forwards for q in done[name]),
+                same_as_ar=outputs[name] == outputs["ar"] if temperature == 0 else None,
+                tokens_per_second=round(sum(tokens[name]) / sum(seconds[name]), 1),
+            )
+        )
+    return rows, count
+
+
 def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
     lines = [
         "# Speed against auto-regression, in lockstep",
@@ -259,36 +305,11 @@ def main(argv: list[str] | None = None) -> None:
         parsed = [parse_config(c) for c in args.configs]
     except (ValueError, ImportError) as e:
         ap.error(str(e))
-    configs = {"ar": Config("ar", "ar", "fixed", ())} | {c.name: c for c in parsed}
-    engine = LoadedEngine.load(args.engine, device=args.device)
-    count = args.prompts or max(args.batch, 8)  # at batch 1, one prompt a round read 0.79-1.05 between rounds
-    prompts = [engine.encode(t) for t in heldout_prompts(count)]
     try:
-        engines = prepared(engine, configs, args.batch, prompts[0], args.temperature)
+        rows, count = measure(args.engine, parsed, args.batch, args.temperature, args.rounds, args.max_tokens,
+                              args.prompts, args.device)  # fmt: skip
     except ValueError as e:
         ap.error(str(e))
-    seconds, tokens, outputs, done = lockstep(engines, configs, prompts, args.max_tokens, args.temperature, args.rounds)
-    ar_rate = sum(tokens["ar"]) / sum(seconds["ar"])
-    rows = []
-    for name, config in configs.items():
-        per_round = [(n / s) / (a / t) for n, s, a, t in zip(tokens[name], seconds[name], tokens["ar"], seconds["ar"],
-                                                              strict=True)]  # fmt: skip
-        rows.append(
-            Row(
-                config=name,
-                method=config.method,
-                speculation=config.speculation,
-                ratio=round(sum(tokens[name]) / sum(seconds[name]) / ar_rate, 4),
-                median=round(statistics.median(per_round), 4),
-                least=round(min(per_round), 4),
-                most=round(max(per_round), 4),
-                stderr=round(statistics.stdev(per_round) / len(per_round) ** 0.5, 4) if len(per_round) > 1 else 0.0,
-                per_round=[round(x, 4) for x in per_round],
-                tokens_per_step=round(tokens_per_step([q.result for q in done[name]]), 3),
-                steps=sum(q.result.num_forwards for q in done[name]),
-                same_as_ar=outputs[name] == outputs["ar"] if args.temperature == 0 else None,
-            )
-        )
     meta = {
         "engine": args.engine,
         "batch": args.batch,

@@ -1,0 +1,91 @@
+"""`benchmarks/goals.py`: its cells run for real on the CPU (the demo engines, batch 1: the
+test engines take 2 requests at most), each judged against the best of AR and its fixed
+configurations; and the judging itself on rows whose answers are known."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import goals
+from benchmarks.lockstep import Row
+
+
+def row(config: str, ratio: float) -> Row:
+    speculation = "fixed" if config == "ar" or ":fixed" in config else "load-aware"
+    return Row(
+        config, config.split(":")[0], speculation, ratio, ratio, ratio, ratio, 0.0, [ratio], 1.0, 10, None, 900.0
+    )
+
+
+def test_a_cell_is_judged_against_the_best_of_ar_and_fixed() -> None:
+    cell = next(c for c in goals.CELLS if c.name == "redrafter-b1-t0")
+    assert cell.goals == {"redrafter": 2.0}
+    rows = [
+        row("ar", 1.0),
+        row("redrafter", 1.96),
+        row("redrafter:fixed[beam_width=1]", 2.0),
+        row("redrafter:fixed", 1.1),
+    ]
+    results = {r.config: r for r in goals.judge(cell, "e", rows)}
+    la = results["redrafter"]
+    assert la.best == "redrafter:fixed[beam_width=1]" and la.best_ratio == 2.0 and la.of_best == pytest.approx(0.98)
+    assert not la.met  # within 3% of the chains, short of 2.0x AR
+    rows[1] = row("redrafter", 2.05)
+    assert goals.judge(cell, "e", rows)[0].met
+    rows[2] = row("redrafter:fixed[beam_width=1]", 2.2)  # chains 2.2x: 2.05 is 0.93 of them
+    assert not goals.judge(cell, "e", rows)[0].met
+    plain = next(c for c in goals.CELLS if c.name == "redrafter-b1-t1")  # no goal against AR: AR is the best
+    rows = [
+        row("ar", 1.0),
+        row("redrafter", 0.975),
+        row("redrafter:fixed[beam_width=1]", 0.7),
+        row("redrafter:fixed", 0.5),
+    ]
+    judged = goals.judge(plain, "e", rows)[0]
+    assert judged.best == "ar" and judged.goal is None and judged.met
+    rows[1] = row("redrafter", 0.965)
+    assert not goals.judge(plain, "e", rows)[0].met
+
+
+def test_every_goal_of_the_issue_has_a_cell() -> None:
+    cells = {c.name: c for c in goals.CELLS}
+    assert cells["redrafter-b32-t0"].goals == {"redrafter": 1.0}
+    assert cells["redrafter-b8-t1"].goals == {"redrafter": 0.97}
+    for t in ("0", "1"):
+        assert cells[f"sd-b1-t{t}"].goals == dict.fromkeys(goals.DRAFT_LM, 1.5)
+        assert cells[f"sd-b8-t{t}"].goals == dict.fromkeys(goals.DRAFT_LM, 1.0)
+        for b in (1, 8, 32):
+            assert f"redrafter-b{b}-t{t}" in cells
+        for b in (1, 8):
+            assert f"lyanna-b{b}-t{t}" in cells
+
+
+def test_cells_run_for_real(engines: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "goals"
+    goals.main(["--cells", "redrafter-b1-t0", "sd-b1-t1", "--rounds", "1", "--max-tokens", "8",
+                "--engine", f"redrafter={engines['redrafter']}", "--engine", f"draft-lm={engines['draft-lm']}",
+                "--out", str(out)])  # fmt: skip
+    doc = json.loads(out.with_suffix(".json").read_text())
+    rows = doc["rows"]
+    assert [(r["cell"], r["config"]) for r in rows] == [
+        ("redrafter-b1-t0", "redrafter"),
+        ("redrafter-b1-t0", "redrafter:fixed[beam_width=1]"),
+        ("redrafter-b1-t0", "redrafter:fixed"),
+        ("sd-b1-t1", "sd"),
+        ("sd-b1-t1", "rsd-c"),
+        ("sd-b1-t1", "rsd-s"),
+        ("sd-b1-t1", "sd:fixed"),
+    ]
+    for cell in ("redrafter-b1-t0", "sd-b1-t1"):
+        mine = [r for r in rows if r["cell"] == cell]
+        best = max([1.0] + [r["ratio"] for r in mine if ":fixed" in r["config"]])
+        for r in mine:
+            assert r["best_ratio"] == best and r["of_best"] == pytest.approx(r["ratio"] / best, abs=1e-4)
+            if ":fixed" not in r["config"]:
+                assert r["met"] == (r["of_best"] >= goals.WITHIN and (r["goal"] is None or r["ratio"] >= r["goal"]))
+            assert r["same_as_ar"] is (True if cell.endswith("t0") else None)  # greedy output is AR's
+            assert r["ar_tokens_per_second"] > 0
+    assert "Load-aware configurations meeting their goals" in out.with_suffix(".md").read_text()
