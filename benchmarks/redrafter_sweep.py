@@ -99,7 +99,7 @@ def markdown(rows: list[SweepRow], meta: dict[str, object]) -> str:
         acc = " / ".join(f"{a:.2f}" for a in r.acceptance_at)
         lines.append(
             f"| {r.temperature:g} | {r.beam_width} | {r.beam_length} | {r.tau:.2f} | {acc} | {r.compression:.2f} "
-            f"| {r.ar_ms_per_token:.1f} | {r.spec_ms_per_token:.1f} | {r.speedup:.2f}x |"
+            f"| {r.ar_ms_per_token:.2f} | {r.spec_ms_per_token:.2f} | {r.speedup:.2f}x |"
         )
     best = max(rows, key=lambda r: r.speedup)
     setting = f"T={best.temperature:g}, W={best.beam_width}, L={best.beam_length}"

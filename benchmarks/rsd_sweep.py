@@ -322,8 +322,8 @@ def main(argv: list[str] | None = None) -> None:
         "--engines", default=",".join(ENGINES), help="comma-separated engine dirs with a drafter (default: %(default)s)"
     )
     ap.add_argument("--temperatures", default="0.3,1.0", help="sampling temperatures (default: %(default)s)")
-    ap.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (default: %(default)s)")
-    ap.add_argument("--num-prompts", type=int, default=2, help="held-out prompts (default: %(default)s)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default: %(default)s)")
+    ap.add_argument("--num-prompts", type=int, default=8, help="held-out prompts (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=2, help="alternating timing rounds (default: %(default)s)")
     ap.add_argument("--exp", choices=("1", "2", "both"), default="both", help="experiment(s) (default: %(default)s)")
     ap.add_argument("--lengths", default="2,3,4,5", help="Exp1 draft lengths L (default: %(default)s)")
