@@ -99,15 +99,16 @@ class Result:
     """`ratio` over `best_ratio`."""
     goal: float | None
     """The least `ratio` the issue asks of it (None: only `WITHIN` of the best)."""
-    met: bool
-    """`of_best` >= `WITHIN`, and `ratio` >= `goal` where there is one."""
+    met: bool | None
+    """`of_best` >= `WITHIN`, and `ratio` >= `goal` where there is one (None: a fixed
+    configuration, there for reference)."""
     ar_tokens_per_second: float
     same_as_ar: bool | None
 
 
 def judge(cell: Cell, engine: str, rows: list[Row]) -> list[Result]:
     """A result per configuration of `cell` (`rows`: its lockstep rows, AR's first); the
-    fixed ones are judged against their goal only where they have one (none do)."""
+    fixed ones are not judged."""
     ar = rows[0]
     best = max((r for r in rows if r.speculation == "fixed"), key=lambda r: r.ratio)  # AR is fixed too
     results = []
@@ -115,7 +116,7 @@ def judge(cell: Cell, engine: str, rows: list[Row]) -> list[Result]:
         goal = cell.goals.get(r.config)
         of_best = r.ratio / best.ratio
         load_aware = r.speculation == "load-aware"
-        met = (not load_aware or of_best >= WITHIN) and (goal is None or r.ratio >= goal)
+        met = (of_best >= WITHIN and (goal is None or r.ratio >= goal)) if load_aware else None
         results.append(
             Result(
                 cell.name,
@@ -157,7 +158,7 @@ def markdown(results: list[Result], meta: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        load_aware = ":fixed" not in r.config
+        load_aware = r.met is not None
         same = "-" if r.same_as_ar is None else ("yes" if r.same_as_ar else "**NO**")
         met = ("yes" if r.met else "**no**") if load_aware else "-"
         goal = f"{r.goal:g}" if r.goal is not None else "-"
@@ -167,8 +168,8 @@ def markdown(results: list[Result], meta: dict[str, Any]) -> str:
             f"| `{r.best}` {r.best_ratio:.3f} | {r.of_best:.3f} | {goal} | {met} | {r.ar_tokens_per_second:.0f} "
             f"| {same} |"
         )
-    judged = [r for r in results if ":fixed" not in r.config]
-    lines += ["", f"Load-aware configurations meeting their goals: {sum(r.met for r in judged)} of {len(judged)}."]
+    judged = [r for r in results if r.met is not None]
+    lines += ["", f"Load-aware configurations meeting their goals: {sum(1 for r in judged if r.met)} of {len(judged)}."]
     return "\n".join(lines) + "\n"
 
 
