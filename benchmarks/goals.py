@@ -142,12 +142,13 @@ def judge(cell: Cell, engine: str, rows: list[Row]) -> list[Result]:
 
 
 def markdown(results: list[Result], meta: dict[str, Any]) -> str:
+    rounds = ", ".join(f"{b}: {n}" for b, n in meta["rounds"].items())
     lines = [
         "# Issue 16's CPU goals, in lockstep",
         "",
         f"Each cell: AR and the configurations on one engine's weights stepping in turn, held-out prompts "
         f"of {meta['max_tokens']} tokens (EOS ignored), the batch's prompts a round (at least 8), rounds by "
-        f"batch {', '.join(f'{b}: {n}' for b, n in meta['rounds'].items())}. x AR: tokens per second over AR's (least-most of the rounds). Of best: over "
+        f"batch {rounds}. x AR: tokens per second over AR's (least-most of the rounds). Of best: over "
         f"the best of AR and the cell's fixed configurations. Met: load-aware at {WITHIN:g} of the best or more, "
         "and its goal against AR where the issue sets one (fixed rows: for reference). "
         f"Machine: {meta['machine'].get('cpu', '?')}, {meta['machine'].get('torch_threads', '?')} threads. "
