@@ -23,10 +23,11 @@ built from them with t_gt's token info (Algorithm 1 again) — no drafter forwar
 deduplicated) and verified in that step's forward; without fusion it is the next step's
 tree on its own (its verification spends a target forward).
 
-Load-aware speculation picks each request's size per step (`LyannaParams.sizes`): the
-regular draft pruned to fewer nodes by joint probability is the larger one cut (`prune`
-labels node budgets), drafted from a chain only as deep as its size needs; the re-sampled
-subtree is fused only at the whole step's size.
+Load-aware speculation picks each request's size per step (`LyannaParams.sizes`): up to
+`depth` drafted nodes a chain (the tree at width 1: `LyannaParams.chains`), above that the
+regular draft pruned to fewer nodes by joint probability, the larger one cut (`prune`
+labels node budgets); each drafted from a drafter chain only as deep as its size needs.
+The re-sampled subtree is fused only at the whole step's size.
 
 Why this stays exactly lossless: every node of the merged tree is a deterministic
 candidate (a point mass), siblings are distinct tokens (the merge is a trie), and
@@ -82,6 +83,13 @@ class LyannaParams:
     """r: re-sample only when more than r chain rows remain after the bonus token."""
     resample_budget: int = 4
     """Most nodes of a re-sampled subtree."""
+    chains: bool = True
+    """Load-aware speculation's smallest sizes, up to `depth` drafted nodes (`chain_most`),
+    are drafted as chains of the drafter's best token at each depth (the tree at width 1), not the
+    width-`width` tree pruned to as few nodes. On the demo engine at batch 1, T=0 (2-core
+    EPYC, lockstep, 12 rounds): the 3-node chain kept 2.16 tokens a step and ran 1.10x
+    auto-regression where the 3-node prune kept 2.02 and ran 0.95x (its width-4 tree is
+    built, then pruned), and load-aware Lyanna, offered only prunes, ran 0.96x."""
 
     def __post_init__(self) -> None:
         for name in ("depth", "width", "budget", "resample_budget"):
@@ -98,11 +106,23 @@ class LyannaParams:
     @cached_property  # read per request every step; the params are frozen
     def sizes(self) -> list[int]:
         """Tree sizes load-aware speculation may pick (root included, ascending): the root
-        alone, the regular draft pruned to 1, 2, 3, 4 and 8 nodes and to `budget`, and the
-        whole step (with a fused re-sampled subtree). The prune keeps the best nodes by joint
-        probability, so each smaller tree is the larger one cut (`prune`'s node budgets)."""
+        alone, the regular draft of 1, 2, 3, 4 and 8 nodes and of `budget`, and the whole
+        step (with a fused re-sampled subtree). Up to `chain_most` drafted nodes a size is a
+        chain, each a cut of the next; above, the regular draft pruned to its best nodes by
+        joint probability, each smaller prune the larger one cut (`prune`'s node budgets)."""
         drafted = {b for b in (1, 2, 3, 4, 8) if b < self.budget} | {self.budget}
         return sorted({1, self.max_nodes} | {1 + b for b in drafted})
+
+    @property
+    def chain_most(self) -> int:
+        """Drafted nodes of its largest chain size (`chains`; 0: none): `depth`, and fewer
+        than `budget` (the regular draft itself stays the pruned tree, what fixed
+        speculation drafts). At width 1 every size is a chain already."""
+        return min(self.depth, self.budget - 1) if self.chains and self.width > 1 else 0
+
+    def is_chain(self, size: int) -> bool:
+        """Whether load-aware speculation's `size` is drafted as a chain (`chains`)."""
+        return 1 < size <= 1 + self.chain_most
 
     def depth_for(self, size: int) -> int:
         """Chain steps a tree of `size` nodes needs: a tree of b drafted nodes is no deeper
@@ -233,9 +253,19 @@ class LyannaProposer(Proposer):
     def levels(self, params: LyannaParams) -> list[int]:
         return [0 if size == 1 else params.depth_for(size) for size in params.sizes]
 
+    def cuts(self, params: LyannaParams) -> int:
+        """Its chains (`LyannaParams.chains`) are cuts of each other; a pruned tree holds no
+        chain (it keeps siblings where the chain goes deeper)."""
+        return 1 + params.chain_most if params.chain_most else params.sizes[-1]
+
+    def cost_paths(self, params: LyannaParams, sampled: bool = False) -> list[str]:
+        """Chains are drafted apart from pruned trees ("chains"): a chain's token-info
+        step keeps one node a depth, where a pruned tree's builds its whole width first."""
+        return ["chains" if params.is_chain(size) else "" for size in params.sizes]
+
     def propose(self, requests: list[Request], budgets: list[int]) -> list[DraftTree]:
         trees: dict[Request, DraftTree] = {}
-        groups: dict[tuple[LyannaParams, int], list[tuple[Request, int]]] = {}
+        groups: dict[tuple[LyannaParams, int, bool], list[tuple[Request, int]]] = {}
         for request, budget in zip(requests, budgets, strict=True):
             params, state = request.draft_params, request.draft_state or LyannaState()
             request.draft_state = state
@@ -245,10 +275,10 @@ class LyannaProposer(Proposer):
                 state.resampled = state.chain_logits = None  # rooted at a token this step moves past
             elif size == params.max_nodes and state.resampled is not None and not params.fuse:
                 trees[request], state.chain_logits = state.resampled, None  # verified alone, no new chain
-            else:  # one chain per depth: a request's tree is pruned to its own size
-                groups.setdefault((params, params.depth_for(size)), []).append((request, size))
-        for (params, depth), group in groups.items():
-            trees |= self._draft(params, depth, group)
+            else:  # one drafter chain per depth: a request's tree is pruned to its own size
+                groups.setdefault((params, params.depth_for(size), params.is_chain(size)), []).append((request, size))
+        for (params, depth, chain), group in groups.items():
+            trees |= self._draft(params, depth, group, chain)
         return [trees[r] for r in requests]
 
     def draft_cost_samples(self, method: str) -> dict[str, list[DraftCall]]:
@@ -257,47 +287,61 @@ class LyannaProposer(Proposer):
         Without them, the fit's first sample was the first live call, cold: on an H200 that
         call took 92-154 ms (a whole step of fixed trees: ~4 ms), priced every tree at
         150-300 ms of drafting, and load-aware Lyanna never drafted again, not even a probe
-        (its expected loss never covered). Greedy and sampled requests draft alike (one path)."""
+        (its expected loss never covered). Greedy and sampled requests draft alike; chains
+        and pruned trees apart (`cost_paths`), each at every depth its sizes need."""
         params = self.default_params(method)
-        deepest = {params.depth_for(size): size for size in params.sizes if size > 1}  # ascending: each depth's largest
-        shapes = [(rows, depth, size) for rows in (1, 8) for depth, size in deepest.items()]
-        calls: list[DraftCall] = []
-        for n, (rows, depth, size) in enumerate([shapes[-1], *shapes]):  # the first call is untimed
-            hidden = torch.zeros(rows, self.engine.model.config.hidden_size, device=self.engine.device,
-                                 dtype=self.engine.model.lm_head.weight.dtype)  # fmt: skip
-            budget = min(size - 1, params.budget)
-            start = time.perf_counter()
-            self._trees(params, depth, [0] * rows, hidden, [budget] * rows)
-            if n:
-                calls.append((depth, rows * budget, 0, rows * depth, time.perf_counter() - start))
-        return {"": calls}
+        samples: dict[str, list[DraftCall]] = {}
+        for chain in (True, False):
+            # ascending: each depth's largest size of the path
+            deepest = {params.depth_for(s): s for s in params.sizes if s > 1 and params.is_chain(s) == chain}
+            shapes = [(rows, depth, size) for rows in (1, 8) for depth, size in deepest.items()]
+            calls: list[DraftCall] = []
+            for n, (rows, depth, size) in enumerate(shapes[-1:] + shapes):  # the first call is untimed
+                hidden = torch.zeros(rows, self.engine.model.config.hidden_size, device=self.engine.device,
+                                     dtype=self.engine.model.lm_head.weight.dtype)  # fmt: skip
+                budget = min(size - 1, params.budget)
+                start = time.perf_counter()
+                self._trees(params, depth, [0] * rows, hidden, [budget] * rows, chain)
+                if n:
+                    calls.append((depth, rows * budget, 0, rows * depth, time.perf_counter() - start))
+            if calls:
+                samples["chains" if chain else ""] = calls
+        return samples
 
     @torch.inference_mode()
     def _trees(
-        self, params: LyannaParams, depth: int, roots: list[int], hidden: torch.Tensor, budgets: list[int]
-    ) -> tuple[list[DraftTree], torch.Tensor]:
+        self, params: LyannaParams, depth: int, roots: list[int], hidden: torch.Tensor, budgets: list[int],
+        chain: bool = False,
+    ) -> tuple[list[DraftTree], torch.Tensor]:  # fmt: skip
         """The chain of `depth` steps from each root's target `hidden` state, ONE head
-        product, the token-info trees pruned to `budgets` drafted nodes; and the chain rows."""
+        product, the token-info trees (of width 1 where `chain`) pruned to `budgets`
+        drafted nodes; and the chain rows."""
         drafter, model = self.engine.lyanna_drafter, self.engine.model
         assert drafter is not None
         tokens = torch.tensor(roots, device=self.engine.device)
-        chain = drafter.draft_chain(hidden, tokens, model.model.embed_tokens, depth, self.fused)
+        states = drafter.draft_chain(hidden, tokens, model.model.embed_tokens, depth, self.fused)
         head = self.engine.lyanna_head or model.lm_head  # an int8 copy, if the engine has one
-        logits = drafter.head_logits(chain, head)  # [B, depth, V]
-        return token_info_trees(roots, logits, self._bias, params.width, budgets), logits
+        logits = drafter.head_logits(states, head)  # [B, depth, V]
+        return token_info_trees(roots, logits, self._bias, 1 if chain else params.width, budgets), logits
 
-    def _draft(self, params: LyannaParams, depth: int, group: list[tuple[Request, int]]) -> dict[Request, DraftTree]:
+    def _draft(
+        self, params: LyannaParams, depth: int, group: list[tuple[Request, int]], chain: bool = False
+    ) -> dict[Request, DraftTree]:
         """The chain of `depth` steps for every request of `group` (`_trees`), each tree
-        pruned to its request's size; at the whole step's size the pending re-sampled
-        subtree is merged in (fusion), its nodes labelled with that size."""
+        pruned to its request's size (a chain where `chain`); at the whole step's size the
+        pending re-sampled subtree is merged in (fusion), its nodes labelled with that size.
+        Where its smallest sizes are chains, a pruned tree carries no node budgets: its cuts
+        are not what those sizes draft, so it measures only its own size."""
         requests = [r for r, _ in group]
         drafted, logits = self._trees(
             params, depth, [r.pending for r in requests], target_hidden(requests),
-            [min(size - 1, params.budget) for _, size in group],
+            [min(size - 1, params.budget) for _, size in group], chain,
         )  # fmt: skip
         trees = {}
         for (r, size), rows, tree in zip(group, logits, drafted, strict=True):
             r.draft_state.chain_logits = rows
+            if not chain and params.chain_most:
+                tree.node_budget = []
             if size == params.max_nodes and r.draft_state.resampled is not None:
                 tree = merge(tree, r.draft_state.resampled, extra_budget=params.max_nodes)
             trees[r] = tree

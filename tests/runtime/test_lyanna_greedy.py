@@ -89,3 +89,40 @@ def test_roots_alone_never_reach_the_proposer(
     assert roots and budgets, "both roots alone and drafted trees should have been verified"
     assert min(budgets) > 1, "a root alone went through the proposer"
     assert all(r.num_drafted == 0 for r in results[1::2]), "the 2-token requests never drafted"
+
+
+def test_small_sizes_are_chains_and_stay_exact(
+    engine: LoadedEngine, prompts: list[list[int]], reference: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`LyannaParams.chains`: load-aware speculation's sizes up to `depth` drafted nodes are
+    chains (one node a depth, each a cut of the next, node budgets depth + 1), the sizes
+    above the width-w tree pruned, with no node budgets (what they measure is their own
+    size only). Every step of fixed speculation here is cut to a chain size or a pruned one
+    in turn; greedy output stays the target's. Without `chains` the same sizes are prunes (siblings)."""
+    sizes: list[int] = []
+    trees: list[tuple[int, DraftTree]] = []
+    propose = LyannaProposer.propose
+
+    def forced(self: LyannaProposer, requests: list[Request], budgets: list[int]) -> list[DraftTree]:
+        size = [2, 3, 4, 5, 9][len(sizes) % 5]
+        sizes.append(size)
+        given = [min(size, b) for b in budgets]  # within the nodes the step holds for each
+        out = propose(self, requests, given)
+        trees.extend((g, t) for g, t in zip(given, out, strict=True) if g > 1)
+        return out
+
+    monkeypatch.setattr(LyannaProposer, "propose", forced)
+    results = llm_engine.generate(engine, prompts[:16], [PARAMS] * 16, "lyanna", FIXED, resample=False)
+    for i, r in enumerate(results):
+        assert r.output_ids == reference[i], f"prompt {i} diverged"
+    assert {s for s, _ in trees} == {2, 3, 4, 5, 9}
+    for size, tree in trees:
+        if size <= 4:
+            assert len(tree.tokens) == size and tree.parents == list(range(-1, size - 1))  # a chain
+            assert tree.node_budget == [d + 1 for d in range(size)], tree.node_budget
+        else:
+            assert tree.node_budget == [] and len(tree.tokens) <= size
+    assert any(len(set(t.parents)) < len(t.parents) - 1 for s, t in trees if s > 4), "no pruned tree had siblings"
+    trees.clear()
+    llm_engine.generate(engine, prompts[:4], [PARAMS] * 4, "lyanna", FIXED, resample=False, chains=False)
+    assert any(len(set(t.parents)) < len(t.parents) - 1 for s, t in trees if s <= 4), "prunes without chains"

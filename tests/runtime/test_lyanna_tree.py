@@ -174,12 +174,13 @@ def test_a_batch_of_trees_is_each_request_drafting_alone() -> None:
 
 
 def test_every_size_is_the_whole_draft_cut_at_its_node_budgets() -> None:
-    """Load-aware speculation's sizes (`LyannaParams.sizes`): the draft of each size, from a
-    chain only `depth_for(size)` steps deep, is exactly the whole draft's nodes labelled
-    within that size (so one verified tree tells what every smaller size would have
-    accepted); a wrong label or a chain cut too short fails this."""
-    params = LyannaParams(depth=3, width=3, budget=8, resample=False)
-    assert params.sizes == [1, 2, 3, 4, 5, 9]
+    """Load-aware speculation's sizes (`LyannaParams.sizes`) drafted as prunes (`chains`
+    off): the draft of each size, from a chain only `depth_for(size)` steps deep, is
+    exactly the whole draft's nodes labelled within that size (so one verified tree tells
+    what every smaller size would have accepted); a wrong label or a chain cut too short
+    fails this."""
+    params = LyannaParams(depth=3, width=3, budget=8, resample=False, chains=False)
+    assert params.sizes == [1, 2, 3, 4, 5, 9] and params.chain_most == 0
     gen = torch.Generator().manual_seed(0)
     for _ in range(20):
         logits = (3 * torch.randn(2, params.depth, V, generator=gen)).to(TEST_DEVICE)
@@ -225,3 +226,23 @@ def test_the_resampled_subtree_is_worked_out_when_first_read() -> None:
     dropped = LyannaState(_resample=pending)
     dropped.resampled = None
     assert dropped.resampled is None and runs == [1]
+
+
+def test_the_smallest_sizes_are_chains() -> None:
+    """`LyannaParams.chains`: sizes of up to `depth` drafted nodes, fewer than `budget`, are
+    chains (`is_chain`), cuts of each other (`LyannaProposer.cuts`) and drafted apart
+    (`cost_paths`); the regular draft itself, and everything at width 1 or without
+    `chains`, is as before."""
+    from runtime.proposers.lyanna import LyannaProposer
+
+    params = LyannaParams()  # depth 3, width 4, budget 12, re-sampling on
+    assert params.sizes == [1, 2, 3, 4, 5, 9, 13, 17] and params.chain_most == 3
+    assert [s for s in params.sizes if params.is_chain(s)] == [2, 3, 4]
+    proposer = LyannaProposer.__new__(LyannaProposer)  # cuts and paths read only the params
+    assert proposer.cuts(params) == 4
+    assert proposer.cost_paths(params) == ["", "chains", "chains", "chains", "", "", "", ""]
+    small = LyannaParams(depth=3, budget=3, resample=False)  # its regular draft stays the prune
+    assert small.sizes == [1, 2, 3, 4] and small.chain_most == 2 and not small.is_chain(4)
+    for plain in (LyannaParams(width=1), LyannaParams(chains=False)):
+        assert plain.chain_most == 0 and proposer.cuts(plain) == plain.sizes[-1]
+        assert set(proposer.cost_paths(plain)) == {""}
