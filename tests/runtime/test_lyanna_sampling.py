@@ -32,3 +32,25 @@ def test_lyanna_follows_target_distribution(resample: bool, fuse: bool) -> None:
     counts = toy_sampling.emitted_first_three(engine, PARAMS, "lyanna")
     law = toy_sampling.exact_first_three(engine.model, PARAMS)
     assert passes_chi_square(counts, law), chi_square(counts, law)
+
+
+def test_lyanna_chains_follow_target_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`LyannaParams.chains`: every step cut to a chain size (3 and 4 nodes in turn: the
+    tree at width 1, a point mass a level) stays exactly lossless under sampling."""
+    from runtime.proposers.lyanna import LyannaProposer
+
+    propose, shapes, calls = LyannaProposer.propose, set(), [0]
+
+    def chains(self: LyannaProposer, requests: list, budgets: list[int]) -> list:
+        size, calls[0] = 3 + calls[0] % 2, calls[0] + 1
+        trees = propose(self, requests, [min(size, b) for b in budgets])
+        shapes.update(tuple(t.parents) for t in trees)
+        return trees
+
+    monkeypatch.setattr(LyannaProposer, "propose", chains)
+    settings = {"depth": 3, "width": 2, "budget": 4, "resample": False, "resample_budget": 2}
+    engine = toy_sampling.toy_engine("lyanna", settings)
+    counts = toy_sampling.emitted_first_three(engine, PARAMS, "lyanna")
+    law = toy_sampling.exact_first_three(engine.model, PARAMS)
+    assert passes_chi_square(counts, law), chi_square(counts, law)
+    assert shapes <= {(-1,), (-1, 0), (-1, 0, 1), (-1, 0, 1, 2)} and (-1, 0, 1, 2) in shapes, shapes  # chains
