@@ -60,8 +60,8 @@ class Cell:
 REDRAFTER_FIXED = ("redrafter:fixed[beam_width=1]", "redrafter:fixed")
 DRAFT_LM = ("sd", "rsd-c", "rsd-s")
 LYANNA_FIXED = ("lyanna:fixed[budget=3,width=1,resample=False]", "lyanna:fixed")
-"""Lyanna's 4-node chain (which ran 1.10x AR at batch 1, T=0 where its whole tree ran 0.83x)
-and its whole tree."""
+"""Lyanna's 4-node chain (1.10-1.13x AR at batch 1, T=0 in an hour of session 30 when AR ran
+slow) and its whole tree."""
 
 
 def _cells() -> list[Cell]:

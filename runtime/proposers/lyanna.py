@@ -85,11 +85,12 @@ class LyannaParams:
     """Most nodes of a re-sampled subtree."""
     chains: bool = True
     """Load-aware speculation's smallest sizes, up to `depth` drafted nodes (`chain_most`),
-    are drafted as chains of the drafter's best token at each depth (the tree at width 1), not the
-    width-`width` tree pruned to as few nodes. On the demo engine at batch 1, T=0 (2-core
-    EPYC, lockstep, 12 rounds): the 3-node chain kept 2.16 tokens a step and ran 1.10x
-    auto-regression where the 3-node prune kept 2.02 and ran 0.95x (its width-4 tree is
-    built, then pruned), and load-aware Lyanna, offered only prunes, ran 0.96x."""
+    are drafted as chains of the drafter's best token at each depth (the tree at width 1),
+    not as the width-`width` tree pruned to as few nodes. On the demo engine at batch 1, T=0
+    (2-core EPYC, lockstep, 12 rounds, an hour when AR ran slow): the 4-node chain kept 2.16
+    tokens a step and ran 1.10x auto-regression, where the 4-node prune kept 2.02 and ran
+    0.95x (its width-4 tree is built, then pruned), and load-aware Lyanna, offered only
+    prunes, ran 0.96x."""
 
     def __post_init__(self) -> None:
         for name in ("depth", "width", "budget", "resample_budget"):
