@@ -5,6 +5,7 @@ configurations; and the judging itself on rows whose answers are known."""
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -91,3 +92,44 @@ def test_cells_run_for_real(engines: dict[str, Path], tmp_path: Path) -> None:
             assert r["same_as_ar"] is (True if cell.endswith("t0") else None)  # greedy output is AR's
             assert r["ar_tokens_per_second"] > 0
     assert "Load-aware configurations meeting their goals" in out.with_suffix(".md").read_text()
+
+
+def test_passes_are_judged_by_their_medians() -> None:
+    """`--repeats`: a configuration met in one pass of three, or missed in one, is judged by
+    its medians over the passes; each pass's own figures stay beside them."""
+    cell = next(c for c in goals.CELLS if c.name == "redrafter-b1-t0")
+
+    def one_pass(load_aware: float, chains: float) -> list[goals.Result]:
+        rows = [row("ar", 1.0), row("redrafter", load_aware), row("redrafter:fixed[beam_width=1]", chains)]
+        return goals.judge(cell, "e", rows)
+
+    passes = [one_pass(2.05, 2.06), one_pass(1.70, 1.75), one_pass(2.02, 2.04)]
+    assert [p[0].met for p in passes] == [True, False, True]
+    la, chains = goals.over_passes(passes)
+    assert (la.config, chains.config) == ("redrafter", "redrafter:fixed[beam_width=1]")
+    assert la.ratio == 2.02 and la.best_ratio == 2.04 and la.of_best == pytest.approx(2.02 / 2.04, abs=1e-4)
+    assert la.met and chains.met is None
+    assert [p["ratio"] for p in la.passes] == [2.05, 1.70, 2.02]
+    assert [p["met"] for p in la.passes] == [True, False, True]
+    # missed in two passes of three: missed, though one pass met it
+    la = goals.over_passes([one_pass(1.70, 1.75), one_pass(2.05, 2.06), one_pass(1.90, 1.95)])[0]
+    assert la.ratio == 1.90 and not la.met
+    # a cut-short last pass: the cells it ran count, with the passes before
+    cut = goals.over_passes([one_pass(2.05, 2.06), one_pass(2.01, 2.02)[:1]])
+    assert [len(r.passes) for r in cut] == [2, 1]
+    md = goals.markdown(goals.over_passes(passes), {"rounds": {1: 16}, "max_tokens": 64, "machine": {},
+                                                    "command": "c", "repeats": 3})  # fmt: skip
+    assert "| 2.050 / 1.700 / 2.020 |" in md and "| 2 of 3 |" in md
+
+
+def test_repeats_run_every_cell_again(engines: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "goals"
+    goals.main(["--cells", "redrafter-b1-t0", "--rounds", "1", "--max-tokens", "8", "--repeats", "2",
+                "--engine", f"redrafter={engines['redrafter']}", "--out", str(out)])  # fmt: skip
+    doc = json.loads(out.with_suffix(".json").read_text())
+    assert doc["meta"]["repeats"] == 2
+    for r in doc["rows"]:
+        assert len(r["passes"]) == 2
+        assert r["ratio"] == pytest.approx(statistics.median(p["ratio"] for p in r["passes"]), abs=1e-4)
+        assert r["same_as_ar"] is True
+    assert "of best by pass" in out.with_suffix(".md").read_text()
