@@ -22,11 +22,12 @@ table), and single cells by ~1-2% between runs; the share of the best is the ste
 figure (both sides in one run). `--repeats N` runs every cell N times, a whole pass of the
 cells apart (~6 min a pass), and judges each configuration by its medians over the passes,
 each pass's figures beside them: on a shared 2-core VM one configuration read 1.70x AR in
-one hour and 2.05x in another (ReDrafter at batch 1, T=0, session 31), and a batch-32 cell's
-four rounds (~10 s) moved by 5% between runs minutes apart. At T=0 every configuration's output is checked against
-AR's. The step-cost goals have their own benchmarks: `make bench-no-draft` (a no-draft
-step against AR's), `make profile` (a drafting step's phases), `make bench-floor` (what the
-hardware allows at batch 1). Writes `<out>.json` and `<out>.md`.
+one hour and 2.05x in another (ReDrafter at batch 1, T=0, session 31), and a batch-32
+cell's four rounds (~10 s) moved by 5% between runs minutes apart. At T=0 every
+configuration's output is checked against AR's. The step-cost goals have their own
+benchmarks: `make bench-no-draft` (a no-draft step against AR's), `make profile` (a
+drafting step's phases), `make bench-floor` (what the hardware allows at batch 1). Writes
+`<out>.json` and `<out>.md`.
 """
 
 from __future__ import annotations
