@@ -52,7 +52,7 @@ from plugins.lyanna_chain import Int8Chain
 from plugins.token_info_top_k import top_children
 from runtime.block_manager import BlockManager
 from runtime.loaded_engine import LoadedEngine
-from runtime.proposers.proposer import KVMoves, Proposer, target_hidden
+from runtime.proposers.proposer import CHAINS, KVMoves, Proposer, target_hidden
 from runtime.request import Request
 from runtime.speculation_policy import DraftCall, largest_fitting
 from runtime.tree import DraftTree, merge, prune
@@ -262,7 +262,7 @@ class LyannaProposer(Proposer):
     def cost_paths(self, params: LyannaParams, sampled: bool = False) -> list[str]:
         """Chains are drafted apart from pruned trees ("chains"): a chain's token-info
         step keeps one node a depth, where a pruned tree's builds its whole width first."""
-        return ["chains" if params.is_chain(size) else "" for size in params.sizes]
+        return [CHAINS if params.is_chain(size) else "" for size in params.sizes]
 
     def propose(self, requests: list[Request], budgets: list[int]) -> list[DraftTree]:
         trees: dict[Request, DraftTree] = {}
@@ -306,7 +306,7 @@ class LyannaProposer(Proposer):
                 if n:
                     calls.append((depth, rows * budget, 0, rows * depth, time.perf_counter() - start))
             if calls:
-                samples["chains" if chain else ""] = calls
+                samples[CHAINS if chain else ""] = calls
         return samples
 
     @torch.inference_mode()

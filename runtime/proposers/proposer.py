@@ -33,6 +33,11 @@ from runtime.speculation_policy import DraftCall
 from runtime.tree import DraftTree
 from runtime.verify import Acceptance
 
+CHAINS = "chains"
+"""The drafting path (`Proposer.cost_paths`) of a method's one-token-a-level chains where
+its wider trees cost differently per level (ReDrafter's one beam, Lyanna's width-1 trees,
+rsd-s's chain levels)."""
+
 
 @dataclass(frozen=True)
 class KVMoves:

@@ -29,7 +29,7 @@ from runtime.block_manager import BlockManager
 from runtime.cuda_graphs import BUCKETS, CapturedCalls, GraphLimits, bucket_of
 from runtime.loaded_engine import LoadedEngine
 from runtime.proposers.beam_search import beam_search
-from runtime.proposers.proposer import Proposer, target_hidden
+from runtime.proposers.proposer import CHAINS, Proposer, target_hidden
 from runtime.request import Request
 from runtime.speculation_policy import DraftCall, largest_fitting
 from runtime.tree import DraftTree
@@ -253,7 +253,7 @@ class ReDrafterProposer(Proposer):
     @staticmethod
     def _path(width: int) -> str:
         """The drafting path (`cost_paths`) of a search of `width` beams (0: no drafting)."""
-        return "chains" if width == 1 else ""
+        return CHAINS if width == 1 else ""
 
     def draft_cost_samples(self, method: str) -> dict[str, list[DraftCall]]:
         """Beam searches from zero states, twice each, per drafting path (`cost_paths`).

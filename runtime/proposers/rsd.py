@@ -48,7 +48,7 @@ from runtime.cuda_graphs import CudaGraphs, GraphLimits
 from runtime.gumbel import draw_rows, gumbel_top_k_rows, level_uniforms, top_k_valid_rows, truncated_gumbel
 from runtime.loaded_engine import LoadedEngine
 from runtime.proposers.level_drafters import DraftLMLevels, RNNLevels
-from runtime.proposers.proposer import KVMoves, Proposer, target_hidden
+from runtime.proposers.proposer import CHAINS, KVMoves, Proposer, target_hidden
 from runtime.request import Request
 from runtime.sampling import SamplingParams, inverse_cdf_rows, target_probs, target_probs_rows
 from runtime.speculation_policy import DraftCall
@@ -755,7 +755,7 @@ class LevelTreeProposer(Proposer):
         if not params.stochastic or len(params.ladder) == params.length:
             paths = super().cost_paths(params)
         else:
-            paths = ["", *("chains" if k < params.length else "" for k in range(len(params.ladder)))]
+            paths = ["", *(CHAINS if k < params.length else "" for k in range(len(params.ladder)))]
         return [f"sampled-{p}" if p else "sampled" for p in paths] if sampled else paths
 
     def draft_cost_samples(self, method: str) -> dict[str, list[DraftCall]]:
