@@ -159,10 +159,6 @@ PASS_FIELDS = ("ratio", "of_best", "met", "ar_tokens_per_second")
 """A pass's own figures kept beside the medians (`Result.passes`)."""
 
 
-def _pass_fields(items: list[tuple[str, Any]]) -> dict[str, Any]:
-    return {k: v for k, v in items if k in PASS_FIELDS}
-
-
 def over_passes(passes: list[list[Result]]) -> list[Result]:
     """One result per configuration of `passes` (each pass's results, of the same cells in the
     same order, the last pass possibly cut short): its medians over the passes that ran it,
@@ -200,7 +196,7 @@ def over_passes(passes: list[list[Result]]) -> list[Result]:
                 met,
                 round(statistics.median(r.ar_tokens_per_second for r in rs), 1),
                 None if sames[0] is None else all(sames),
-                [asdict(r, dict_factory=_pass_fields) for r in rs],
+                [{k: getattr(r, k) for k in PASS_FIELDS} for r in rs],
             )
         )
     return out
