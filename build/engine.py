@@ -231,8 +231,8 @@ BUILD_HELP = {
     "int4 (half the bytes again, on CPUs with AVX-512 VNNI; the demo ReDrafter's engine uses it) or the drafter "
     "dtype; never changes the output, only the proposals (default: %(default)s)",
     "drafter_layers": "the drafter's other linears on the CPU (layers, RNN, residual blocks): int8 weights "
-    "(a draft level reads a quarter of the bytes) or the drafter dtype; never changes the output, only the "
-    "proposals (default: %(default)s)",
+    "(a draft level reads a quarter of the bytes), int4 (an eighth, on CPUs with AVX-512 VNNI; the demo Lyanna's "
+    "engine uses it) or the drafter dtype; never changes the output, only the proposals (default: %(default)s)",
 }
 
 

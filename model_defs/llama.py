@@ -337,12 +337,12 @@ class LinearStack(NamedTuple):
         return cpu_packed_linear(x, self.packed, self.bias)
 
 
-def stack_linears(linears: list[Linear], int8: bool) -> LinearStack | None:
-    """One product for `linears` (same input width), on an int8 or a blocked fp32 copy of
-    their stacked weights, or None where that copy does not apply (not fp32 on the CPU, or
-    a torch without fbgemm / oneDNN)."""
+def stack_linears(linears: list[Linear], int8: bool, bits: int = 8) -> LinearStack | None:
+    """One product for `linears` (same input width), on an int8 (`bits=4`: 4-bit) or a
+    blocked fp32 copy of their stacked weights, or None where that copy does not apply (not
+    fp32 on the CPU, or a torch without fbgemm / oneDNN)."""
     weight = torch.cat([m.weight.detach() for m in linears])
-    packed = quantize_int8(weight) if int8 else pack_cpu_weight(weight)
+    packed = quantize_int8(weight, bits) if int8 else pack_cpu_weight(weight)
     if packed is None:
         return None
     bias = None
@@ -363,19 +363,20 @@ def int8_kernel(linear: Linear | LinearStack | None) -> Int8Weight | None:
     return None
 
 
-def quantize_linears_int8(module: nn.Module, keep: Collection[nn.Module] = ()) -> int:
-    """Give every `Linear` of `module` but those in `keep` an int8 copy of its weight, and
-    every attention's q/k/v and every MLP's gate/up one stacked int8 product (`LinearStack`),
-    for a drafter's layers (`BuildConfig.drafter_layers`): only proposals change, so this
-    is for drafters, never for a target. Returns how many Linears were quantized."""
+def quantize_linears_int8(module: nn.Module, keep: Collection[nn.Module] = (), bits: int = 8) -> int:
+    """Give every `Linear` of `module` but those in `keep` an int8 copy of its weight
+    (`bits=4`: 4-bit values), and every attention's q/k/v and every MLP's gate/up one stacked
+    int8 product (`LinearStack`), for a drafter's layers (`BuildConfig.drafter_layers`): only
+    proposals change, so this is for drafters, never for a target. Returns how many Linears
+    were quantized."""
     count = 0
     for m in module.modules():
         if isinstance(m, Linear) and not any(m is k for k in keep):
-            count += m.quantize_int8()
+            count += m.quantize_int8(bits)
         elif isinstance(m, Attention):
-            m.qkv_stack = stack_linears([m.q_proj, m.k_proj, m.v_proj], int8=True) or m.qkv_stack
+            m.qkv_stack = stack_linears([m.q_proj, m.k_proj, m.v_proj], int8=True, bits=bits) or m.qkv_stack
         elif isinstance(m, MLP):
-            m.gate_up_stack = stack_linears([m.gate_proj, m.up_proj], int8=True) or m.gate_up_stack
+            m.gate_up_stack = stack_linears([m.gate_proj, m.up_proj], int8=True, bits=bits) or m.gate_up_stack
     return count
 
 

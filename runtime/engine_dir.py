@@ -32,7 +32,7 @@ def rank_file(rank: int) -> str:
 
 
 DRAFTER_HEADS = ("int8", "int4", "drafter-dtype")
-DRAFTER_LAYERS = ("int8", "drafter-dtype")
+DRAFTER_LAYERS = ("int8", "int4", "drafter-dtype")
 
 
 @dataclass(frozen=True)
@@ -68,11 +68,11 @@ class BuildConfig:
     drafter_layers: str = "int8"
     """The drafter's other linears on the CPU (a draft LM's and Lyanna's attention and MLP
     projections, q/k/v and gate/up each one stacked product; ReDrafter's RNN, input
-    projection and residual blocks): "int8" or "drafter-dtype", as `drafter_head`. A draft
-    level's few rows are bound by reading the weights; int8 reads a quarter of the bytes
-    (demo engines, batch 1, fixed trees, same acceptance: sd 1.62x -> 2.00x AR, ReDrafter
-    2.20x -> 2.47x, Lyanna 1.58x -> 1.80x). Engines built before this setting existed get
-    it too on load."""
+    projection and residual blocks): "int8", "int4" or "drafter-dtype", as `drafter_head`. A
+    draft level's few rows are bound by reading the weights; int8 reads a quarter of the
+    bytes (demo engines, batch 1, fixed trees, same acceptance: sd 1.62x -> 2.00x AR,
+    ReDrafter 2.20x -> 2.47x, Lyanna 1.58x -> 1.80x), int4 half that again. Engines built
+    before this setting existed get int8 on load."""
 
     def __post_init__(self) -> None:
         for name in ("dtype", "drafter_dtype"):
@@ -103,6 +103,11 @@ class BuildConfig:
     def drafter_head_bits(self) -> int | None:
         """The bits of the drafter head's weights (`drafter_head`; None: the drafter dtype)."""
         return {"int8": 8, "int4": 4}.get(self.drafter_head)
+
+    @property
+    def drafter_layers_bits(self) -> int | None:
+        """The bits of the drafter layers' weights (`drafter_layers`; None: the drafter dtype)."""
+        return {"int8": 8, "int4": 4}.get(self.drafter_layers)
 
 
 DRAFTER_KINDS = ("redrafter", "draft-lm", "lyanna")

@@ -83,10 +83,10 @@ class LoadedEngine:
                 head.quantize_int8(bits)  # fp32 on the CPU only; proposals change, never the output
             if "lyanna_drafter" in drafter and (copy := int8_copy(model.lm_head, bits)) is not None:
                 drafter["lyanna_head"] = copy  # verification keeps the target's own head
-        if config.build.drafter_layers == "int8":
+        if (bits := config.build.drafter_layers_bits) is not None:
             for module in drafter.values():
                 if isinstance(module, torch.nn.Module):
-                    quantize_linears_int8(module, keep=heads)  # the heads follow drafter_head
+                    quantize_linears_int8(module, keep=heads, bits=bits)  # the heads follow drafter_head
         return cls(config, model, tokenizer, **drafter)
 
     @property

@@ -257,8 +257,17 @@ def test_draft_model_engine_round_trips(tiny_checkpoint: Path, tmp_path: Path) -
     assert kept_layer.mlp.gate_up_stack is not None and not kept_layer.mlp.gate_up_stack.int8  # the blocked fp32 stack
     with pytest.raises(ValueError, match="drafter_head 'int2' is not one of"):
         BuildConfig(drafter_head="int2")
-    with pytest.raises(ValueError, match="drafter_layers 'int4' is not one of"):
-        BuildConfig(drafter_layers="int4")
+    int4_layers = dataclasses.replace(build, drafter_layers="int4")
+    four_dir = build_engine(tiny_checkpoint, tmp_path / "eng5", int4_layers, draft_model=tiny_checkpoint)
+    four = LoadedEngine.load(four_dir).draft_model
+    assert four is not None
+    four_layer = four.model.layers[0]
+    for copy in (four_layer.mlp.down_proj.int8, four_layer.self_attn.qkv_stack.packed):  # 4-bit values, int8 storage
+        q = copy.packed.unpack()[0].int_repr()
+        assert int(q.abs().max()) == 7
+    assert int(four.lm_head.int8.packed.unpack()[0].int_repr().abs().max()) == 127  # the head follows drafter_head
+    with pytest.raises(ValueError, match="drafter_layers 'int2' is not one of"):
+        BuildConfig(drafter_layers="int2")
 
 
 def test_draft_model_must_share_the_vocabulary(tiny_checkpoint: Path, tmp_path: Path) -> None:

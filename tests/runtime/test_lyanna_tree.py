@@ -246,3 +246,40 @@ def test_the_smallest_sizes_are_chains() -> None:
     for plain in (LyannaParams(width=1), LyannaParams(chains=False)):
         assert plain.chain_most == 0 and proposer.cuts(plain) == plain.sizes[-1]
         assert set(proposer.cost_paths(plain)) == {""}
+
+
+def test_chains_are_the_width_one_trees() -> None:
+    """`token_info_chains` (the proposer's path for chains and width 1) gives the trees
+    `token_info_trees` gives at width 1 pruned to each budget, node for node and label for
+    label, under the engine's hot-token table and under a dense bias that steers each node
+    by its own token; a chain that skipped the bias would differ (checked)."""
+    from model_defs.lyanna import HotTokenTable
+    from runtime.proposers.lyanna import token_info_chains
+
+    gen = torch.Generator().manual_seed(11)
+    vocab, batch, depth = 64, 5, 4
+    dense = torch.randn(vocab, vocab, generator=gen).to(TEST_DEVICE) * 4
+    hot_ids = torch.randperm(vocab, generator=gen)[:16].sort().values
+    hot_index = torch.full((vocab,), -1, dtype=torch.long)
+    hot_index[hot_ids] = torch.arange(16)
+    table = torch.randn(16, 16, generator=gen) * 4
+    hot = HotTokenTable(hot_ids.to(TEST_DEVICE), hot_index.to(TEST_DEVICE), table.to(TEST_DEVICE))
+
+    def steer(prev: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return rows + dense[prev]
+
+    skipped = 0
+    for _ in range(30):
+        logits = (torch.randn(batch, depth, vocab, generator=gen) * 2).to(TEST_DEVICE)
+        roots = [int(t) for t in torch.randint(0, vocab, (batch,), generator=gen)]
+        budgets = [int(b) for b in torch.randint(1, depth + 2, (batch,), generator=gen)]
+        for bias in (hot, steer, None):
+            fast = token_info_chains(roots, logits, bias, budgets)
+            slow = [token_info_trees([r], logits[i : i + 1], bias, 1, b)[0]
+                    for i, (r, b) in enumerate(zip(roots, budgets, strict=True))]  # fmt: skip
+            for f, s in zip(fast, slow, strict=True):
+                assert (f.tokens, f.parents, f.depths, f.node_budget) == (s.tokens, s.parents, s.depths, s.node_budget)
+                assert torch.equal(f.mask.cpu(), s.mask.cpu())
+        plain = token_info_chains(roots, logits, None, budgets)
+        skipped += [t.tokens for t in plain] != [t.tokens for t in token_info_chains(roots, logits, steer, budgets)]
+    assert skipped > 20, skipped
