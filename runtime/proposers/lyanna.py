@@ -183,10 +183,10 @@ def token_info_chains(
     """`token_info_trees` at width 1, each chain cut to its request's budget: the best child
     of the last node a depth (its token-info bias steering it), as a chain labelled with its
     cuts (`DraftTree.chain`), the same trees node for node. A depth is one `_best_children`
-    call for the batch and the host reads the chains once at the end; the general path's
-    frontier lists, joint scores, per-depth reads and prune cost ~50 us of a batch-1 chain's
-    ~75 us there, with caches hot (~125 us cold after the forward; the demo Lyanna engine,
-    2-core EPYC)."""
+    call for the batch and the host reads the chains once at the end, without the general
+    path's frontier lists, joint scores, per-depth reads and prune: a batch-1 chain of three
+    on the demo Lyanna engine 66 -> 45 us with caches hot, 144 -> 117 us after a flush
+    (2-core EPYC)."""
     owners = torch.arange(len(roots), device=logits.device)
     prev = torch.tensor(roots, device=logits.device)
     picked = []
