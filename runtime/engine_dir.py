@@ -33,6 +33,8 @@ def rank_file(rank: int) -> str:
 
 DRAFTER_HEADS = ("int8", "int4", "drafter-dtype")
 DRAFTER_LAYERS = ("int8", "int4", "drafter-dtype")
+DRAFTER_BITS = {"int8": 8, "int4": 4}
+"""Bits of the quantized choices of `drafter_head` and `drafter_layers` (the drafter dtype: none)."""
 
 
 @dataclass(frozen=True)
@@ -102,12 +104,12 @@ class BuildConfig:
     @property
     def drafter_head_bits(self) -> int | None:
         """The bits of the drafter head's weights (`drafter_head`; None: the drafter dtype)."""
-        return {"int8": 8, "int4": 4}.get(self.drafter_head)
+        return DRAFTER_BITS.get(self.drafter_head)
 
     @property
     def drafter_layers_bits(self) -> int | None:
         """The bits of the drafter layers' weights (`drafter_layers`; None: the drafter dtype)."""
-        return {"int8": 8, "int4": 4}.get(self.drafter_layers)
+        return DRAFTER_BITS.get(self.drafter_layers)
 
 
 DRAFTER_KINDS = ("redrafter", "draft-lm", "lyanna")

@@ -255,15 +255,12 @@ def test_chains_are_the_width_one_trees() -> None:
     by its own token; a chain that skipped the bias would differ (checked)."""
     from model_defs.lyanna import HotTokenTable
     from runtime.proposers.lyanna import token_info_chains
+    from tests.plugins.test_token_info_top_k import table_of
 
     gen = torch.Generator().manual_seed(11)
     vocab, batch, depth = 64, 5, 4
     dense = torch.randn(vocab, vocab, generator=gen).to(TEST_DEVICE) * 4
-    hot_ids = torch.randperm(vocab, generator=gen)[:16].sort().values
-    hot_index = torch.full((vocab,), -1, dtype=torch.long)
-    hot_index[hot_ids] = torch.arange(16)
-    table = torch.randn(16, 16, generator=gen) * 4
-    hot = HotTokenTable(hot_ids.to(TEST_DEVICE), hot_index.to(TEST_DEVICE), table.to(TEST_DEVICE))
+    hot = HotTokenTable(*(t.to(TEST_DEVICE) for t in table_of(vocab, 16, gen)))
 
     def steer(prev: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         return rows + dense[prev]
