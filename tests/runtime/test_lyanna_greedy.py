@@ -1,7 +1,9 @@
 """Greedy Lyanna on the bundled demo models is token-identical to the target's own greedy
 decoding: 32 held-out prompts, 8 running at a time with requests joining as others
 finish, without re-sampling, with re-sampling fused into the next step's forward, and with
-re-sampled drafts verified on their own."""
+re-sampled drafts verified on their own. Each test runs on an engine drafting in int8 and on
+one drafting in 4 bits (`--drafter-head int4 --drafter-layers int4`, what `make engine`
+builds the demo Lyanna engine with)."""
 
 from __future__ import annotations
 
@@ -28,10 +30,12 @@ PARAMS = SamplingParams(max_tokens=32)
 FIXED = RuntimeConfig(speculation="fixed")
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> LoadedEngine:
-    out = tmp_path_factory.mktemp("engines") / "demo-lyanna"
-    build = BuildConfig(max_batch_size=8, max_input_len=512, max_seq_len=1024)
+@pytest.fixture(scope="module", params=["int8", "int4"])
+def engine(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> LoadedEngine:
+    out = tmp_path_factory.mktemp("engines") / f"demo-lyanna-{request.param}"
+    build = BuildConfig(
+        max_batch_size=8, max_input_len=512, max_seq_len=1024, drafter_head=request.param, drafter_layers=request.param
+    )
     engine_dir = build_engine(MODELS / "demo-target", out, build, lyanna=MODELS / "demo-lyanna")
     return LoadedEngine.load(engine_dir, device=TEST_DEVICE)
 
