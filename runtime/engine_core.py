@@ -390,7 +390,7 @@ class EngineCore:
             stats.outcomes.append(Outcome(
                 request.request_id, (request.method, request.params.greedy), item.budget,
                 self._offered(request)[0], acc.num_accepted,
-                tree.node_budget, acc.path, len(tree.tokens),
+                tree.node_budget, acc.path, len(tree.tokens), self._offered(request)[2],
             ))  # fmt: skip
         log_probs = token_log_probs(logits[acc.path], acc.tokens) if request.params.logprobs else None
         self._notify(request, request.emit(acc.tokens, log_probs))

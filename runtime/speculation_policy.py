@@ -12,16 +12,18 @@ with bounded exploration so it never settles on a stale estimate for good.
   its own running mean, decayed after a few trees (`REQUEST_EMA`), shrunk towards the
   estimate of its kind (method x greedy/sampled, `GROUP_EMA`) by how many trees it has
   seen (`REQUEST_PRIOR`, `REQUEST_NOISE`; for a wider beam it never drafted, where sizes
-  are not all cuts, the shift of its largest smaller drafted size); the kind's estimate is itself optimistic
-  while it rests on few trees (`KIND_PRIOR` trees' worth of the `ceiling`, every level
-  accepted; a size never measured: one token more than the next smaller, within its
-  ceiling), so that unseen sizes get tried
+  are not all cuts, the shift of its largest smaller drafted size); a request's first steps
+  lean on the kind's long-run estimate instead of its recent one (`FRESH_STEPS`: at batch 1
+  the recent one is the request before); a size above the offer's cuts (a wider beam, a
+  pruned tree, measured by probes now and then) is priced over the largest cut as it reads
+  now (`OVER_CHAIN`); the kind's estimate is itself optimistic while it rests on few trees
+  (`KIND_PRIOR` trees' worth of the `ceiling`, every level accepted; a size never measured:
+  one token more than the next smaller, within its ceiling), so that unseen sizes get tried
   and a few unlucky first trees do not pass for the truth; a size above the smallest is
   also priced as the next smaller one plus the gain over it measured in the same trees
-  (`kind_taus`). One verified tree measures every
-  smaller nested size too: the accepted path stays accepted at size c as long as each of
-  its nodes is in the tree of size c (`DraftTree.node_budget` <= c), exactly for greedy
-  and in law for sampling;
+  (`kind_taus`). One verified tree measures every smaller nested size too: the accepted
+  path stays accepted at size c as long as each of its nodes is in the tree of size c
+  (`DraftTree.node_budget` <= c), exactly for greedy and in law for sampling;
 - forward(n, r): seconds of a target forward of n tokens from r requests (`ForwardCost`;
   every price is learned in `step_costs.py`):
   a table over n (`TokenCost`, interpolated between measured sizes: small-M GEMMs are far
@@ -160,6 +162,36 @@ yielded the most a tree can (`ceiling`), so its first measured trees outweigh th
 as they add up (weight n / (n + KIND_PRIOR)), as an upper confidence bound does. Taken
 at face value, a warm-up's one tree that accepted nothing read as a settled 1.0 token per
 step and kept sd at T=1, batch 1 auto-regressive for ~55 steps, until a probe."""
+LONG_RUN_TREES = 64
+"""Trees a kind's long-run estimate averages over (`SpeculationPolicy.long_run`: a step
+of n trees weighs n / `LONG_RUN_TREES`, never more than `GROUP_EMA`, so from a batch of ~3
+requests on it is the recent one). What a request is expected to yield before its own trees
+say (`FRESH_STEPS`): at batch 1 the recent estimate (`GROUP_EMA`, ~20 trees) is the request
+before, and Lyanna's chains keep 1.7 to 3.1 tokens a step from one held-out prompt to the
+next; a request after a hard one started priced as that one, went auto-regressive and
+stayed so, the next prompts too (whole rounds of 8 at batch 1, T=0, where its fixed chain
+ran 1.6x on the first of them). Lockstep, 16 rounds, against that chain: 0.93 of it with
+the recent estimate alone, 0.92 with 256 trees, 0.97 with 64. Fewer trees follow a lasting
+fall faster: each fresh request drafts its first steps until the long run has followed
+(synthetic, `test_a_fresh_request_is_priced_by_its_kinds_long_run_not_by_the_request_before`:
+0.86 of auto-regression over 16 poor requests with 256 trees, 0.92 with 64, 0.95 without)."""
+OVER_CHAIN = True
+"""Price a size above its offer's cuts (ReDrafter's wider beams, Lyanna's pruned trees,
+rsd-s's beam widths) as the largest cut's estimate now plus what its trees yielded over that
+estimate when they were drafted (`SpeculationPolicy.over`), not by its trees' own mean.
+Such sizes are mostly measured by probes, now and then, while the chain's estimate follows
+the text: priced by their own mean, they read higher than the chain whenever the text turned
+hard, and were drafted then. Lyanna at batch 1, T=0 (held-out prompts, lockstep, 16 rounds):
+1.013x auto-regression against 0.993 off, its fixed 4-node chain 1.048; ReDrafter, rsd-s and
+the T=1 cells within their noise."""
+FRESH_STEPS = 4
+"""Steps of a request after which its kind's recent estimate counts as much as the
+long-run one in its row (`SpeculationPolicy._fresh`: weight `FRESH_STEPS` / (`FRESH_STEPS` +
+n) on the long-run, none from 4 x `FRESH_STEPS` steps on; n rounded down to a power of two,
+so that a batch's fresh requests share a few rows)."""
+FRESH_SHIFT = 0.25
+"""Tokens a step by which a fresh request's long-run row must differ from its kind's recent
+one, at some size, to end a standing decision it steps into (`_standing`; "fresh")."""
 REQUEST_EMA = 0.2
 """Weight of a new observation in one request's own estimate (acceptance drifts along a text)."""
 REQUEST_PRIOR = 4
@@ -350,6 +382,7 @@ SOLVE_CAUSES = {
     "strays": "its trees yielded less (or more) than it expected (`STAND_Z`)",
     "replaced": "a request with trees of its own took another's place",
     "probe": "a probe came due",
+    "fresh": "a fresh request took another's place, its kind's long-run estimate unlike the recent one",
 }
 """What ended a decision before a full solve (`SpeculationPolicy.solves`)."""
 TreeSums = dict[tuple[Hashable, int], list[float]]
@@ -448,6 +481,8 @@ class Outcome:
     """Accepted nodes, root first."""
     nodes: int
     """Tree nodes, root included."""
+    cuts: int | None = None
+    """`Offer.cuts` of the request (None: every size a cut)."""
 
 
 @dataclass(slots=True)
@@ -676,6 +711,17 @@ class SpeculationPolicy:
     gains: dict[tuple[Hashable, int], Estimate] = field(default_factory=dict)
     """(kind, size) -> tokens per step gained over the next smaller offered size, measured
     in the same trees (`kind_taus`; `nodes` unused)."""
+    over: dict[tuple[Hashable, int], Estimate] = field(default_factory=dict)
+    """(kind, size) -> for a size above its offer's cuts (`Offer.cuts`: a wider beam, a
+    pruned tree), tokens per step its trees yielded over the kind's estimate of the largest
+    cut (its chain) when they were drafted (`kind_taus`; `nodes` unused)."""
+    long_run: dict[tuple[Hashable, int], Estimate] = field(default_factory=dict)
+    """(kind, size) -> estimate over the kind's last ~`LONG_RUN_TREES` trees: a fresh
+    request's prior (`_fresh`)."""
+    long_gains: dict[tuple[Hashable, int], Estimate] = field(default_factory=dict)
+    """`gains` over as many trees."""
+    _born: dict[str, int] = field(default_factory=dict)
+    """request -> step the policy first priced it (`_fresh`)."""
     requests: dict[str, dict[int, tuple[float, int, int]]] = field(default_factory=dict)
     """request -> size -> its own tau estimate, observations, step of the last one (by
     request first, so that `forget` is one pop: 20,000 requests in flight finish in O(1) each)."""
@@ -774,9 +820,13 @@ class SpeculationPolicy:
         estimates (`kind_taus`, `optimistic` or not) shifted by what its own trees show beyond
         chance (`_shift`), never less at a larger size than at a smaller one where smaller
         trees are cuts of larger ones (`Offer.exact`: the larger holds the smaller's accepted
-        path). `kinds`: the kind estimates already worked out this step (a batch is mostly one kind)."""
+        path). A fresh request's kind estimates lean to the kind's long-run ones (`_fresh`).
+        `kinds`: the kind estimates already worked out this step (a batch is mostly one kind)."""
         self.learn()
         shared_taus = self._kind_row(offer, kinds, optimistic)
+        if fresh := self._fresh(offer.key):
+            long_run = self._kind_row(offer, kinds, optimistic, long_run=True)
+            shared_taus = [t + fresh * (t_long - t) for t, t_long in zip(shared_taus, long_run, strict=True)]
         out: list[float] = []
         floor, shift = 1.0, 0.0
         for size, shared in zip(offer.sizes, shared_taus, strict=True):
@@ -798,15 +848,40 @@ class SpeculationPolicy:
         return out
 
     def _kind_row(
-        self, offer: Offer, kinds: dict[tuple[object, ...], list[float]] | None, optimistic: bool
+        self,
+        offer: Offer,
+        kinds: dict[tuple[object, ...], list[float]] | None,
+        optimistic: bool,
+        long_run: bool = False,
     ) -> list[float]:
         """`kind_taus`, worked out once a step per kind and options where `kinds` holds them."""
         if kinds is None:
-            return self.kind_taus(offer, optimistic)
-        key = (offer.kind, tuple(offer.sizes), tuple(offer.levels), offer.cuts, optimistic)
+            return self.kind_taus(offer, optimistic, long_run)
+        key = (offer.kind, tuple(offer.sizes), tuple(offer.levels), offer.cuts, optimistic, long_run)
         if key not in kinds:
-            kinds[key] = self.kind_taus(offer, optimistic)
+            kinds[key] = self.kind_taus(offer, optimistic, long_run)
         return kinds[key]
+
+    def _fresh(self, key: str) -> float:
+        """The weight of its kind's long-run estimates (`long_run`) in the row of request
+        `key`, against the recent ones: `FRESH_STEPS` / (`FRESH_STEPS` + n) n steps after the
+        policy first priced it (n rounded down to a power of two; none from 4 x `FRESH_STEPS`
+        on). Shrinkage to the mean of many requests, not of the last one: at batch 1 the
+        recent estimate is the request before. By steps, not by its own trees: a request of a
+        batch that drafts nothing measures a tree every few hundred steps (its probes), and
+        priced by the long run for as long, a batch of 8 whose acceptance rose stayed
+        auto-regressive on the estimate of the poor stretch before."""
+        n = self.steps - self._born.setdefault(key, self.steps)
+        if n >= 4 * FRESH_STEPS:
+            return 0.0
+        n = 1 << (n.bit_length() - 1) if n else 0
+        return FRESH_STEPS / (FRESH_STEPS + n)
+
+    def _fresh_apart(self, offer: Offer) -> bool:
+        """Whether fresh request `offer`'s row stands apart from its kind's recent one: its
+        long-run estimates differ from the recent ones by more than `FRESH_SHIFT` at some size."""
+        recent, long_run = self.kind_taus(offer, False), self.kind_taus(offer, False, long_run=True)
+        return any(abs(a - b) > FRESH_SHIFT for a, b in zip(recent, long_run, strict=True))
 
     def _shifted(self, offer: Offer, kinds: dict[tuple[object, ...], list[float]], optimistic: bool) -> bool:
         """Whether `offer`'s request has an own estimate that moves its kind's (`_shift` not
@@ -823,7 +898,7 @@ class SpeculationPolicy:
                 return True
         return False
 
-    def kind_taus(self, offer: Offer, optimistic: bool = True) -> list[float]:
+    def kind_taus(self, offer: Offer, optimistic: bool = True, long_run: bool = False) -> list[float]:
         """The estimates of `offer`'s kind at each of its sizes. The smallest drafted size:
         its measured mean; each larger one: the next smaller one's estimate plus the mean gain
         over it measured in the same trees (`gains`), so that sizes drafted more rarely
@@ -839,29 +914,41 @@ class SpeculationPolicy:
         token, within its ceiling (the smallest drafted size: its ceiling). Not `optimistic`
         (`EXPLORERS`): pessimistic the same way, `KIND_PRIOR` trees' worth of the next smaller
         size's estimate (a gain: of none; the smallest drafted size: its mean, 1 token before
-        any), so that a size never measured is worth no more than the next smaller one."""
+        any), so that a size never measured is worth no more than the next smaller one.
+        `long_run`: of the kind's long-run estimates (`long_run`, `long_gains`; the recent
+        ones where it has none)."""
         self.learn()
         out: list[float] = []
         below: float | None = None  # the estimate of the next smaller drafted size
+        chain: float | None = None  # the estimate of the largest cut (`Offer.cuts`), where larger sizes are not cuts
         for size in offer.sizes:
             if size == 1:
                 out.append(1.0)
                 continue
             most = ceiling(offer, size)
-            measured = self.kinds.get((offer.kind, size))
+            measured = self._estimate(self.kinds, self.long_run, (offer.kind, size), long_run)
             if measured is None and below is not None:
                 # never measured, but a smaller size was: one more token. So also where sizes
                 # are not cuts (beam widths): at the ceiling (every level accepted), a whole
                 # batch of 18 ReDrafter requests drafted its first 11-node trees (~30 ms a step
                 # where auto-regression takes ~6) where one probe would have measured them
                 most = min(most, below + 1.0)
-            if optimistic:
+            over = self.over.get((offer.kind, size)) if chain is not None else None
+            if OVER_CHAIN and chain is not None and below is not None and over is not None:
+                # above the cuts, measured by probes now and then: priced over the chain as
+                # it reads now (module docstring: `over`)
+                value = chain + (_optimistic(over, most - chain) if optimistic else _pessimistic(over, below - chain))
+            elif optimistic:
                 value = _optimistic(measured, most)
             elif below is None:  # the smallest drafted size: every tree measures it
                 value = measured.tau if measured is not None else 1.0
             else:
                 value = _pessimistic(measured, below)
-            gain = self.gains.get((offer.kind, size)) if below is not None and offer.cut(size) else None
+            gain = (
+                self._estimate(self.gains, self.long_gains, (offer.kind, size), long_run)
+                if below is not None and offer.cut(size)
+                else None
+            )
             if below is not None and gain is not None:
                 value = max(
                     value,
@@ -869,7 +956,19 @@ class SpeculationPolicy:
                 )
             out.append(value)
             below = value
+            if size == offer.cuts and size < offer.sizes[-1]:
+                chain = value
         return out
+
+    @staticmethod
+    def _estimate(
+        recent: dict[tuple[Hashable, int], Estimate],
+        long: dict[tuple[Hashable, int], Estimate],
+        key: tuple[Hashable, int],
+        long_run: bool,
+    ) -> Estimate | None:
+        """`key`'s estimate: the `long` one where `long_run` and there is one, else the `recent` one."""
+        return (long_run and long.get(key)) or recent.get(key)
 
     def _shift(self, key: str, size: int, shared: float) -> float | None:
         """How far request `key`'s own estimate at `size` moves its kind's (`shared`): by
@@ -1001,6 +1100,7 @@ class SpeculationPolicy:
                     tuple(o.costs),
                     _bound(o),
                     optimistic,
+                    self._fresh(o.key),
                 )
             )
             row = shared.get(key) if key is not None else None
@@ -1338,6 +1438,9 @@ class SpeculationPolicy:
         if replaced and any(o != k and o in self.requests for o, k in zip(keys, s.keys, strict=True)):
             self._why = "replaced"
             return None
+        if replaced and any(o.key != k and self._fresh_apart(o) for o, k in zip(offers, s.keys, strict=True)):
+            self._why = "fresh"  # priced as the requests before it, where its prior is unlike them
+            return None
         stale = self.steps - PROBE_EVERY
         can_probe = any(self._measured.get(o.kind, -1) <= stale for o in offers)
         loss = s.probe_loss + s.probe_growth * age if can_probe and s.probe_loss is not None else None
@@ -1668,6 +1771,7 @@ class SpeculationPolicy:
         nothing: ~25 us of a step, AR at batch 1 ran ~1% faster without."""
         means: TreeSums = {}
         gains: TreeSums = {}
+        overs: TreeSums = {}
         for o in outcomes:
             budget, accepted = o.node_budget, o.accepted
             # a chain's budgets, its first nodes accepted (most trees): at each smaller size c,
@@ -1695,6 +1799,10 @@ class SpeculationPolicy:
                 continue
             for (_, kept_below, _), (size, accepted, _) in itertools.pairwise(measured):
                 _add_tree(gains, (o.kind, size), float(accepted - kept_below), 0.0)
+            if o.cuts is not None and o.size > o.cuts and (largest := self.kinds.get((o.kind, o.cuts))) is not None:
+                for size, accepted, _ in measured:  # over the largest cut's estimate now (`OVER_CHAIN`)
+                    if size > o.cuts:
+                        _add_tree(overs, (o.kind, size), 1.0 + accepted - largest.tau, 0.0)
             mine = self.requests.setdefault(o.key, {})
             for size, accepted, nodes in measured:
                 tau = 1.0 + accepted
@@ -1705,15 +1813,22 @@ class SpeculationPolicy:
                 weight = max(1.0 / (n + 1), REQUEST_EMA)
                 mine[size] = (own + weight * (tau - own), n + 1, step)
         # one update per step, its trees' mean: weighed by its trees while they are few (`GROUP_EMA`)
-        for estimates, observed in ((self.kinds, means), (self.gains, gains)):
+        tables = [(self.kinds, means, False), (self.gains, gains, False), (self.over, overs, False)]
+        if everything:
+            tables += [(self.long_run, means, True), (self.long_gains, gains, True)]
+        for estimates, observed, long_run in tables:
             for key, (tokens_sum, nodes_sum, count) in observed.items():
                 trees = int(count)
                 mean_tau, mean_nodes = tokens_sum / trees, nodes_sum / trees
                 e = estimates.get(key)
                 if e is None:
                     estimates[key] = e = Estimate(mean_tau, mean_nodes)
-                e.recent, e.trees, e.last, e.idle = e.weight(idle) + trees, e.trees + trees, step, idle
-                w = max(trees / e.recent, GROUP_EMA)  # a mean over its trees, then per step
+                if long_run:  # never aged (`LONG_RUN_TREES`)
+                    e.recent, e.trees, e.last = e.recent + trees, e.trees + trees, step
+                    w = max(trees / e.recent, min(trees / LONG_RUN_TREES, GROUP_EMA))
+                else:
+                    e.recent, e.trees, e.last, e.idle = e.weight(idle) + trees, e.trees + trees, step, idle
+                    w = max(trees / e.recent, GROUP_EMA)  # a mean over its trees, then per step
                 e.tau += w * (mean_tau - e.tau)
                 e.nodes += w * (mean_nodes - e.nodes)
 
@@ -1767,6 +1882,7 @@ class SpeculationPolicy:
         self.learn()  # (its last trees first)
         self._end_run(key)
         self._measured.pop(key, None)
+        self._born.pop(key, None)
         self.requests.pop(key, None)
 
 

@@ -373,6 +373,36 @@ def test_a_batch_that_drafts_nothing_finds_acceptance_that_rose(monkeypatch: pyt
     assert share > 0.9 and share_before < 0.9 and back < back_before, (share, back, share_before, back_before)
 
 
+def test_a_fresh_request_is_priced_by_its_kinds_long_run_not_by_the_request_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`FRESH_STEPS`, `LONG_RUN_TREES`: at batch 1 a kind's recent estimate is the request
+    before. Requests of 48 steps, one after another: six whose drafts are kept (`GOOD`), two
+    where they are not (`POOR`), four `GOOD` again. The first `GOOD` one after the hard two
+    starts priced by the kind's long run and drafts nearly throughout; priced by the request
+    before (`FRESH_STEPS` 0, the wrong variant) it drafted in none of its steps (its probes
+    came later). What the prior costs where acceptance falls for good (sixteen `POOR`
+    requests after four `GOOD`): each drafts its first steps until the long run follows,
+    0.91-0.92 of auto-regression where the recent estimate alone ran 0.94-0.95."""
+    n = 48
+
+    def runs(fresh: int) -> tuple[int, float]:
+        monkeypatch.setattr(speculation_policy, "FRESH_STEPS", fresh)
+        plan = [GOOD] * 6 + [POOR] * 2 + [GOOD] * 4
+        worlds = [w for w in plan for _ in range(n)]
+        _, history = run(calibrated(GOOD), worlds, 1, len(worlds), lag=Lag(0, renew_every=n))
+        after_hard = sum(h != [1] for h in history[8 * n : 9 * n])
+        p = calibrated(GOOD)
+        run(p, GOOD, 1, 4 * n, lag=Lag(0, renew_every=n))
+        poor, _ = run(p, POOR, 1, 16 * n, seed=1, lag=Lag(0, renew_every=n))
+        return after_hard, poor / fixed(POOR, 1, 1, 16 * n)
+
+    drafted, poor = runs(speculation_policy.FRESH_STEPS)
+    drafted_before, poor_before = runs(0)
+    assert drafted >= 40 and drafted_before < 10, (drafted, drafted_before)
+    assert poor > 0.88 and poor_before > 0.9, (poor, poor_before)
+
+
 def test_probes_while_drafting_back_off_where_they_do_not_pay(monkeypatch: pytest.MonkeyPatch) -> None:
     """`PROBE_BACKOFF`: a batch-1 request drafts its chain (5 nodes) and probes the 17-node
     tree, which never pays. Each probe in a row that did not pay halves what exploration
@@ -984,12 +1014,13 @@ def test_calibration_sees_through_set_up_and_a_burst(monkeypatch: pytest.MonkeyP
     assert p.forward_cost(17) > p.forward_cost(1)
 
 
-def test_one_lucky_tree_is_one_tree_in_a_request_estimate() -> None:
+def test_one_lucky_tree_is_one_tree_in_a_request_estimate(monkeypatch: pytest.MonkeyPatch) -> None:
     """A request's own estimate is the mean of its first trees (decayed only later), and
     the chance spread allowed around its kind's shrinks with the trees it saw: one lucky
     tree (5 tokens where its kind makes 1.5) lifts it by little, and after four ordinary
     trees it is one tree in five. Started at the first tree and decayed from there, the
     estimate still read 2.6 after those four (and the request went on drafting at T=1)."""
+    monkeypatch.setattr(speculation_policy, "FRESH_STEPS", 0)  # a request past its first steps: no long-run prior
     p = SpeculationPolicy()
     for i in range(40):  # the kind: 1.5 tokens per tree of 17 nodes
         p.observe(StepStats(17, 0.01, outcomes=[Outcome(f"k{i}", KIND, 17, BEAMS, i % 2, [], [0], 17)]))
@@ -1933,13 +1964,14 @@ def rd_chain(key: str, size: int, accepted: int) -> Outcome:
     return Outcome(key, KIND, size, RD_SIZES, accepted, list(range(1, size + 1)), list(range(accepted + 1)), size)
 
 
-def test_one_beam_chains_are_priced_as_cuts_where_wider_beams_are_not() -> None:
+def test_one_beam_chains_are_priced_as_cuts_where_wider_beams_are_not(monkeypatch: pytest.MonkeyPatch) -> None:
     """ReDrafter's sizes are not all cuts (`Offer.cuts`: a wider search keeps another
     top beam), but its one-beam chains are (`Offer.cuts`, `Proposer.cuts`). Many
     5-node chains kept 3 drafts; a few 6-node chains kept all 5 (a gain of 1 token over
     their own 5-node cut). As cuts, the 6-node chain is worth its cut plus that gain; priced
     apart by its few trees, as before, it read less than the 5-node chain (3.07-3.33 vs
     3.19-3.34 tokens on held-out prompts, batch 1) and load-aware drafted the cheaper 5."""
+    monkeypatch.setattr(speculation_policy, "FRESH_STEPS", 0)  # the recent estimates alone (no long-run prior)
     p = SpeculationPolicy()
     for i in range(40):
         p.observe(StepStats(5, 0.01, outcomes=[rd_chain(f"a{i}", 5, 3)]))
@@ -1973,6 +2005,35 @@ def test_a_request_hard_for_its_chains_is_hard_for_its_wider_beams() -> None:
     shift = after[5] - before[5]
     assert shift < -0.5  # its own chains: well below its kind's
     assert after[6] < before[6] + 0.8 * shift  # and so its 11-node beams
+
+
+def test_a_size_above_the_cuts_is_priced_over_the_chain_as_it_reads_now(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`SpeculationPolicy.over`: probes measured ReDrafter's 11-node beams at 4.0 tokens
+    while its 6-node chains read 3.5; then the text turned hard, and 60 chains made 2.0.
+    The beams are priced 0.5 over the chain as it reads now (~2.5), not at the 4.0 their
+    stale trees read: priced so (the wrong variant, `OVER_CHAIN` off), they looked worth
+    their ~1.5x cost and load-aware drafted them where the chain did better (Lyanna's pruned
+    trees at batch 1, T=0: load-aware 1.06x AR where its fixed 4-node chain ran 1.22x)."""
+    offer = Offer("r", KIND, "redrafter", RD_SIZES, RD_LEVELS, cuts=6)
+
+    def priced() -> list[float]:
+        p = SpeculationPolicy()
+        for i in range(40):
+            p.observe(StepStats(6, 0.01, outcomes=[rd_chain(f"a{i}", 6, 2 if i % 2 else 3)]))  # 3.5
+            if i % 8 == 7:  # a probe's beams, 0.5 over the chain that reads 3.5
+                wide = Outcome(f"w{i}", KIND, 11, RD_SIZES, 3, [], [0, 1, 2, 3], 11, cuts=6)
+                p.observe(StepStats(11, 0.01, outcomes=[wide]))
+        for i in range(60):
+            p.observe(StepStats(6, 0.01, outcomes=[rd_chain(f"b{i}", 6, 1)]))  # 2.0 now
+        return p.kind_taus(offer, optimistic=False)
+
+    monkeypatch.setattr(speculation_policy, "FRESH_STEPS", 0)
+    now = priced()
+    monkeypatch.setattr(speculation_policy, "OVER_CHAIN", False)
+    stale = priced()
+    assert now[5] == pytest.approx(2.0, abs=0.1) and stale[5] == pytest.approx(now[5])  # the chain reads 2.0
+    assert now[6] == pytest.approx(now[5] + 0.5, abs=0.2)  # the beams: over it, as they were
+    assert stale[6] > 3.5  # the wrong variant: their stale trees' 4.0 (a tree's worth of pessimism: ~3.7)
 
 
 def test_calibration_after_auto_regressive_steps_starts_the_forward_prices_afresh() -> None:
