@@ -387,10 +387,10 @@ class EngineCore:
         result.accepted_per_step.append(acc.num_accepted)
         result.sizes_per_step.append(item.budget)
         if len(tree.tokens) > 1:
+            sizes, _, cuts, _ = self._offered(request)
             stats.outcomes.append(Outcome(
                 request.request_id, (request.method, request.params.greedy), item.budget,
-                self._offered(request)[0], acc.num_accepted,
-                tree.node_budget, acc.path, len(tree.tokens), self._offered(request)[2],
+                sizes, acc.num_accepted, tree.node_budget, acc.path, len(tree.tokens), cuts,
             ))  # fmt: skip
         log_probs = token_log_probs(logits[acc.path], acc.tokens) if request.params.logprobs else None
         self._notify(request, request.emit(acc.tokens, log_probs))

@@ -936,7 +936,7 @@ class SpeculationPolicy:
             over = self.over.get((offer.kind, size)) if chain is not None else None
             if OVER_CHAIN and chain is not None and below is not None and over is not None:
                 # above the cuts, measured by probes now and then: priced over the chain as
-                # it reads now (module docstring: `over`)
+                # it reads now (`OVER_CHAIN`)
                 value = chain + (_optimistic(over, most - chain) if optimistic else _pessimistic(over, below - chain))
             elif optimistic:
                 value = _optimistic(measured, most)
