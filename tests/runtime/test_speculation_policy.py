@@ -2027,7 +2027,6 @@ def test_a_size_above_the_cuts_is_priced_over_the_chain_as_it_reads_now(monkeypa
             p.observe(StepStats(6, 0.01, outcomes=[rd_chain(f"b{i}", 6, 1)]))  # 2.0 now
         return p.kind_taus(offer, optimistic=False)
 
-    monkeypatch.setattr(speculation_policy, "FRESH_STEPS", 0)
     now = priced()
     monkeypatch.setattr(speculation_policy, "OVER_CHAIN", False)
     stale = priced()
