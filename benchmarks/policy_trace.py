@@ -6,7 +6,8 @@
 Runs `--rounds` rounds of `--batch` held-out prompts (`--max-tokens` each, EOS ignored) with
 the default speculation and records every step the policy learns from
 (`SpeculationPolicy.observe`): the sizes it gave, whether a probe or a plain probe ran, the
-forward's and each drafting call's milliseconds. Then, per drafting-cost fit
+forward's and each drafting call's milliseconds, the seconds its choice predicted and what
+its standing decision expected of its trees (`promised`). Then, per drafting-cost fit
 (`SpeculationPolicy.draft_cost`: per method and drafting path, greedy and sampled apart), its
 samples (start-up or live) by shape and its price of a few shapes; the forward table
 calibrated at start; the estimated tokens per step of each kind and size. Writes `<out>.json`
@@ -48,7 +49,13 @@ def trace(llm: LLMEngine, prompts: list[list[int]], method: str, args: argparse.
 
     def recorded(stats: StepStats) -> None:
         probes, plain = policy.probes, policy.plain_probes
+        # what the choice promised: its step's seconds, and its standing decision's trees' tokens
+        settled, predicted = policy._settled, policy._expected
+        expecting = settled.expecting if settled is not None else None
         observe(stats)
+        priced = None
+        if stats.overhead_seconds is not None:  # the seconds the policy prices (its own choice left out)
+            priced = stats.forward_seconds + sum(call[-1] for call in stats.drafting.values()) + stats.overhead_seconds
         steps.append({
             "requests": stats.num_requests,
             "tokens": stats.num_tokens,
@@ -59,6 +66,10 @@ def trace(llm: LLMEngine, prompts: list[list[int]], method: str, args: argparse.
             "choose_ms": stats.choose_seconds * 1e3,
             "probes_after": policy.probes - probes,
             "plain_probes_after": policy.plain_probes - plain,
+            "predicted_ms": None if predicted is None else predicted * 1e3,
+            "priced_ms": None if priced is None else priced * 1e3,
+            "trees_expected": expecting[0] if expecting else None,
+            "trees_made": float(sum(1 + o.accepted for o in stats.outcomes)) if expecting else None,
         })  # fmt: skip
 
     policy.observe = recorded  # type: ignore[method-assign]  # instance attribute: this engine only
@@ -71,6 +82,27 @@ def trace(llm: LLMEngine, prompts: list[list[int]], method: str, args: argparse.
     finally:
         del policy.observe
     return steps
+
+
+def promised(steps: list[dict[str, Any]]) -> dict[str, float | int | None]:
+    """What the choices promised against what they made: the tokens the trees of decisions
+    that stood (or were just settled) yielded over what those decisions expected of them
+    (a probe's step expects nothing); drafting and plain decoding steps' seconds (forward,
+    drafting, host work: what the policy prices) over what their choice predicted. Below 1
+    for trees or above 1 for seconds, the policy drafts on promises the steps do not keep
+    (Lyanna at batch 8, T=0, on a 2-thread EPYC: trees 0.94, drafting steps 1.06, plain 1.04)."""
+    out: dict[str, float | int | None] = {}
+    standing = [s for s in steps if s["trees_expected"]]
+    expected = sum(s["trees_expected"] for s in standing)
+    out["tree_steps"] = len(standing)
+    out["trees_made_over_expected"] = sum(s["trees_made"] for s in standing) / expected if expected else None
+    decoding = [s for s in steps if not s["prefill"] and s["predicted_ms"] and s["priced_ms"] is not None]
+    for name, drafts in (("drafting", True), ("plain", False)):
+        group = [s for s in decoding if bool(s["drafting_ms"]) == drafts]
+        predicted = sum(s["predicted_ms"] for s in group)
+        out[f"{name}_steps"] = len(group)
+        out[f"{name}_seconds_over_predicted"] = sum(s["priced_ms"] for s in group) / predicted if predicted else None
+    return out
 
 
 def fits(llm: LLMEngine) -> dict[str, Any]:
@@ -117,7 +149,18 @@ def markdown(meta: dict[str, Any], steps: list[dict[str, Any]], summary: dict[st
         prices = [str(f["price_ms"].get(str(x), "-")) for x in PRICED]
         lines.append(f"| {name} | {f['samples']} | {start_up} | " + " | ".join(prices) + f" | {live[:8]} |")
     table = summary["forward_table_ms"]
+
+    def ratio(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}"
+
+    kept = summary["promised"]
     lines += [
+        "",
+        f"Promised and made (`promised`): the trees of standing decisions made "
+        f"{ratio(kept['trees_made_over_expected'])} x the tokens they were expected to ({kept['tree_steps']} "
+        f"steps); drafting steps took {ratio(kept['drafting_seconds_over_predicted'])} x their predicted seconds "
+        f"({kept['drafting_steps']} steps), plain steps {ratio(kept['plain_seconds_over_predicted'])} x "
+        f"({kept['plain_steps']} steps; the choice itself left out of both).",
         "",
         "Forward table (ms, calibrated on one request): " + ", ".join(f"{n} tokens {ms}" for n, ms in table.items()),
         "",
@@ -172,6 +215,7 @@ def main(argv: list[str] | None = None) -> None:
         "fits": fits(llm),
         "forward_table_ms": {n: round(llm.policy.forward_cost(n) * 1e3, 3) for n in TABLE_TOKENS},
         "estimates": llm.policy.estimates(),
+        "promised": promised(steps),
     }
     meta = {
         "command": command("benchmarks.policy_trace", argv),

@@ -32,8 +32,18 @@ def test_every_observed_step_and_every_fit_is_reported(engines: dict[str, Path],
         assert set(fit["price_ms"]) == {str(x) for x in PRICED} and all(p > 0 for p in fit["price_ms"].values())
     assert list(doc["forward_table_ms"].values()) == sorted(doc["forward_table_ms"].values())
     assert doc["solves"] and set(doc["solves"]) <= set(SOLVE_CAUSES)  # a fresh policy solves at least once
+    # what each choice promised, against what its step took and its standing decision's trees made
+    kept = doc["promised"]
+    standing = [s for s in steps if s["trees_expected"]]
+    assert kept["tree_steps"] == len(standing) and all(s["sizes"] and s["trees_made"] >= 1 for s in standing)
+    if standing:
+        made = sum(s["trees_made"] for s in standing) / sum(s["trees_expected"] for s in standing)
+        assert kept["trees_made_over_expected"] == pytest.approx(made)
+    timed = [s for s in decoding if s["predicted_ms"] and s["priced_ms"] is not None]
+    assert kept["drafting_steps"] + kept["plain_steps"] == len(timed) > 0
+    assert all(s["priced_ms"] >= s["forward_ms"] for s in timed)
     md = out.with_suffix(".md").read_text()
-    assert "| fit | samples | start-up shapes |" in md and "\n| sd/sampled | " in md
+    assert "| fit | samples | start-up shapes |" in md and "\n| sd/sampled | " in md and "Promised and made" in md
     assert md.count("\n| 0 | 0 | 2 |") == 1 and doc["meta"]["command"].startswith("python -m benchmarks.policy_trace")
 
 
