@@ -20,6 +20,13 @@ fixed cyclic order read two identical configurations 2.3% apart (the engine that
 after another meets the caches it warmed: the drafter's weights, shared), so the order
 rotates by round and reverses every other cycle. At T=0 every configuration's output is
 checked against AR's. Writes `<out>.json` and `<out>.md`.
+
+Where each configuration's time goes: its steps by kind (prefilling, drafting: some request
+verified a tree, plain: neither), each kind's steps, share of the configuration's step time
+and milliseconds a step in each phase of `runtime.step_clock` (schedule, draft, assemble,
+forward, verify, commit, emit), AR's beside them. The milliseconds are those of lockstep
+(each engine meets the caches the others left), so they read higher than a run of its own:
+compare them across configurations of one run.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import statistics
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -46,9 +53,13 @@ from runtime.llm_engine import LLMEngine
 from runtime.loaded_engine import LoadedEngine
 from runtime.request import Request
 from runtime.results import tokens_per_step
+from runtime.step_clock import PHASES
 from training.corpus import heldout_prompts
 
 Patch = tuple[ModuleType, str, Any]
+STEP_KINDS = ("prefill", "drafting", "plain")
+"""Kinds of step (module docstring): one that prefilled (drafting or not), one in which some
+request verified a tree, and a decoding step with neither."""
 
 
 @dataclass(frozen=True)
@@ -137,6 +148,51 @@ class Row:
     """At T=0: every request's output equals AR's (None at T > 0)."""
     tokens_per_second: float = 0.0
     """Its tokens over its summed step time, all rounds (AR's: the machine's speed that hour)."""
+    kinds: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Step kind (`STEP_KINDS`, those it had) -> its steps, share of the step time, and
+    milliseconds a step in all and in each phase (`StepPhases.summary`)."""
+
+
+@dataclass
+class StepPhases:
+    """One configuration's steps of one kind: how many, and their seconds in each phase."""
+
+    steps: int = 0
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+
+    def add(self, phases: dict[str, float]) -> None:
+        self.steps += 1
+        for phase, seconds in phases.items():
+            self.seconds[phase] += seconds
+
+    def summary(self, total: float) -> dict[str, Any]:
+        """Steps, share of `total` seconds, milliseconds a step and in each phase."""
+        per = 1e3 / max(self.steps, 1)
+        return {
+            "steps": self.steps,
+            "share": round(sum(self.seconds.values()) / total, 4) if total else 0.0,
+            "ms": round(per * sum(self.seconds.values()), 4),
+            "phases_ms": {phase: round(per * seconds, 4) for phase, seconds in self.seconds.items()},
+        }
+
+
+def step_kind(llm: LLMEngine, step: Any) -> str | None:
+    """The kind (`STEP_KINDS`) of the step `llm` just took, from its clock's counters before
+    it (`step`: `counters(llm)`); None for a step that ran no forward."""
+    prefills, decodes, plain = step
+    now_prefills, now_decodes, now_plain = counters(llm)
+    if now_prefills > prefills:
+        return "prefill"
+    if now_decodes == decodes:
+        return None
+    return "plain" if now_plain > plain else "drafting"
+
+
+def counters(llm: LLMEngine) -> tuple[int, int, int]:
+    """(prefilling steps, decoding steps, plain steps) so far on `llm`'s clock."""
+    kinds = llm.clock.kinds
+    prefill, decode = kinds.get("prefilling"), kinds.get("decoding")
+    return (prefill.steps if prefill else 0), (decode.steps if decode else 0), llm.clock.plain_steps
 
 
 def prepared(
@@ -194,9 +250,10 @@ def lockstep(
     max_tokens: int,
     temperature: float,
     rounds: int,
+    kinds: dict[str, dict[str, StepPhases]] | None = None,
 ) -> tuple[dict[str, list[float]], dict[str, list[int]], dict[str, list[list[int]]], dict[str, list[Request]]]:
     """Per configuration (AR's key "ar" included): seconds and tokens of each round, and the
-    outputs and requests of all rounds."""
+    outputs and requests of all rounds; into `kinds` (if given), its steps by kind."""
     seconds = {k: [0.0] * rounds for k in engines}
     tokens = {k: [0] * rounds for k in engines}
     outputs: dict[str, list[list[int]]] = {k: [] for k in engines}
@@ -210,10 +267,13 @@ def lockstep(
             for k in keys
         }
         for k, llm in in_turn(engines, r):
+            before = counters(llm)
             with configs[k].patched():
                 start = time.perf_counter()
                 llm.step()
                 seconds[k][r] += time.perf_counter() - start
+            if kinds is not None and (kind := step_kind(llm, before)) is not None:
+                kinds.setdefault(k, {}).setdefault(kind, StepPhases()).add(llm.clock.step)
         for k in keys:
             tokens[k][r] = sum(len(q.result.output_ids) for q in requests[k])
             outputs[k] += [q.result.output_ids for q in requests[k]]
@@ -239,7 +299,8 @@ def measure(
     count = prompts or max(batch, 8)  # at batch 1, one prompt a round read 0.79-1.05 between rounds
     encoded = [engine.encode(t) for t in heldout_prompts(count)]
     engines = prepared(engine, configs, batch, encoded[0], temperature)
-    seconds, tokens, outputs, done = lockstep(engines, configs, encoded, max_tokens, temperature, rounds)
+    kinds: dict[str, dict[str, StepPhases]] = {}
+    seconds, tokens, outputs, done = lockstep(engines, configs, encoded, max_tokens, temperature, rounds, kinds)
     ar_rate = sum(tokens["ar"]) / sum(seconds["ar"])
     rows = []
     for name, config in configs.items():
@@ -260,9 +321,16 @@ def measure(
                 steps=sum(q.result.num_forwards for q in done[name]),
                 same_as_ar=outputs[name] == outputs["ar"] if temperature == 0 else None,
                 tokens_per_second=round(sum(tokens[name]) / sum(seconds[name]), 1),
+                kinds=by_kind(kinds.get(name, {})),
             )
         )
     return rows, count
+
+
+def by_kind(kinds: dict[str, StepPhases]) -> dict[str, dict[str, Any]]:
+    """`Row.kinds` of one configuration's steps by kind, in `STEP_KINDS` order."""
+    total = sum(sum(k.seconds.values()) for k in kinds.values())
+    return {kind: kinds[kind].summary(total) for kind in STEP_KINDS if kind in kinds}
 
 
 def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
@@ -285,6 +353,21 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
             f"| `{r.config}` | **{r.ratio:.3f}** | {r.median:.3f} | {r.least:.3f}-{r.most:.3f} | {r.stderr:.3f} "
             f"| {r.tokens_per_step:.2f} | {same} |"
         )
+    lines += [
+        "",
+        "## Where the step time goes",
+        "",
+        "Each configuration's steps by kind: prefill (its forward held prompt chunks), drafting (some request "
+        "verified a tree), plain (neither); their share of its step time, and milliseconds a step in all and in "
+        "each phase (lockstep's: each engine meets the caches the others left).",
+        "",
+        "| configuration | kind | steps | share | ms a step | " + " | ".join(PHASES) + " |",
+        "|---|---|---|---|---|" + "---|" * len(PHASES),
+    ]
+    for r in rows:
+        for kind, k in r.kinds.items():
+            phases = " | ".join(f"{k['phases_ms'][p]:.3f}" for p in PHASES)
+            lines.append(f"| `{r.config}` | {kind} | {k['steps']} | {k['share']:.1%} | {k['ms']:.3f} | {phases} |")
     return "\n".join(lines) + "\n"
 
 

@@ -52,7 +52,17 @@ def test_configurations_step_in_turn_against_ar(
         assert r["ratio"] > 0 and len(r["per_round"]) == 3 and r["least"] <= r["median"] <= r["most"]
     for fixed in ("redrafter:fixed", "redrafter:fixed[beam_width=1]"):
         assert rows[fixed]["tokens_per_step"] > 1  # fixed speculation drafts every step
-    assert "| `redrafter:fixed` |" in out.with_suffix(".md").read_text()
+        assert set(rows[fixed]["kinds"]) == {"prefill", "drafting"}  # every decoding step drafts
+    assert set(rows["ar"]["kinds"]) == {"prefill", "plain"}  # AR never drafts
+    for r in rows.values():  # where the step time goes: the kinds' shares make it whole, the phases each step
+        kinds = r["kinds"]
+        assert sum(k["share"] for k in kinds.values()) == pytest.approx(1, abs=1e-3)
+        for k in kinds.values():
+            assert k["steps"] > 0 and sum(k["phases_ms"].values()) == pytest.approx(k["ms"], abs=1e-3)
+            assert k["phases_ms"]["forward"] > 0
+    assert rows["redrafter:fixed"]["kinds"]["drafting"]["phases_ms"]["draft"] > 0  # its drafter runs there
+    text = out.with_suffix(".md").read_text()
+    assert "| `redrafter:fixed` |" in text and "| `redrafter:fixed` | drafting |" in text
 
 
 @pytest.mark.parametrize(
