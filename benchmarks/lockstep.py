@@ -176,7 +176,7 @@ class StepPhases:
         }
 
 
-def step_kind(llm: LLMEngine, step: Any) -> str | None:
+def step_kind(llm: LLMEngine, step: tuple[int, int, int]) -> str | None:
     """The kind (`STEP_KINDS`) of the step `llm` just took, from its clock's counters before
     it (`step`: `counters(llm)`); None for a step that ran no forward."""
     prefills, decodes, plain = step
