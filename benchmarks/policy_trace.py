@@ -53,9 +53,7 @@ def trace(llm: LLMEngine, prompts: list[list[int]], method: str, args: argparse.
         settled, predicted = policy._settled, policy._expected
         expecting = settled.expecting if settled is not None else None
         observe(stats)
-        priced = None
-        if stats.overhead_seconds is not None:  # the seconds the policy prices (its own choice left out)
-            priced = stats.forward_seconds + sum(call[-1] for call in stats.drafting.values()) + stats.overhead_seconds
+        priced = stats.priced_seconds
         steps.append({
             "requests": stats.num_requests,
             "tokens": stats.num_tokens,

@@ -509,6 +509,14 @@ class StepStats:
     """The step's `SpeculationPolicy.choose`: a probe is charged the full solves it causes
     (its own step's and the next's, `_settle_probe`)."""
 
+    @property
+    def priced_seconds(self) -> float | None:
+        """The step's seconds as the policy prices a step: the forward, the drafting calls and
+        the host overhead, not its own choice (None: the overhead was not measured)."""
+        if self.overhead_seconds is None:
+            return None
+        return self.forward_seconds + self.overhead_seconds + sum(call[-1] for call in self.drafting.values())
+
 
 @dataclass(slots=True)
 class Estimate:
@@ -1850,10 +1858,10 @@ class SpeculationPolicy:
         bill, self._bill = self._bill, None
         if bill is not None:
             self.learn()  # (the drafting-cost fits it reads)
-        if stats.overhead_seconds is None or stats.prefill:
+        seconds = stats.priced_seconds
+        if seconds is None or stats.prefill:
             self._aftermath = 0
             return
-        seconds = stats.forward_seconds + stats.overhead_seconds + sum(call[-1] for call in stats.drafting.values())
         seconds += stats.choose_seconds  # the full solves a probe causes: its step's and the next's
         if bill is not None:
             charged, rate, decoding, drafting = bill
