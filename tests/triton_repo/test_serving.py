@@ -359,20 +359,26 @@ def test_a_stop_word_ends_the_engine_request_while_text_is_held(
 ) -> None:
     """The engine thread wakes the response thread only for events due now (the model's
     `_queue_event`); a request with stop words is always due, so its stop ends the engine's
-    request a step or two after the token that completes it (2 here), though its streamed
-    text is held for a second. A variant that held its events like any other's until the
-    response thread's poll decoded 16-18 tokens past the stop (the final's
-    `num_output_tokens` counts the engine's work)."""
+    request a step or two after the token that completes it, though its streamed text is
+    held for a second (the final's `num_output_tokens` counts the engine's work). How far
+    past depends on when the response thread gets a core: 30 runs on 2 cores went 0-2
+    tokens past in 28 and 5 and 8 in the others; so the median of 5 runs is what is
+    bounded. A variant that held its events like any other's until the response thread's
+    poll decoded 19-27 tokens past the stop in 4 of 5 runs (1 in the fifth)."""
     max_tokens = 64
     ids = solo_ids(engine, PROMPTS[0], SamplingParams(max_tokens=max_tokens, ignore_eos=True), "ar")
     word = "list"
     at = next((n for n in range(1, len(ids) + 1) if word in engine.decode(ids[:n])), None)
     assert at is not None and at + 8 < max_tokens, "the stop word must come early in the greedy text"
     request = {"prompt": PROMPTS[0], "max_tokens": max_tokens, "stop_words": [word], "method": "ar", "ignore_eos": True}
-    [streamed] = stream_grpc(slow_stream_server.grpc_url, [request])
     full = engine.decode(ids)
-    assert streamed["finish_reason"] == "stop" and streamed["text"] == full[: full.index(word)]
-    assert at <= streamed["num_output_tokens"] <= at + 4
+    past = []
+    for _ in range(5):
+        [streamed] = stream_grpc(slow_stream_server.grpc_url, [request])
+        assert streamed["finish_reason"] == "stop" and streamed["text"] == full[: full.index(word)]
+        assert streamed["num_output_tokens"] >= at
+        past.append(streamed["num_output_tokens"] - at)
+    assert sorted(past)[2] <= 4, f"tokens decoded past the stop in 5 runs: {past}"
 
 
 REPETITIVE = "x = [1, 1, 1, 1, 1, 1, 1, 1, 1, 1"
