@@ -110,11 +110,18 @@ def record(
     return {"policy": start, "calls": calls, "config": config.name, "batch": batch, "temperature": temperature}
 
 
+QUEUES = ("_unlearned", "_plain_unlearned")
+"""The policy's queues of steps not learned yet: empty after `learn`, left out of the
+fingerprint (a queue added or removed does not change what the policy decided or learned)."""
+
+
 def fingerprint(policy: SpeculationPolicy) -> str:
     """A hash of every field of `policy`, recursively (dicts by sorted items, floats by
-    `repr`: exact), after it learned what it queued."""
+    `repr`: exact), after it learned what it queued (`QUEUES`)."""
     policy.learn()
-    return hashlib.sha1(_canonical(policy).encode()).hexdigest()[:16]
+    assert not any(getattr(policy, name, None) for name in QUEUES), "learn() left steps queued"
+    fields = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy) if f.name not in QUEUES}
+    return hashlib.sha1((type(policy).__name__ + _canonical(fields)).encode()).hexdigest()[:16]
 
 
 def _canonical(value: Any) -> str:

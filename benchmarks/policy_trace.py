@@ -206,6 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     decoding = [s for s in steps if not s["prefill"]]
     sizes = Counter(size for s in decoding for size in s["sizes"])
     plain = sum(s["requests"] - len(s["sizes"]) for s in decoding)
+    llm.policy.learn()  # (the steps it has not learned yet: the tables below read them)
     summary = {
         "probes": llm.policy.probes,
         "plain_probes": llm.policy.plain_probes,

@@ -373,6 +373,10 @@ STAND_LONGER_Z = 1.0
 while acceptance falls, each solve expects a little less than the last, its trees yield
 less still, and doubled stands left synthetic batch-1 runs drafting ~5 steps longer
 before they went auto-regressive (`STAND_Z` alone; 2 standard deviations then)."""
+SHORT_PATHS = True
+"""Steps an all-auto-regressive decision stands for quietly take `choose`'s and `observe`'s
+short paths (`_quiet_step`, `_observe_plain`): the same decisions and tables, less host work.
+False: every step takes the full paths (what tests and `benchmarks.lockstep` compare against)."""
 SOLVE_CAUSES = {
     "unsettled": "the solve before settled no decision (a first choice to draft, a probe, a plain probe's run)",
     "tree": "a tree of a size the decision did not give (a probe's) ended it",
@@ -617,9 +621,9 @@ class _Settled:
     the loss it was made with, a draft LM's plain decision at batch 8 (sd, T=1) was solved
     afresh for a probe that had grown too dear ~3 times in 5 (each ~0.25 ms)."""
     quiet: tuple[int, int] = (0, 0)
-    """An all-auto-regressive decision's quiet stretch (`SpeculationPolicy._standing`): the
+    """An all-auto-regressive decision's quiet stretch (`SpeculationPolicy._quiet`): the
     step before which no probe can come due, and the count of other requests, as of the last
-    step it stood for with all its checks."""
+    step it stood for with all its checks (step 0: none yet)."""
 
     def give(self, offers: list[Offer], cut: bool = True) -> dict[str, int]:
         """Each request's size in a step it stands for, chains cut to what their requests
@@ -796,6 +800,10 @@ class SpeculationPolicy:
     """Steps observed whose trees and drafting calls are not learned yet, in their order
     (`learn`): (verified trees, drafting calls, the step, the `idle` clock then; the
     engine builds each step's lists and trees anew, so they are kept as they are)."""
+    _plain_unlearned: list[tuple[int, int, float, float | None]] = field(default_factory=list)
+    """Plain steps observed while an all-auto-regressive decision stood whose timings are
+    not learned yet, in their order (`learn`): (tokens, requests, forward seconds, host
+    seconds) of each (`_observe_plain`)."""
     _prices: dict[tuple[int, float, bool], float] | None = None
     """While a full solve runs: (requests, nodes, whether trees) -> seconds of such a step's
     host work and forward (`_evaluate`; the costs do not move within a solve, and its
@@ -1019,6 +1027,8 @@ class SpeculationPolicy:
     def choose(self, offers: list[Offer], others: int = 0) -> dict[str, int]:
         """Each decoding request's size this step; `others` (prefilling) requests add ~1
         token each to the forward."""
+        if (quiet := self._quiet_step(offers, others)) is not None:
+            return quiet
         self.steps += 1
         self._expected = None
         if self._ended:
@@ -1421,7 +1431,10 @@ class SpeculationPolicy:
             self._expired, self._why = s, "expired"
             return None
         if self._quiet(s, offers, others):
-            self.credit = self._earned(s.seconds, None, False)  # (no probe can come)
+            if (credit := self._quiet_credit(s, self.steps)) is None:
+                self._why = "probe"
+                return None  # a probe is due: solve this step in full
+            self.credit = credit
             self.reused += 1
             return s
         keys = [o.key for o in offers]
@@ -1521,13 +1534,56 @@ class SpeculationPolicy:
             batch.append(_Group(o.method, row, 1, self._catch_up(o, row) if size > 1 else 0.0))
         s.seconds = self._evaluate(batch, s.sizes, others).seconds
 
+    def _quiet_step(self, offers: list[Offer], others: int) -> dict[str, int] | None:
+        """`choose` for a step its all-auto-regressive decision stands for quietly
+        (`_quiet`), with what it does there and no more (None where the step takes the full
+        path): every request at size 1, the step's exploration credit, its counts. The full
+        path there cost ~6 us a step with the caches a forward leaves (ReDrafter at batch 1,
+        T=1), ~1% of a plain step."""
+        s = self._settled
+        if (
+            s is None
+            or not SHORT_PATHS
+            or s.quiet[0] <= 0
+            or others != s.quiet[1]
+            or len(offers) != len(s.keys)
+            or self._ended
+            or self._runs
+            or self._plain_left > 0
+        ):
+            return None
+        for o, key in zip(offers, s.keys, strict=True):
+            if o.key != key or len(o.sizes) == 1 or (o.left is not None and o.left <= 1):
+                return None  # (`choose` sets these apart before the decision)
+        steps = self.steps + 1
+        if steps - s.step >= s.stands or (credit := self._quiet_credit(s, steps)) is None:
+            return None
+        self.steps, self._expected, self.credit = steps, s.seconds, credit
+        self.reused += 1
+        chosen = self.chosen
+        for o in offers:
+            chosen[(o.method, 1)] += 1
+        s.given = dict.fromkeys(s.keys, 1)
+        return dict(s.given)
+
+    def _quiet_credit(self, s: _Settled, step: int) -> float | None:
+        """The exploration credit after step `step`, which `s` stands for quietly (`_quiet`),
+        or None where a probe comes due at it: `_standing`'s probe check, as it reads there
+        (from `_Settled.quiet`'s step on, a probe can come)."""
+        age = step - s.step
+        loss = s.probe_loss + s.probe_growth * age if step >= s.quiet[0] and s.probe_loss is not None else None
+        credit = self._earned(s.seconds, loss, False)
+        return None if loss is not None and credit >= loss else credit
+
     def _quiet(self, s: _Settled, offers: list[Offer], others: int) -> bool:
-        """Whether `s`, an all-auto-regressive decision, stands for `offers` with none of the
-        checks of `_standing`: they are the requests it last stood for (so their kinds and
-        options: the signature), with the same other requests, before any probe can come due
-        (`_Settled.quiet`). Those checks cost ~10 us a step with the caches a forward leaves
-        (ReDrafter at batch 1, T=1: ~1% of a plain step)."""
-        return not s.drafts and self.steps < s.quiet[0] and others == s.quiet[1] and s.keys == [o.key for o in offers]
+        """Whether `s`, an all-auto-regressive decision, stands for `offers` with only the
+        probe's check of `_standing`: they are the requests it last stood for (so their
+        kinds and options: the signature), with the same other requests (`_Settled.quiet`);
+        no tree is verified while it stands, so no kind's last measurement moves and the
+        step from which a probe can come is known. The other checks cost ~10 us a step with
+        the caches a forward leaves (ReDrafter at batch 1, T=1: ~1% of a plain step); quiet
+        only until a probe could come (`PROBE_EVERY`), 5 of 6 of its steps there ran them."""
+        return s.quiet[0] > 0 and others == s.quiet[1] and s.keys == [o.key for o in offers]
 
     def _earned(self, seconds: float, probe_loss: float | None, drafting: bool) -> float:
         """The exploration credit after a step of `seconds`: it earns `PROBE_SHARE` of them
@@ -1662,6 +1718,7 @@ class SpeculationPolicy:
         a batch-1 warm-up's one timing, scaled per token, priced 32 tokens at ~72 ms, the
         residual of 32 requests came out at -65 ms, every step had a negative price, and
         load-aware sd at batch 32 drafted 5-node chains at 0.8x auto-regression."""
+        self._learn_plain()  # (the host work's table stays)
         self.forward_cost = ForwardCost()
         sizes = sorted({min(n, most) for n in (*CALIBRATION_SIZES, *steps, *(s + 1 for s in steps))})
         best = {}
@@ -1712,6 +1769,9 @@ class SpeculationPolicy:
         fit.add(x, seconds, shape, start_up)
 
     def observe(self, stats: StepStats) -> None:
+        if self._observe_plain(stats):
+            return
+        self._learn_plain()  # (in their order: the tables below are learned at once)
         if not self.adaptive:  # fixed sizes price nothing: learn only what reports read
             self.idle += not stats.outcomes
             self.since_heavy = 0 if stats.prefill or stats.num_tokens > stats.num_requests else self.since_heavy + 1
@@ -1752,6 +1812,50 @@ class SpeculationPolicy:
         if stats.outcomes or stats.drafting:
             self._unlearned.append((stats.outcomes, stats.drafting, self.steps, self.idle))
 
+    def _observe_plain(self, stats: StepStats) -> bool:
+        """`observe` for a plain decoding step while an all-auto-regressive decision stands,
+        with nothing to settle (no probe, none of its aftermath), whose request count was
+        timed before (so it is no first of its shape): its timings wait in `_plain_unlearned`
+        for `learn`, like trees. Learned at once, they cost ~7 us of a batch-1 step with the
+        caches a forward leaves (ReDrafter, T=1); what reads the tables learns first
+        (`_solve`, `_rebase`, `calibrate`). False where the step takes the full path."""
+        s = self._settled
+        r = stats.num_requests
+        if (
+            s is None
+            or not SHORT_PATHS
+            or s.drafts
+            or not self.adaptive
+            or stats.outcomes
+            or stats.drafting
+            or stats.prefill
+            or stats.num_tokens != r
+            or self._bill is not None
+            or self._aftermath
+            or self._plain_probing
+            or r not in self.forward_cost.extra
+        ):
+            return False
+        self.idle += 1
+        self.since_heavy += 1
+        if self._learns_plain(self.since_heavy, r):
+            self._plain_timed[r] = self.steps
+            self._plain_unlearned.append((stats.num_tokens, r, stats.forward_seconds, stats.overhead_seconds))
+        return True
+
+    def _learn_plain(self) -> None:
+        """The plain steps' timings `_observe_plain` kept, into the forward's and host work's
+        tables, in their order, as `observe` learns them."""
+        if not self._plain_unlearned:
+            return
+        steps, self._plain_unlearned = self._plain_unlearned, []
+        for n, requests, seconds, host in steps:
+            self.forward_cost.observe(n, requests, seconds)
+            if host is not None:
+                if self.overhead.timed(requests):
+                    host = min(host, step_costs.SPIKE * self.overhead[requests])
+                self.overhead.add(requests, host)
+
     def learn(self) -> None:
         """Learn the trees and drafting calls of the steps observed since the last call
         (`observe`), in their order, as if each had been learned in its own step: what they
@@ -1762,6 +1866,7 @@ class SpeculationPolicy:
         batch-1 step with the caches a forward leaves (ReDrafter, 2-thread EPYC, recorded
         steps replayed: the policy's choice and learning 200 -> 165 us a step at batch 1,
         365 -> 330 at batch 8); several steps learned together meet warm caches after the first."""
+        self._learn_plain()
         if not self._unlearned:
             return
         steps, self._unlearned = self._unlearned, []

@@ -142,13 +142,17 @@ def run(
     host: bool = True,
     slow_after_trees: float = 1.0,
     solve_ms: float = 0.0,
+    jitter: float = 0.0,
 ) -> tuple[float, list]:
     """Tokens per second over `steps` steps (a list of worlds: one per step), and the sizes
     chosen per step. `host` False: the engine as it was, not reporting its host work.
     `slow_after_trees`: how much slower plain steps run (forward and host work) until
     `SLOW_STEPS` + 1 of them followed the last step with trees (a CPU after heavy GEMMs).
-    `solve_ms`: what a full solve of the policy costs (a step whose decision stood: nothing)."""
+    `solve_ms`: what a full solve of the policy costs (a step whose decision stood: nothing).
+    `jitter`: each step's forward and host work take up to that share more, at random
+    (drawn from their own generator: the trees are those of the same run without)."""
     rng = np.random.default_rng(seed)
+    noise = np.random.default_rng(seed + 1)
     tokens = seconds = 0.0
     history = []
     behind = {o.key: lag.start if lag else 0 for o in offers(batch)}  # tokens each drafter must catch up on
@@ -178,6 +182,8 @@ def run(
         stats.num_tokens, stats.num_requests = sum(1 + WIDTHS[s] * L for s in chosen.values()), batch
         plain_run = 0 if drafted else plain_run + 1
         slow = slow_after_trees if 0 < plain_run <= SLOW_STEPS else 1.0
+        if jitter:
+            slow *= 1.0 + jitter * noise.random()
         stats.forward_seconds = slow * w.forward(stats.num_tokens, batch)
         draft_seconds = w.draft(drafted) + (CATCH_UP_MS * caught_up / 1000 if lag else 0.0)
         if drafted:
@@ -512,6 +518,41 @@ def test_a_negative_residual_is_not_multiplied_by_the_batch() -> None:
     assert p.forward_cost(32, 32) > p.forward_cost(8, 8) > 0
 
 
+@pytest.mark.parametrize("batch", [1, 4])
+def test_the_quiet_steps_short_paths_decide_and_learn_as_the_full_ones(
+    batch: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In the steps an all-auto-regressive decision stands for quietly, `choose` and
+    `observe` take short paths (`_quiet_step`; `_observe_plain`, whose plain steps' timings
+    wait for `learn`). The policy must end exactly as with the full paths in every step: the
+    same choices and probes, and every field the same (as `benchmarks.policy_replay`
+    fingerprints it: tables, estimates, credit, counts), over steps whose timings vary. A
+    variant that dropped the waiting timings, or whose quiet steps earned no credit, fails."""
+    from benchmarks.policy_replay import fingerprint
+
+    fast, full = calibrated(POOR), calibrated(POOR)
+    short = Counter[str]()
+    quiet_step, observe_plain = fast._quiet_step, fast._observe_plain
+
+    def counted_step(offers: list[Offer], others: int) -> dict[str, int] | None:
+        short["choose"] += (chosen := quiet_step(offers, others)) is not None
+        return chosen
+
+    def counted_observe(stats: StepStats) -> bool:
+        short["observe"] += (taken := observe_plain(stats))
+        return taken
+
+    fast._quiet_step, fast._observe_plain = counted_step, counted_observe  # type: ignore[method-assign]
+    worlds = [POOR] * 300 + [GOOD] * 100
+    _, quick = run(fast, worlds, batch=batch, steps=400, jitter=0.5)
+    monkeypatch.setattr(speculation_policy, "SHORT_PATHS", False)
+    _, slow = run(full, worlds, batch=batch, steps=400, jitter=0.5)
+    assert short["choose"] > 150 and short["observe"] > 150, short
+    assert quick == slow and fast.probes == full.probes > 0 and fast.reused == full.reused
+    del fast._quiet_step, fast._observe_plain
+    assert fingerprint(fast) == fingerprint(full)
+
+
 def test_a_settled_decision_is_reused_and_changes_no_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     """While drafting does not pay, the all-auto-regressive decision stands for a few steps
     instead of being solved again every step (its cost is what a step without drafting pays
@@ -519,21 +560,21 @@ def test_a_settled_decision_is_reused_and_changes_no_choice(monkeypatch: pytest.
     probes included, and a new request or new evidence must end it (a request nearing its
     `max_tokens` does not: its trees are only worth less)."""
     monkeypatch.setattr(speculation_policy, "DRAFTING_STANDS", 0)  # decisions that draft: the next test
-    quiet, lanes = SpeculationPolicy._quiet, Counter[bool]()
+    quiet, lanes = SpeculationPolicy._quiet_credit, Counter[bool]()
 
-    def counted(self: SpeculationPolicy, s: speculation_policy._Settled, offers: list[Offer], others: int) -> bool:
-        lanes[answer := quiet(self, s, offers, others)] += 1
+    def counted(self: SpeculationPolicy, s: speculation_policy._Settled, step: int) -> float | None:
+        lanes[(answer := quiet(self, s, step)) is not None] += 1
         return answer
 
-    monkeypatch.setattr(SpeculationPolicy, "_quiet", counted)
+    monkeypatch.setattr(SpeculationPolicy, "_quiet_credit", counted)
     p = calibrated(POOR)
     _, history = run(p, [POOR] * 400 + [GOOD] * 200, batch=1, steps=600)
     assert lanes[True] > 200  # most of its steps stood without the checks (`_quiet`)
-    monkeypatch.setattr(  # the quiet stretch not ended by a probe coming due: it must choose otherwise
-        SpeculationPolicy, "_quiet", lambda self, s, offers, others: not s.drafts and s.quiet[0] > 0
+    monkeypatch.setattr(  # a quiet stretch no probe coming due ends: it must choose otherwise
+        SpeculationPolicy, "_quiet_credit", lambda self, s, step: self._earned(s.seconds, None, False)
     )
     _, unchecked = run(calibrated(POOR), [POOR] * 400 + [GOOD] * 200, batch=1, steps=600)
-    monkeypatch.setattr(SpeculationPolicy, "_quiet", quiet)
+    monkeypatch.setattr(SpeculationPolicy, "_quiet_credit", quiet)
     monkeypatch.setattr(speculation_policy, "RECHOOSE_EVERY", 0)
     q = calibrated(POOR)
     _, solved = run(q, [POOR] * 400 + [GOOD] * 200, batch=1, steps=600)
