@@ -377,6 +377,9 @@ SHORT_PATHS = True
 """Steps an all-auto-regressive decision stands for quietly take `choose`'s and `observe`'s
 short paths (`_quiet_step`, `_observe_plain`): the same decisions and tables, less host work.
 False: every step takes the full paths (what tests and `benchmarks.lockstep` compare against)."""
+PLAIN_UNLEARNED_MOST = 256
+"""Most plain steps whose timings wait to be learned (`_observe_plain`): an engine serving
+only auto-regressive requests solves nothing that would learn them."""
 SOLVE_CAUSES = {
     "unsettled": "the solve before settled no decision (a first choice to draft, a probe, a plain probe's run)",
     "tree": "a tree of a size the decision did not give (a probe's) ended it",
@@ -1813,18 +1816,19 @@ class SpeculationPolicy:
             self._unlearned.append((stats.outcomes, stats.drafting, self.steps, self.idle))
 
     def _observe_plain(self, stats: StepStats) -> bool:
-        """`observe` for a plain decoding step while an all-auto-regressive decision stands,
-        with nothing to settle (no probe, none of its aftermath), whose request count was
-        timed before (so it is no first of its shape): its timings wait in `_plain_unlearned`
-        for `learn`, like trees. Learned at once, they cost ~7 us of a batch-1 step with the
-        caches a forward leaves (ReDrafter, T=1); what reads the tables learns first
+        """`observe` for a plain decoding step (an all-auto-regressive decision's, or of
+        requests none of which had a size to choose) with nothing to settle (no trees a
+        decision expects, no probe, none of its aftermath) whose request count was timed
+        before (so it is no first of its shape): its timings wait in `_plain_unlearned` for
+        `learn`, like trees (`PLAIN_UNLEARNED_MOST` at most). Learned at once, they cost ~7 us
+        of a batch-1 step with the caches a forward leaves (ReDrafter, T=1), and an
+        auto-regressive engine's whole `observe` ~17 us; what reads the tables learns first
         (`_solve`, `_rebase`, `calibrate`). False where the step takes the full path."""
         s = self._settled
         r = stats.num_requests
         if (
-            s is None
-            or not SHORT_PATHS
-            or s.drafts
+            not SHORT_PATHS
+            or (s is not None and s.expecting is not None)
             or not self.adaptive
             or stats.outcomes
             or stats.drafting
@@ -1841,6 +1845,8 @@ class SpeculationPolicy:
         if self._learns_plain(self.since_heavy, r):
             self._plain_timed[r] = self.steps
             self._plain_unlearned.append((stats.num_tokens, r, stats.forward_seconds, stats.overhead_seconds))
+            if len(self._plain_unlearned) >= PLAIN_UNLEARNED_MOST:
+                self._learn_plain()
         return True
 
     def _learn_plain(self) -> None:

@@ -553,6 +553,52 @@ def test_the_quiet_steps_short_paths_decide_and_learn_as_the_full_ones(
     assert fingerprint(fast) == fingerprint(full)
 
 
+def test_auto_regressive_steps_learn_later_as_they_would_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine serving auto-regressive requests only chooses nothing, and its steps'
+    timings wait to be learned (`_observe_plain`, at most `PLAIN_UNLEARNED_MOST`); when a
+    request that drafts comes, the policy must price it as if it had learned every one at
+    once: the same choices, and every field the same (`benchmarks.policy_replay`'s
+    fingerprint), over 600 auto-regressive steps of varying timings and then 200 steps of
+    two requests that may draft."""
+    from benchmarks.policy_replay import fingerprint
+
+    def drive(p: SpeculationPolicy) -> list[list[int]]:
+        noise, longest, history = np.random.default_rng(3), 0, []
+        for t in range(800):
+            ar = t < 600
+            batch = [Offer(f"a{t // 64}", ("ar", True), "ar", (1,), (0,))] if ar else offers(2)
+            chosen = p.choose(batch)
+            n = sum(1 + WIDTHS[size] * L for size in chosen.values())
+            slow = 1.0 + 0.5 * noise.random()
+            stats = StepStats(n, slow * GOOD.forward(n, len(batch)), num_requests=len(batch))
+            stats.overhead_seconds = slow * GOOD.host(0)
+            for key, size in chosen.items():
+                if size > 1:
+                    stats.outcomes.append(outcome(key, size, noise, GOOD.alpha))
+                    stats.drafting["redrafter"] = (L, WIDTHS[size] * L, 0, L, GOOD.draft(WIDTHS[size] * L))
+            p.observe(stats)
+            longest = max(longest, len(p._plain_unlearned))
+            history.append(sorted(chosen.values()))
+        assert longest <= speculation_policy.PLAIN_UNLEARNED_MOST
+        return history
+
+    fast, short = calibrated(GOOD), Counter[bool]()
+    observe_plain = fast._observe_plain
+
+    def counted(stats: StepStats) -> bool:
+        short[taken := observe_plain(stats)] += 1
+        return taken
+
+    fast._observe_plain = counted  # type: ignore[method-assign]
+    quick = drive(fast)
+    del fast._observe_plain
+    assert short[True] > 550, short  # nearly every auto-regressive step
+    monkeypatch.setattr(speculation_policy, "SHORT_PATHS", False)
+    full = calibrated(GOOD)
+    assert drive(full) == quick and max(map(max, quick)) > 1  # the requests that may draft do
+    assert fingerprint(fast) == fingerprint(full)
+
+
 def test_a_settled_decision_is_reused_and_changes_no_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     """While drafting does not pay, the all-auto-regressive decision stands for a few steps
     instead of being solved again every step (its cost is what a step without drafting pays
@@ -1653,6 +1699,7 @@ def test_plain_steps_right_after_a_prefill_teach_no_price(monkeypatch: pytest.Mo
             slow = 2.0 if t < 4 else 1.0
             forward = slow * world.forward(tokens, requests)
             p.observe(StepStats(tokens, forward, num_requests=requests, overhead_seconds=slow * world.host(0)))
+        p.learn()  # (plain steps' timings wait for it: `_observe_plain`)
         return p
 
     def plain_price(p: SpeculationPolicy, requests: int) -> float:
@@ -1867,14 +1914,17 @@ def test_one_slow_step_moves_a_price_timed_often_by_little(trees: bool) -> None:
     p = calibrated(World(a=1.0, b=0.05, c=1.0, d=0.1, alpha=0.5))
     for _ in range(10):
         p.observe(step(usual, 0.0005))
+    p.learn()  # (plain steps' timings wait for it: `_observe_plain`)
     plain, host = p.forward_cost(n, 8), p.overhead_of(8, trees)
     assert plain == pytest.approx(usual) and host == pytest.approx(0.0005)
     p.observe(step(3 * usual, 0.0015))  # one slow step: 3x
+    p.learn()
     rise = step_costs.FORWARD_EMA * (step_costs.SPIKE - 1)
     assert p.forward_cost(n, 8) == pytest.approx(plain * (1 + rise))
     assert p.overhead_of(8, trees) == pytest.approx(host * (1 + rise))
     for _ in range(10):  # a slowdown that lasts
         p.observe(step(3 * usual, 0.0015))
+    p.learn()
     assert p.forward_cost(n, 8) > 2 * plain and p.overhead_of(8, trees) > 2 * host
 
 
