@@ -374,9 +374,10 @@ while acceptance falls, each solve expects a little less than the last, its tree
 less still, and doubled stands left synthetic batch-1 runs drafting ~5 steps longer
 before they went auto-regressive (`STAND_Z` alone; 2 standard deviations then)."""
 SHORT_PATHS = True
-"""Steps an all-auto-regressive decision stands for quietly take `choose`'s and `observe`'s
-short paths (`_quiet_step`, `_observe_plain`): the same decisions and tables, less host work.
-False: every step takes the full paths (what tests and `benchmarks.lockstep` compare against)."""
+"""Steps an all-auto-regressive decision stands for quietly take `choose`'s short path
+(`_quiet_step`), and plain steps with nothing to settle `observe`'s (`_observe_plain`): the
+same decisions and tables, less host work. False: every step takes the full paths (what
+tests and `benchmarks.lockstep` compare against)."""
 PLAIN_UNLEARNED_MOST = 256
 """Most plain steps whose timings wait to be learned (`_observe_plain`): an engine serving
 only auto-regressive requests solves nothing that would learn them."""
@@ -804,9 +805,9 @@ class SpeculationPolicy:
     (`learn`): (verified trees, drafting calls, the step, the `idle` clock then; the
     engine builds each step's lists and trees anew, so they are kept as they are)."""
     _plain_unlearned: list[tuple[int, int, float, float | None]] = field(default_factory=list)
-    """Plain steps observed while an all-auto-regressive decision stood whose timings are
-    not learned yet, in their order (`learn`): (tokens, requests, forward seconds, host
-    seconds) of each (`_observe_plain`)."""
+    """Plain steps observed with nothing to settle (`_observe_plain`) whose timings are not
+    learned yet, in their order (`learn`): (tokens, requests, forward seconds, host seconds)
+    of each."""
     _prices: dict[tuple[int, float, bool], float] | None = None
     """While a full solve runs: (requests, nodes, whether trees) -> seconds of such a step's
     host work and forward (`_evaluate`; the costs do not move within a solve, and its
@@ -1540,9 +1541,10 @@ class SpeculationPolicy:
     def _quiet_step(self, offers: list[Offer], others: int) -> dict[str, int] | None:
         """`choose` for a step its all-auto-regressive decision stands for quietly
         (`_quiet`), with what it does there and no more (None where the step takes the full
-        path): every request at size 1, the step's exploration credit, its counts. The full
-        path there cost ~6 us a step with the caches a forward leaves (ReDrafter at batch 1,
-        T=1), ~1% of a plain step."""
+        path): every request at size 1, the step's exploration credit, its counts. Through
+        the full path (`_standing`) a standing step's choice took 26-28 us with the caches a
+        forward leaves, 19-23 this way (recorded calls replayed, ReDrafter and Lyanna at
+        batch 1, T=1; ~6 us in the engine, where AR's choice takes ~1.5)."""
         s = self._settled
         if (
             s is None
@@ -1583,9 +1585,10 @@ class SpeculationPolicy:
         probe's check of `_standing`: they are the requests it last stood for (so their
         kinds and options: the signature), with the same other requests (`_Settled.quiet`);
         no tree is verified while it stands, so no kind's last measurement moves and the
-        step from which a probe can come is known. The other checks cost ~10 us a step with
-        the caches a forward leaves (ReDrafter at batch 1, T=1: ~1% of a plain step); quiet
-        only until a probe could come (`PROBE_EVERY`), 5 of 6 of its steps there ran them."""
+        step from which a probe can come is known. The other checks cost ~3 us a step more
+        in the engine (ReDrafter at batch 1, T=1); while a decision was quiet only until a
+        probe could come (`PROBE_EVERY` after its kind's last measurement), 1549 of its 2005
+        steps there ran them."""
         return s.quiet[0] > 0 and others == s.quiet[1] and s.keys == [o.key for o in offers]
 
     def _earned(self, seconds: float, probe_loss: float | None, drafting: bool) -> float:
