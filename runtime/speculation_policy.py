@@ -1434,8 +1434,8 @@ class SpeculationPolicy:
         if age >= s.stands:
             self._expired, self._why = s, "expired"
             return None
-        if self._quiet(s, offers, others):
-            if (credit := self._quiet_credit(s, self.steps)) is None:
+        if self._quiet(s, offers, others):  # (no kind is measured while it stands: `_Settled.quiet`)
+            if (credit := self._stand_credit(s, age, self.steps >= s.quiet[0])) is None:
                 self._why = "probe"
                 return None  # a probe is due: solve this step in full
             self.credit = credit
@@ -1468,9 +1468,7 @@ class SpeculationPolicy:
             return None
         stale = self.steps - PROBE_EVERY
         can_probe = any(self._measured.get(o.kind, -1) <= stale for o in offers)
-        loss = s.probe_loss + s.probe_growth * age if can_probe and s.probe_loss is not None else None
-        credit = self._earned(s.seconds, loss, s.drafts)
-        if loss is not None and credit >= loss:
+        if (credit := self._stand_credit(s, age, can_probe)) is None:
             self._why = "probe"
             return None  # a probe is due: solve this step in full
         if replaced:
@@ -1557,11 +1555,14 @@ class SpeculationPolicy:
             or self._plain_left > 0
         ):
             return None
+        # `_quiet`'s test and `give`'s dict in one loop: through them (a list of keys, a
+        # generator) a standing step's choice took ~2.7 us more, cold (replayed as above)
         for o, key in zip(offers, s.keys, strict=True):
             if o.key != key or len(o.sizes) == 1 or (o.left is not None and o.left <= 1):
                 return None  # (`choose` sets these apart before the decision)
         steps = self.steps + 1
-        if steps - s.step >= s.stands or (credit := self._quiet_credit(s, steps)) is None:
+        age = steps - s.step
+        if age >= s.stands or (credit := self._stand_credit(s, age, steps >= s.quiet[0])) is None:
             return None
         self.steps, self._expected, self.credit = steps, s.seconds, credit
         self.reused += 1
@@ -1571,13 +1572,12 @@ class SpeculationPolicy:
         s.given = dict.fromkeys(s.keys, 1)
         return dict(s.given)
 
-    def _quiet_credit(self, s: _Settled, step: int) -> float | None:
-        """The exploration credit after step `step`, which `s` stands for quietly (`_quiet`),
-        or None where a probe comes due at it: `_standing`'s probe check, as it reads there
-        (from `_Settled.quiet`'s step on, a probe can come)."""
-        age = step - s.step
-        loss = s.probe_loss + s.probe_growth * age if step >= s.quiet[0] and s.probe_loss is not None else None
-        credit = self._earned(s.seconds, loss, False)
+    def _stand_credit(self, s: _Settled, age: int, can_probe: bool) -> float | None:
+        """The exploration credit after a step `s` stands for, `age` steps after it was made,
+        or None where a probe comes due at it (`can_probe`: some kind of its requests was
+        last measured `PROBE_EVERY` steps ago or more)."""
+        loss = s.probe_loss + s.probe_growth * age if can_probe and s.probe_loss is not None else None
+        credit = self._earned(s.seconds, loss, s.drafts)
         return None if loss is not None and credit >= loss else credit
 
     def _quiet(self, s: _Settled, offers: list[Offer], others: int) -> bool:
@@ -1799,17 +1799,13 @@ class SpeculationPolicy:
         if not stats.prefill and (trees or self._learns_plain(self.since_heavy, stats.num_requests)):
             if not trees:
                 self._plain_timed[stats.num_requests] = self.steps
-            if self.forward_cost.observe(stats.num_tokens, stats.num_requests, stats.forward_seconds, probe):
+            timing = (stats.num_tokens, stats.num_requests, stats.forward_seconds, stats.overhead_seconds)
+            if self._learn_timing(*timing, probe):
                 # a first step of its shape at this count: the decision priced it by
                 # extrapolation (a first auto-regressive step of 8 requests at 5.1 ms where it
                 # took ~7; standing 16 steps on it, sd at T=1 stayed auto-regressive where
                 # chains ran ~10% faster)
                 self._settled, self._unsettled = None, "shape"
-            if stats.overhead_seconds is not None:
-                table, host = self.overhead_trees if trees else self.overhead, stats.overhead_seconds
-                if table.timed(stats.num_requests):
-                    host = min(host, step_costs.SPIKE * table[stats.num_requests])
-                table.add(stats.num_requests, host, probe)
         for o in stats.outcomes:  # what a standing decision reads (`_standing`): learned at once
             if o.size == o.sizes[-1]:
                 self._measured[o.key] = self._measured[o.kind] = self.steps
@@ -1858,12 +1854,21 @@ class SpeculationPolicy:
         if not self._plain_unlearned:
             return
         steps, self._plain_unlearned = self._plain_unlearned, []
-        for n, requests, seconds, host in steps:
-            self.forward_cost.observe(n, requests, seconds)
-            if host is not None:
-                if self.overhead.timed(requests):
-                    host = min(host, step_costs.SPIKE * self.overhead[requests])
-                self.overhead.add(requests, host)
+        for timing in steps:
+            self._learn_timing(*timing)
+
+    def _learn_timing(self, n: int, requests: int, seconds: float, host: float | None, probe: bool = False) -> bool:
+        """A step's forward (`n` tokens of `requests` requests) and host work (None: not
+        measured) into their tables, trees' apart (the host work capped at `SPIKE` times its
+        price once timed); whether it was the first of its shape at this count
+        (`ForwardCost.observe`)."""
+        first = self.forward_cost.observe(n, requests, seconds, probe)
+        if host is not None:
+            table = self.overhead_trees if n > requests else self.overhead
+            if table.timed(requests):
+                host = min(host, step_costs.SPIKE * table[requests])
+            table.add(requests, host, probe)
+        return first
 
     def learn(self) -> None:
         """Learn the trees and drafting calls of the steps observed since the last call

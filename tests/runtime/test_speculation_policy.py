@@ -606,21 +606,23 @@ def test_a_settled_decision_is_reused_and_changes_no_choice(monkeypatch: pytest.
     probes included, and a new request or new evidence must end it (a request nearing its
     `max_tokens` does not: its trees are only worth less)."""
     monkeypatch.setattr(speculation_policy, "DRAFTING_STANDS", 0)  # decisions that draft: the next test
-    quiet, lanes = SpeculationPolicy._quiet_credit, Counter[bool]()
+    quiet, lanes = SpeculationPolicy._quiet_step, Counter[bool]()
 
-    def counted(self: SpeculationPolicy, s: speculation_policy._Settled, step: int) -> float | None:
-        lanes[(answer := quiet(self, s, step)) is not None] += 1
+    def counted(self: SpeculationPolicy, offers: list[Offer], others: int) -> dict[str, int] | None:
+        lanes[(answer := quiet(self, offers, others)) is not None] += 1
         return answer
 
-    monkeypatch.setattr(SpeculationPolicy, "_quiet_credit", counted)
+    monkeypatch.setattr(SpeculationPolicy, "_quiet_step", counted)
     p = calibrated(POOR)
     _, history = run(p, [POOR] * 400 + [GOOD] * 200, batch=1, steps=600)
-    assert lanes[True] > 200  # most of its steps stood without the checks (`_quiet`)
-    monkeypatch.setattr(  # a quiet stretch no probe coming due ends: it must choose otherwise
-        SpeculationPolicy, "_quiet_credit", lambda self, s, step: self._earned(s.seconds, None, False)
+    assert lanes[True] > 200  # most of its steps stood without the checks (`_quiet`, `_quiet_step`)
+    monkeypatch.setattr(SpeculationPolicy, "_quiet_step", quiet)
+    credit = SpeculationPolicy._stand_credit
+    monkeypatch.setattr(  # no probe ever comes due while a decision stands: it must choose otherwise
+        SpeculationPolicy, "_stand_credit", lambda self, s, age, can_probe: credit(self, s, age, False)
     )
     _, unchecked = run(calibrated(POOR), [POOR] * 400 + [GOOD] * 200, batch=1, steps=600)
-    monkeypatch.setattr(SpeculationPolicy, "_quiet_credit", quiet)
+    monkeypatch.setattr(SpeculationPolicy, "_stand_credit", credit)
     monkeypatch.setattr(speculation_policy, "RECHOOSE_EVERY", 0)
     q = calibrated(POOR)
     _, solved = run(q, [POOR] * 400 + [GOOD] * 200, batch=1, steps=600)
