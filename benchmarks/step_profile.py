@@ -9,19 +9,25 @@ user gets (load-aware speculation).
 Each (method, batch) decodes `batch` held-out prompts for `--max-tokens` tokens (EOS
 ignored) after a warm-up, twice; the faster run is reported (the phases of that run). On a
 GPU the device is synchronised at every phase (`RuntimeConfig.profile`), so kernels are
-charged to the phase that launched them. Writes `<out>.json` and `<out>.md`.
+charged to the phase that launched them. Its steps are also split by kind, as in
+`benchmarks.lockstep` (prefill: the forward held prompt chunks; drafting: some request
+verified a tree; plain: neither), with milliseconds a step in each phase: the row's mean
+mixes them, and at batch 8-32 the prefill steps (24-30 ms each) take a third to a half of
+a short run's time, a speculative method's more than AR's (session 37: ReDrafter at batch
+8 43% against 34%). Writes `<out>.json` and `<out>.md`.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
+from benchmarks.lockstep import STEP_KINDS, StepPhases, by_kind, counters, step_kind
 from benchmarks.report import Cell, command, machine, write_report
 from benchmarks.timing import sampling_params, synchronize, warm_up
 from runtime.config import RuntimeConfig
@@ -88,6 +94,9 @@ class Row(Cell):  # engine: one of `ENGINES`
     """The same over steady no-draft steps (`StepClock.steady_steps`: more than
     `AFTER_PREFILL` steps after one that prefilled or verified trees), None if none."""
     steady_steps: int = 0
+    kinds: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Its steps by kind (`STEP_KINDS`, `lockstep.by_kind`): steps, share of the step time,
+    milliseconds a step in all and in each phase."""
 
 
 def profile(
@@ -98,11 +107,18 @@ def profile(
         llm.clock.reset()
         llm.policy.chosen.clear()
         params = sampling_params(len(prompts), max_tokens, temperature)
+        kinds: dict[str, StepPhases] = {}
         synchronize(llm.engine.device)
         start = time.perf_counter()
-        results = llm.generate(prompts, params, method)
+        requests = [llm.add_request(p, sp, method) for p, sp in zip(prompts, params, strict=True)]
+        while llm.has_unfinished():
+            before = counters(llm)
+            llm.step()
+            if (kind := step_kind(llm, before)) is not None:
+                kinds.setdefault(kind, StepPhases()).add(llm.clock.step)
         synchronize(llm.engine.device)
         seconds = time.perf_counter() - start
+        results = [q.result for q in requests]
         steps = llm.clock.steps
         sizes: dict[int, int] = {}
         for (_, size), n in sorted(llm.policy.chosen.items()):
@@ -122,6 +138,7 @@ def profile(
             plain_steps=llm.clock.plain_steps,
             steady_ms=llm.clock.steady_ms(),
             steady_steps=llm.clock.steady_steps,
+            kinds=by_kind(kinds),
         )
         if best is None or row.tokens_per_s > best.tokens_per_s:
             best = row
@@ -163,6 +180,25 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
             f"| {name} | {r.batch} | {r.temperature:g} | {r.ms_per_step:.2f} | {phases} | {r.tau:.2f} "
             f"| {r.tokens_per_s:.0f} | {ratio} | {plain} | {plain_ratio} | {steady} | {sizes} |"
         )
+    lines += [
+        "",
+        "## By kind of step",
+        "",
+        "Each row's steps by kind (" + ", ".join(STEP_KINDS) + ": the forward held prompt chunks; some request "
+        "verified a tree; neither), their share of its step time, and milliseconds a step in all and in each "
+        "phase: the decoding steps' phases without the prefill's.",
+        "",
+        "| method | batch | T | kind | steps | share | ms a step | " + " | ".join(PHASES) + " |",
+        "|---|---|---|---|---|---|---|" + "---|" * len(PHASES),
+    ]
+    for r in rows:
+        name = r.method if r.method != "ar" else f"ar ({Path(r.engine).name})"
+        for kind, k in r.kinds.items():
+            phases = " | ".join(f"{k['phases_ms'][p]:.3f}" for p in PHASES)
+            lines.append(
+                f"| {name} | {r.batch} | {r.temperature:g} | {kind} | {k['steps']} | {k['share']:.1%} "
+                f"| {k['ms']:.3f} | {phases} |"
+            )
     return "\n".join(lines) + "\n"
 
 
