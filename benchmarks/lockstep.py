@@ -361,14 +361,26 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
         "verified a tree), plain (neither); their share of its step time, and milliseconds a step in all and in "
         "each phase (lockstep's: each engine meets the caches the others left).",
         "",
-        "| configuration | kind | steps | share | ms a step | " + " | ".join(PHASES) + " |",
-        "|---|---|---|---|---|" + "---|" * len(PHASES),
+        *kinds_table(["configuration"], [([f"`{r.config}`"], r.kinds) for r in rows]),
     ]
-    for r in rows:
-        for kind, k in r.kinds.items():
-            phases = " | ".join(f"{k['phases_ms'][p]:.3f}" for p in PHASES)
-            lines.append(f"| `{r.config}` | {kind} | {k['steps']} | {k['share']:.1%} | {k['ms']:.3f} | {phases} |")
     return "\n".join(lines) + "\n"
+
+
+def kinds_table(leading: list[str], rows: list[tuple[list[str], dict[str, dict[str, Any]]]]) -> list[str]:
+    """Markdown lines of steps by kind (`by_kind`): a header of the `leading` columns, then
+    kind, steps, share, milliseconds a step in all and in each phase; a line per kind of
+    each row, after its leading cells."""
+    lines = [
+        "| " + " | ".join(leading) + " | kind | steps | share | ms a step | " + " | ".join(PHASES) + " |",
+        "|" + "---|" * (len(leading) + 4 + len(PHASES)),
+    ]
+    for cells, kinds in rows:
+        for kind, k in kinds.items():
+            phases = " | ".join(f"{k['phases_ms'][p]:.3f}" for p in PHASES)
+            lines.append(
+                "| " + " | ".join(cells) + f" | {kind} | {k['steps']} | {k['share']:.1%} | {k['ms']:.3f} | {phases} |"
+            )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:

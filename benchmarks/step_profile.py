@@ -27,7 +27,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from benchmarks.lockstep import STEP_KINDS, StepPhases, by_kind, counters, step_kind
+from benchmarks.lockstep import STEP_KINDS, StepPhases, by_kind, counters, kinds_table, step_kind
 from benchmarks.report import Cell, command, machine, write_report
 from benchmarks.timing import sampling_params, synchronize, warm_up
 from runtime.config import RuntimeConfig
@@ -175,7 +175,7 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
             steady = f"{r.steady_ms / base.steady_ms:.3f} ({r.steady_steps})"
         sizes = ", ".join(f"{s}: {n}" for s, n in r.sizes.items())
         phases = " | ".join(f"{r.phases_ms[p]:.2f}" for p in PHASES)
-        name = r.method if r.method != "ar" else f"ar ({Path(r.engine).name})"
+        name = _name(r)
         lines.append(
             f"| {name} | {r.batch} | {r.temperature:g} | {r.ms_per_step:.2f} | {phases} | {r.tau:.2f} "
             f"| {r.tokens_per_s:.0f} | {ratio} | {plain} | {plain_ratio} | {steady} | {sizes} |"
@@ -188,18 +188,16 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
         "verified a tree; neither), their share of its step time, and milliseconds a step in all and in each "
         "phase: the decoding steps' phases without the prefill's.",
         "",
-        "| method | batch | T | kind | steps | share | ms a step | " + " | ".join(PHASES) + " |",
-        "|---|---|---|---|---|---|---|" + "---|" * len(PHASES),
+        *kinds_table(
+            ["method", "batch", "T"], [([_name(r), str(r.batch), f"{r.temperature:g}"], r.kinds) for r in rows]
+        ),
     ]
-    for r in rows:
-        name = r.method if r.method != "ar" else f"ar ({Path(r.engine).name})"
-        for kind, k in r.kinds.items():
-            phases = " | ".join(f"{k['phases_ms'][p]:.3f}" for p in PHASES)
-            lines.append(
-                f"| {name} | {r.batch} | {r.temperature:g} | {kind} | {k['steps']} | {k['share']:.1%} "
-                f"| {k['ms']:.3f} | {phases} |"
-            )
     return "\n".join(lines) + "\n"
+
+
+def _name(row: Row) -> str:
+    """A row's method as its tables name it (AR with its engine: each engine's methods have their own)."""
+    return row.method if row.method != "ar" else f"ar ({Path(row.engine).name})"
 
 
 def main(argv: list[str] | None = None) -> None:
