@@ -6,7 +6,9 @@ the compiler flags, torch's version, this CPU's instruction sets (the build uses
 `-march=native`) and the ninja that builds them, and registers their ops
 (`torch.ops.specpipe_cpu.*`). A build takes ~10 s on 16 cores, ~75 s on 2, once per
 machine; later processes load the cached library in well under a second. `make setup`
-builds it (`python -m plugins.cpu_kernels`).
+builds it (`python -m plugins.cpu_kernels`). Processes build or load one at a time (an
+`flock` on `GUARD`), and a lock torch's builder left behind when a build was killed is
+removed, not waited on (`_unlocked`).
 
 Each kernel has a plain-torch reference it is tested against, and the ops fall back to
 it where the kernel does not apply (another dtype or head size) or cannot be built: with
@@ -16,6 +18,7 @@ turns the kernels off (same outputs up to fp32 rounding; for A/B timings).
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import os
@@ -55,6 +58,9 @@ HEADERS = [
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
 """-fopenmp: `at::parallel_for` runs on the OpenMP runtime torch has loaded (libgomp)."""
 ENV = "SPECPIPE_CPU_KERNELS"
+GUARD = "build.flock"
+"""File in the build directory whose `flock` a process holds while it builds or loads the
+kernels there (`_unlocked`); the kernel drops it when the process dies, however it dies."""
 
 
 def _cpu_signature() -> str:
@@ -109,15 +115,18 @@ def load() -> bool:
     directory = build_directory()  # puts the venv's ninja first on PATH
     directory.mkdir(parents=True, exist_ok=True)
     try:
-        cpp_extension.load(
-            name="specpipe_cpu_kernels",
-            sources=[str(s) for s in SOURCES],
-            extra_cflags=CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(directory),
-            is_python_module=False,
-            verbose=False,
-        )
+        with open(directory / GUARD, "w") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)  # (released when the file closes, or the process dies)
+            _unlocked(directory)
+            cpp_extension.load(
+                name="specpipe_cpu_kernels",
+                sources=[str(s) for s in SOURCES],
+                extra_cflags=CFLAGS,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
+                is_python_module=False,
+                verbose=False,
+            )
     except (RuntimeError, OSError, ImportError) as e:
         lines = str(e).splitlines() or [repr(e)]
         reason = next((line.strip() for line in lines if "error" in line.lower() and ".cpp" in line), lines[-1])
@@ -130,6 +139,19 @@ def load() -> bool:
         )
         return False
     return True
+
+
+def _unlocked(directory: Path) -> None:
+    """Remove a `lock` that torch's extension builder left in `directory`, where the caller
+    holds the `GUARD` flock (so no process of ours is building there). Torch creates it for
+    every load, built or not, and deletes it after; a process killed in between (SIGKILL or
+    SIGTERM: a cancelled CI job, a `kill` of a stuck build) leaves it, and every later load
+    waited on it forever, asleep (`FileBaton.wait`: session 37, `make demo` in a fresh clone
+    hung so)."""
+    lock = directory / "lock"
+    if lock.exists():
+        lock.unlink(missing_ok=True)
+        print(f"specpipe: removed a stale build lock {lock} (a kernel build was interrupted)", file=sys.stderr)
 
 
 def load_with_fake(op: str, fake: Callable[..., Any]) -> bool:

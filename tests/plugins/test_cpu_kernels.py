@@ -4,6 +4,7 @@ venv's bin/ first) loads the cached library and builds nothing."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -35,3 +36,24 @@ def test_a_process_with_another_ninja_first_on_path_builds_nothing() -> None:
     for path in (os.pathsep.join(others), os.pathsep.join([venv_bin, *others])):
         assert in_subprocess(path) == [str(cpu_kernels.build_directory()), cpu_kernels.use_pinned_ninja()]
     assert library.stat().st_mtime_ns == built, "a process with another PATH rebuilt the kernels"
+
+
+@pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ CPU kernels cannot be built here")
+def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_load() -> None:
+    """Torch's extension builder takes a `lock` file for every load and deletes it after: a
+    process killed in between left it, and every later process slept on it forever at its
+    first kernel (a fresh clone's `make demo` hung so). Under the build directory's flock,
+    which no live process of ours holds, such a lock is stale and goes."""
+    directory = cpu_kernels.build_directory()
+    library = directory / LIBRARY
+    built = library.stat().st_mtime_ns
+    with open(directory / cpu_kernels.GUARD, "w") as guard:  # (no other process of ours loads meanwhile)
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        (directory / "lock").touch()
+    path = os.environ.get("PATH", "")
+    code = "from plugins import cpu_kernels as k; assert k.load()"
+    env = os.environ | {"PATH": path, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert not (directory / "lock").exists()
+    assert library.stat().st_mtime_ns == built, "the load rebuilt the kernels"
