@@ -188,6 +188,13 @@ def step_kind(llm: LLMEngine, step: tuple[int, int, int]) -> str | None:
     return "plain" if now_plain > plain else "drafting"
 
 
+def tally(kinds: dict[str, StepPhases], llm: LLMEngine, before: tuple[int, int, int]) -> None:
+    """The step `llm` just took into `kinds`, by its kind (`step_kind`; `before`: `counters(llm)`
+    before it); nothing for a step that ran no forward."""
+    if (kind := step_kind(llm, before)) is not None:
+        kinds.setdefault(kind, StepPhases()).add(llm.clock.step)
+
+
 def counters(llm: LLMEngine) -> tuple[int, int, int]:
     """(prefilling steps, decoding steps, plain steps) so far on `llm`'s clock."""
     kinds = llm.clock.kinds
@@ -272,8 +279,8 @@ def lockstep(
                 start = time.perf_counter()
                 llm.step()
                 seconds[k][r] += time.perf_counter() - start
-            if kinds is not None and (kind := step_kind(llm, before)) is not None:
-                kinds.setdefault(k, {}).setdefault(kind, StepPhases()).add(llm.clock.step)
+            if kinds is not None:
+                tally(kinds.setdefault(k, {}), llm, before)
         for k in keys:
             tokens[k][r] = sum(len(q.result.output_ids) for q in requests[k])
             outputs[k] += [q.result.output_ids for q in requests[k]]

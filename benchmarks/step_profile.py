@@ -27,7 +27,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from benchmarks.lockstep import STEP_KINDS, StepPhases, by_kind, counters, kinds_table, step_kind
+from benchmarks.lockstep import STEP_KINDS, StepPhases, by_kind, counters, kinds_table, tally
 from benchmarks.report import Cell, command, machine, write_report
 from benchmarks.timing import sampling_params, synchronize, warm_up
 from runtime.config import RuntimeConfig
@@ -114,8 +114,7 @@ def profile(
         while llm.has_unfinished():
             before = counters(llm)
             llm.step()
-            if (kind := step_kind(llm, before)) is not None:
-                kinds.setdefault(kind, StepPhases()).add(llm.clock.step)
+            tally(kinds, llm, before)
         synchronize(llm.engine.device)
         seconds = time.perf_counter() - start
         results = [q.result for q in requests]
