@@ -21,11 +21,20 @@ after another meets the caches it warmed: the drafter's weights, shared), so the
 rotates by round and reverses every other cycle. At T=0 every configuration's output is
 checked against AR's. Writes `<out>.json` and `<out>.md`.
 
+`--turns rounds`: each engine runs its whole round alone, in the same rotating order, as a
+server of its own would: no other engine's step comes between two of its own. Stepping in
+turn, every step meets the caches the engine before it left. Lyanna at batch 1, T=0, 12
+rounds each way (session 38): AR's plain step took 1.094 ms stepping in turn and 0.999 in
+whole rounds, the fixed 4-node chain's drafting step 1.914 and 1.663, load-aware's 2.232 and
+1.814; the chain read 1.208x AR against 1.265x, load-aware 1.072x against 1.188x. Whole
+rounds pay for it with the machine's drift between rounds: a wider spread (the chain's
+standard error 0.019 against 0.011).
+
 Where each configuration's time goes: its steps by kind (prefilling, drafting: some request
 verified a tree, plain: neither), each kind's steps, share of the configuration's step time
 and milliseconds a step in each phase of `runtime.step_clock` (schedule, draft, assemble,
-forward, verify, commit, emit), AR's beside them. The milliseconds are those of lockstep
-(each engine meets the caches the others left), so they read higher than a run of its own:
+forward, verify, commit, emit), AR's beside them. Stepping in turn, the milliseconds are
+lockstep's (each engine meets the caches the others left), so they read higher than a run of its own:
 compare them across configurations of one run.
 """
 
@@ -221,14 +230,20 @@ def prepared(
     return engines
 
 
-def in_turn(engines: dict[str, LLMEngine], round_: int) -> Iterator[tuple[str, LLMEngine]]:
+def in_turn(engines: dict[str, LLMEngine], round_: int, whole: bool = False) -> Iterator[tuple[str, LLMEngine]]:
     """Each engine that has unfinished requests, in turn, until none has: the order rotates
     by `round_` and reverses every other cycle of rounds, so each engine steps after each
-    other as often (the one that steps after another meets the caches it warmed)."""
+    other as often (the one that steps after another meets the caches it warmed). `whole`:
+    each engine's every step of the round before the next engine's (`--turns rounds`)."""
     keys = list(engines)
     order = keys[round_ % len(keys) :] + keys[: round_ % len(keys)]
     if (round_ // len(keys)) % 2:
         order.reverse()
+    if whole:
+        for k in order:
+            while engines[k].has_unfinished():
+                yield k, engines[k]
+        return
     while any(engines[k].has_unfinished() for k in order):
         for k in order:
             if engines[k].has_unfinished():
@@ -258,9 +273,11 @@ def lockstep(
     temperature: float,
     rounds: int,
     kinds: dict[str, dict[str, StepPhases]] | None = None,
+    whole: bool = False,
 ) -> tuple[dict[str, list[float]], dict[str, list[int]], dict[str, list[list[int]]], dict[str, list[Request]]]:
     """Per configuration (AR's key "ar" included): seconds and tokens of each round, and the
-    outputs and requests of all rounds; into `kinds` (if given), its steps by kind."""
+    outputs and requests of all rounds; into `kinds` (if given), its steps by kind. `whole`:
+    whole rounds in turn (`in_turn`)."""
     seconds = {k: [0.0] * rounds for k in engines}
     tokens = {k: [0] * rounds for k in engines}
     outputs: dict[str, list[list[int]]] = {k: [] for k in engines}
@@ -273,7 +290,7 @@ def lockstep(
             )
             for k in keys
         }
-        for k, llm in in_turn(engines, r):
+        for k, llm in in_turn(engines, r, whole):
             before = counters(llm)
             with configs[k].patched():
                 start = time.perf_counter()
@@ -297,6 +314,7 @@ def measure(
     max_tokens: int = 64,
     prompts: int | None = None,
     device: str = "cpu",
+    whole: bool = False,
 ) -> tuple[list[Row], int]:
     """AR (first row) and each of `parsed` in lockstep on `engine_dir`'s weights: a row each,
     and the held-out prompts a round (`prompts`, default the batch, at least 8). Raises
@@ -307,7 +325,7 @@ def measure(
     encoded = [engine.encode(t) for t in heldout_prompts(count)]
     engines = prepared(engine, configs, batch, encoded[0], temperature)
     kinds: dict[str, dict[str, StepPhases]] = {}
-    seconds, tokens, outputs, done = lockstep(engines, configs, encoded, max_tokens, temperature, rounds, kinds)
+    seconds, tokens, outputs, done = lockstep(engines, configs, encoded, max_tokens, temperature, rounds, kinds, whole)
     ar_rate = sum(tokens["ar"]) / sum(seconds["ar"])
     rows = []
     for name, config in configs.items():
@@ -340,14 +358,19 @@ def by_kind(kinds: dict[str, StepPhases]) -> dict[str, dict[str, Any]]:
     return {kind: kinds[kind].summary(total) for kind in STEP_KINDS if kind in kinds}
 
 
+TURNS = {"steps": "step in turn", "rounds": "run each round alone in turn (`--turns rounds`)"}
+"""How the engines take turns (`--turns`), as the report says it."""
+CACHES = {"steps": " (stepping in turn: each engine meets the caches the others left)", "rounds": ""}
+
+
 def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
     lines = [
         "# Speed against auto-regression, in lockstep",
         "",
         f"Engine `{meta['engine']}`, batch {meta['batch']}, T={meta['temperature']:g}, {meta['prompts']} held-out "
         f"prompts a round of {meta['max_tokens']} tokens (EOS ignored), {meta['rounds']} rounds; an AR engine and "
-        "one engine per configuration on the same weights step in turn (the order rotates by round and "
-        "reverses every other cycle). Ratio: tokens per "
+        f"one engine per configuration on the same weights {TURNS[meta.get('turns', 'steps')]} (the order rotates "
+        "by round and reverses every other cycle). Ratio: tokens per "
         "second of a configuration's own step time over AR's. "
         f"Command: `{meta['command']}`",
         "",
@@ -366,7 +389,7 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
         "",
         "Each configuration's steps by kind: prefill (its forward held prompt chunks), drafting (some request "
         "verified a tree), plain (neither); their share of its step time, and milliseconds a step in all and in "
-        "each phase (lockstep's: each engine meets the caches the others left).",
+        f"each phase{CACHES[meta.get('turns', 'steps')]}.",
         "",
         *kinds_table(["configuration"], [([f"`{r.config}`"], r.kinds) for r in rows]),
     ]
@@ -399,6 +422,13 @@ def main(argv: list[str] | None = None) -> None:
         "--prompts", type=int, default=None, help="held-out prompts a round (default: the batch, at least 8)"
     )
     add_decoding_arguments(ap, rounds=10)
+    ap.add_argument(
+        "--turns",
+        choices=("steps", "rounds"),
+        default="steps",
+        help="steps: the engines step in turn (default); rounds: each runs its whole round alone in turn, as a "
+        "server of its own would (no other engine's step between two of its own)",
+    )
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/lockstep"), help="(default: %(default)s)")
     args = ap.parse_args(argv)
     if args.batch < 1 or args.rounds < 1 or args.max_tokens < 1 or (args.prompts is not None and args.prompts < 1):
@@ -409,7 +439,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(str(e))
     try:
         rows, count = measure(args.engine, parsed, args.batch, args.temperature, args.rounds, args.max_tokens,
-                              args.prompts, args.device)  # fmt: skip
+                              args.prompts, args.device, args.turns == "rounds")  # fmt: skip
     except ValueError as e:
         ap.error(str(e))
     meta = {
@@ -419,6 +449,7 @@ def main(argv: list[str] | None = None) -> None:
         "temperature": args.temperature,
         "max_tokens": args.max_tokens,
         "rounds": args.rounds,
+        "turns": args.turns,
         "command": command("benchmarks.lockstep", argv),
         "machine": machine(),
     }

@@ -106,3 +106,31 @@ def test_a_setting_the_method_does_not_take_is_refused(
         main(["--engine", str(engines["redrafter"]), "--rounds", "1", "--max-tokens", "4",
               "redrafter:fixed[beam_wdth=1]", "--out", str(tmp_path / "x")])  # fmt: skip
     assert "takes ['beam_length', 'beam_width', 'packing']; got ['beam_wdth']" in capsys.readouterr().err
+
+
+def test_whole_rounds_in_turn(engines: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--turns rounds`: each engine runs its round's steps with no other engine's step between
+    them, the engines one after another in the order that rotates by round; the rows read as
+    stepping in turn's do (AR 1, greedy outputs AR's), and the report says how they took turns."""
+    stepped: list[str] = []  # the method of each stepping engine's requests, step by step
+    step = LLMEngine.step
+
+    def spy(self: LLMEngine) -> list:
+        requests = [*self.scheduler.running.values(), *self.scheduler.waiting]
+        stepped.append(requests[0].method)
+        return step(self)
+
+    monkeypatch.setattr(LLMEngine, "step", spy)
+    out = tmp_path / "rounds"
+    main(["--engine", str(engines["redrafter"]), "--prompts", "2", "--max-tokens", "6", "--rounds", "3",
+          "--turns", "rounds", "redrafter", "ngram", "--out", str(out)])  # fmt: skip
+    runs = [m for i, m in enumerate(stepped) if i == 0 or stepped[i - 1] != m]  # one entry per unbroken run
+    order = ["ar", "redrafter", "ngram"]
+    rounds = [*order, *order[1:], *order[:1], *order[2:], *order[:2]]  # whole rounds, the order rotating
+    assert runs == [*order, *rounds]  # (after each engine's warm-up)
+    assert len(stepped) > len(runs)  # (each run is several steps: 2 prompts of 6 tokens at batch 1)
+    doc = json.loads(out.with_suffix(".json").read_text())
+    assert doc["meta"]["turns"] == "rounds"
+    rows = {r["config"]: r for r in doc["rows"]}
+    assert rows["ar"]["ratio"] == 1 and all(r["same_as_ar"] is True for r in rows.values())
+    assert "run each round alone in turn" in out.with_suffix(".md").read_text()
