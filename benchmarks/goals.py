@@ -7,6 +7,7 @@ moments) of the default, load-aware methods beside fixed speculation, on held-ou
     python -m benchmarks.goals                                 # `make bench-goals`
     python -m benchmarks.goals --cells redrafter-b1-t0 sd-b8-t1 --rounds 8
     python -m benchmarks.goals --repeats 3                    # every cell three times, a pass apart
+    python -m benchmarks.goals --turns rounds                 # each engine's whole round alone in turn
 
 The goals (issue 16, CPU, demo engines, default settings):
 - the default method (ReDrafter) at T=0: >= 2.0x AR at batch 1, >= 1.0x at batch 32; at
@@ -26,8 +27,10 @@ one hour and 2.05x in another (ReDrafter at batch 1, T=0, session 31), and a bat
 cell's four rounds (~10 s) moved by 5% between runs minutes apart. At T=0 every
 configuration's output is checked against AR's. The step-cost goals have their own
 benchmarks: `make bench-no-draft` (a no-draft step against AR's), `make profile` (a
-drafting step's phases), `make bench-floor` (what the hardware allows at batch 1). Writes
-`<out>.json` and `<out>.md`.
+drafting step's phases), `make bench-floor` (what the hardware allows at batch 1).
+`--turns rounds` runs each cell's engines a whole round each in turn instead of a step each
+(`benchmarks.lockstep`'s `--turns`): each engine's steps then meet the caches its own steps
+left, as in a server of its own, at the price of a wider spread. Writes `<out>.json` and `<out>.md`.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from benchmarks.lockstep import Row, measure, parse_config
+from benchmarks.lockstep import TURNS, Row, measure, parse_config
 from benchmarks.report import command, machine, write_report
 from benchmarks.step_profile import add_engine_argument, engine_paths
 
@@ -202,12 +205,16 @@ def over_passes(passes: list[list[Result]]) -> list[Result]:
     return out
 
 
+TITLES = {"steps": "in lockstep", "rounds": "in whole rounds in turn"}
+
+
 def markdown(results: list[Result], meta: dict[str, Any]) -> str:
     rounds = ", ".join(f"{b}: {n}" for b, n in meta["rounds"].items())
     lines = [
-        "# Issue 16's CPU goals, in lockstep",
+        f"# Issue 16's CPU goals, {TITLES[meta.get('turns', 'steps')]}",
         "",
-        f"Each cell: AR and the configurations on one engine's weights stepping in turn, held-out prompts "
+        f"Each cell: AR and the configurations on one engine's weights {TURNS[meta.get('turns', 'steps')]}, "
+        "held-out prompts "
         f"of {meta['max_tokens']} tokens (EOS ignored), the batch's prompts a round (at least 8), rounds by "
         f"batch {rounds}. x AR: tokens per second over AR's (least-most of the rounds). Of best: over "
         f"the best of AR and the cell's fixed configurations. Met: load-aware at {WITHIN:g} of the best or more, "
@@ -268,6 +275,12 @@ def main(argv: list[str] | None = None) -> None:
         default=1,
         help="passes over the cells; each configuration is judged by its medians over them (default: %(default)s)",
     )
+    ap.add_argument(
+        "--turns",
+        choices=("steps", "rounds"),
+        default="steps",
+        help="steps: each cell's engines step in turn (default); rounds: each runs its whole round alone in turn",
+    )
     add_engine_argument(ap)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/goals"), help="(default: %(default)s)")
     args = ap.parse_args(argv)
@@ -281,6 +294,7 @@ def main(argv: list[str] | None = None) -> None:
         "rounds": {"all": args.rounds} if args.rounds else ROUNDS,
         "within": WITHIN,
         "repeats": args.repeats,
+        "turns": args.turns,
         "machine": machine(),
     }
     passes: list[list[Result]] = []
@@ -292,7 +306,8 @@ def main(argv: list[str] | None = None) -> None:
         configs = [parse_config(c) for c in (*cell.load_aware, *cell.fixed)]
         rounds = args.rounds or ROUNDS[cell.batch]
         try:
-            rows, _ = measure(paths[cell.kind], configs, cell.batch, cell.temperature, rounds, args.max_tokens)
+            rows, _ = measure(paths[cell.kind], configs, cell.batch, cell.temperature, rounds, args.max_tokens,
+                              whole=args.turns == "rounds")  # fmt: skip
         except ValueError as e:
             ap.error(f"cell {cell.name}: {e}")
         passes[p] += judge(cell, paths[cell.kind], rows)

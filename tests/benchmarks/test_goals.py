@@ -12,6 +12,7 @@ import pytest
 
 from benchmarks import goals
 from benchmarks.lockstep import Row
+from runtime.llm_engine import LLMEngine
 
 
 def row(config: str, ratio: float) -> Row:
@@ -92,6 +93,29 @@ def test_cells_run_for_real(engines: dict[str, Path], tmp_path: Path) -> None:
             assert r["same_as_ar"] is (True if cell.endswith("t0") else None)  # greedy output is AR's
             assert r["ar_tokens_per_second"] > 0
     assert "Load-aware configurations meeting their goals" in out.with_suffix(".md").read_text()
+
+
+def test_turns_rounds_runs_whole_rounds(
+    engines: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--turns rounds` reaches the cells' runs: each engine's round with no other engine's
+    step inside it (stepping in turn, the engines' steps interleave), and the report says so."""
+    stepped: list[int] = []  # which engine stepped, step by step
+    step = LLMEngine.step
+
+    def spy(self: LLMEngine) -> list:
+        stepped.append(id(self))
+        return step(self)
+
+    monkeypatch.setattr(LLMEngine, "step", spy)
+    out = tmp_path / "goals"
+    goals.main(["--cells", "redrafter-b1-t0", "--rounds", "1", "--max-tokens", "6", "--turns", "rounds",
+                "--engine", f"redrafter={engines['redrafter']}", "--out", str(out)])  # fmt: skip
+    runs = [e for i, e in enumerate(stepped) if i == 0 or stepped[i - 1] != e]
+    assert len(set(stepped)) == 4 and len(runs) == 8  # AR and 3 configurations: a warm-up each, then a round each
+    doc = json.loads(out.with_suffix(".json").read_text())
+    assert doc["meta"]["turns"] == "rounds" and all(r["same_as_ar"] is True for r in doc["rows"])
+    assert out.with_suffix(".md").read_text().startswith("# Issue 16's CPU goals, in whole rounds in turn")
 
 
 def test_passes_are_judged_by_their_medians() -> None:
