@@ -44,7 +44,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from benchmarks.lockstep import TURNS, Row, measure, parse_config
+from benchmarks.lockstep import TITLES, TURNS, Row, measure, parse_config
 from benchmarks.report import command, machine, write_report
 from benchmarks.step_profile import add_engine_argument, engine_paths
 
@@ -203,9 +203,6 @@ def over_passes(passes: list[list[Result]]) -> list[Result]:
             )
         )
     return out
-
-
-TITLES = {"steps": "in lockstep", "rounds": "in whole rounds in turn"}
 
 
 def markdown(results: list[Result], meta: dict[str, Any]) -> str:

@@ -33,9 +33,9 @@ standard error 0.019 against 0.011).
 Where each configuration's time goes: its steps by kind (prefilling, drafting: some request
 verified a tree, plain: neither), each kind's steps, share of the configuration's step time
 and milliseconds a step in each phase of `runtime.step_clock` (schedule, draft, assemble,
-forward, verify, commit, emit), AR's beside them. Stepping in turn, the milliseconds are
-lockstep's (each engine meets the caches the others left), so they read higher than a run of its own:
-compare them across configurations of one run.
+forward, verify, commit, emit), AR's beside them. Stepping in turn, each engine meets the
+caches the others left, so the milliseconds read higher than a run of its own: compare them
+across configurations of one run.
 """
 
 from __future__ import annotations
@@ -359,13 +359,16 @@ def by_kind(kinds: dict[str, StepPhases]) -> dict[str, dict[str, Any]]:
 
 
 TURNS = {"steps": "step in turn", "rounds": "run each round alone in turn (`--turns rounds`)"}
-"""How the engines take turns (`--turns`), as the report says it."""
+"""How the engines take turns (`--turns`), as a report says it."""
+TITLES = {"steps": "in lockstep", "rounds": "in whole rounds in turn"}
+"""A report's title by `--turns`."""
 CACHES = {"steps": " (stepping in turn: each engine meets the caches the others left)", "rounds": ""}
+"""What the step milliseconds met, by `--turns`."""
 
 
 def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
     lines = [
-        "# Speed against auto-regression, in lockstep",
+        f"# Speed against auto-regression, {TITLES[meta.get('turns', 'steps')]}",
         "",
         f"Engine `{meta['engine']}`, batch {meta['batch']}, T={meta['temperature']:g}, {meta['prompts']} held-out "
         f"prompts a round of {meta['max_tokens']} tokens (EOS ignored), {meta['rounds']} rounds; an AR engine and "

@@ -133,4 +133,6 @@ def test_whole_rounds_in_turn(engines: dict[str, Path], tmp_path: Path, monkeypa
     assert doc["meta"]["turns"] == "rounds"
     rows = {r["config"]: r for r in doc["rows"]}
     assert rows["ar"]["ratio"] == 1 and all(r["same_as_ar"] is True for r in rows.values())
-    assert "run each round alone in turn" in out.with_suffix(".md").read_text()
+    text = out.with_suffix(".md").read_text()
+    assert text.startswith("# Speed against auto-regression, in whole rounds in turn")
+    assert "run each round alone in turn" in text
