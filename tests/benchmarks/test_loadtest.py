@@ -18,6 +18,7 @@ from benchmarks.loadtest import RequestSettings, main, run_load, summarize
 from benchmarks.prompts import Prompt, load_prompts
 from benchmarks.triton_overhead import main as overhead_main
 from build.engine import build_engine
+from runtime.config import RuntimeConfig
 from runtime.engine_dir import BuildConfig
 from tests.host_tools import skip_without_tritonserver
 from triton_repo.openai.launch import OpenAIFrontend
@@ -45,7 +46,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
     out = tmp_path_factory.mktemp("engines") / "demo-redrafter"
     build = BuildConfig(max_batch_size=8, max_input_len=256, max_seq_len=512)
     engine = build_engine(MODELS / "demo-target", out, build, drafter=MODELS / "demo-redrafter")
-    with TritonServer(ServingConfig(engine), tmp_path_factory.mktemp("triton")) as running:
+    # fixed speculation: every step drafts, so the drafted and accepted tokens these tests count
+    # do not hang on load-aware timings (beside another CPU job, it ran every step plain: 0 drafted)
+    config = ServingConfig(engine, runtime=RuntimeConfig(speculation="fixed"))
+    with TritonServer(config, tmp_path_factory.mktemp("triton")) as running:
         yield running
 
 
