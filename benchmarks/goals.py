@@ -44,7 +44,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from benchmarks.lockstep import TITLES, TURNS, Row, measure, parse_config
+from benchmarks.lockstep import TITLES, TURNS, Row, add_turns_argument, measure, parse_config
 from benchmarks.report import command, machine, write_report
 from benchmarks.step_profile import add_engine_argument, engine_paths
 
@@ -272,12 +272,7 @@ def main(argv: list[str] | None = None) -> None:
         default=1,
         help="passes over the cells; each configuration is judged by its medians over them (default: %(default)s)",
     )
-    ap.add_argument(
-        "--turns",
-        choices=("steps", "rounds"),
-        default="steps",
-        help="steps: each cell's engines step in turn (default); rounds: each runs its whole round alone in turn",
-    )
+    add_turns_argument(ap)
     add_engine_argument(ap)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/goals"), help="(default: %(default)s)")
     args = ap.parse_args(argv)

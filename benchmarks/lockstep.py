@@ -416,6 +416,18 @@ def kinds_table(leading: list[str], rows: list[tuple[list[str], dict[str, dict[s
     return lines
 
 
+def add_turns_argument(ap: argparse.ArgumentParser) -> None:
+    """`--turns` (`TURNS`): the engines step in turn, or each runs its whole round alone in turn
+    (`in_turn`'s `whole`: `args.turns == "rounds"`)."""
+    ap.add_argument(
+        "--turns",
+        choices=tuple(TURNS),
+        default="steps",
+        help="steps: the engines step in turn (default); rounds: each runs its whole round alone in turn, as a "
+        "server of its own would (no other engine's step between two of its own)",
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("configs", nargs="+", help=f"{SYNTAX}, one or more")
@@ -425,13 +437,7 @@ def main(argv: list[str] | None = None) -> None:
         "--prompts", type=int, default=None, help="held-out prompts a round (default: the batch, at least 8)"
     )
     add_decoding_arguments(ap, rounds=10)
-    ap.add_argument(
-        "--turns",
-        choices=("steps", "rounds"),
-        default="steps",
-        help="steps: the engines step in turn (default); rounds: each runs its whole round alone in turn, as a "
-        "server of its own would (no other engine's step between two of its own)",
-    )
+    add_turns_argument(ap)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/lockstep"), help="(default: %(default)s)")
     args = ap.parse_args(argv)
     if args.batch < 1 or args.rounds < 1 or args.max_tokens < 1 or (args.prompts is not None and args.prompts < 1):
