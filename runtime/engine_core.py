@@ -51,6 +51,7 @@ from runtime.speculation_policy import (
     SpeculationPolicy,
     StepStats,
     draft_fit,
+    within_room,
 )
 from runtime.step_batch import Batch, assemble, step_input
 from runtime.step_clock import StepClock
@@ -58,6 +59,9 @@ from runtime.tree import DraftTree
 from runtime.verify import Acceptance, accept_batch
 
 log = logging.getLogger(__name__)
+
+PROMPTS_FIRST = True
+"""Trees take only the token budget that prompts waiting for it leave (`Scheduler.tree_room`)."""
 
 Options = tuple[tuple[int, ...], tuple[int, ...], int, tuple[str, ...]]
 """What a request's proposer offers (`EngineCore._offered`): tree sizes, drafter levels,
@@ -236,13 +240,18 @@ class EngineCore:
         """Tree sizes the decoding requests may draft (load-aware), then the scheduler's work."""
         running = list(self.scheduler.running.values())
         offers = []
+        prompts = 0  # prompt tokens the running prefills still owe
         for r in running:
-            if not r.in_prefill:
-                lag = self.proposers[r.method].lag(r)
-                sizes, levels, cuts, costs = self._offered(r)
-                left = r.params.max_tokens - len(r.result.output_ids)  # (no step emits more)
-                kind = (r.method, r.params.greedy)
-                offers.append(Offer(r.request_id, kind, r.method, sizes, levels, lag, left, costs, cuts))
+            if r.in_prefill:
+                prompts += r.prefill_target - r.num_computed
+                continue
+            lag = self.proposers[r.method].lag(r)
+            sizes, levels, cuts, costs = self._offered(r)
+            left = r.params.max_tokens - len(r.result.output_ids)  # (no step emits more)
+            kind = (r.method, r.params.greedy)
+            offers.append(Offer(r.request_id, kind, r.method, sizes, levels, lag, left, costs, cuts))
+        if PROMPTS_FIRST and offers and (room := self.scheduler.tree_room(len(offers), prompts)) is not None:
+            offers = [within_room(o, room // len(offers)) for o in offers]
         if not self._calibrated and self.policy.adaptive and any(len(o.sizes) > 1 for o in offers):
             self._calibrate()
         start = time.perf_counter()

@@ -105,6 +105,27 @@ class Scheduler:
                 return False
         return True
 
+    def tree_room(self, decoding: int, prompts: int) -> int | None:
+        """Nodes beyond their roots that `decoding` requests' trees may take this step without
+        delaying a prompt (None: no prompt waits for the budget): the token budget less a root
+        per decoding request, the running prefills' `prompts` tokens, and the prompts of the
+        waiting requests a free batch slot could admit. Trees come before prompts in a step
+        (`schedule`), so a tree that took more would push a prompt's chunk to later steps:
+        ReDrafter at batch 32 (closed rounds of held-out prompts, T=0) took 66 steps holding
+        prompt chunks at 28.7 ms where auto-regression took 64 at 27.0, ~4% of its time, for
+        trees of requests that a whole step's prompts outweighed."""
+        slots = self.max_batch_size - len(self.running)
+        if slots > 0 and self.waiting:
+            with self._lock:
+                for request in self.waiting:
+                    prompts += request.prefill_target - request.num_computed
+                    slots -= 1
+                    if not slots:
+                        break
+        if not prompts:
+            return None
+        return self.max_num_tokens - decoding - prompts
+
     def schedule(self, sizes: dict[str, Sequence[int]]) -> list[ScheduledWork]:
         """This step's work. `sizes[request_id]`: the tree sizes (ascending) a decoding
         request may draft this step; it gets the largest that fits the token budget, or 1."""

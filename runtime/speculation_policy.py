@@ -2100,6 +2100,19 @@ def ceiling(offer: Offer, size: int) -> float:
     return float(min(size, levels + 1) if levels else size)
 
 
+def within_room(offer: Offer, room: int) -> Offer:
+    """`offer` less the sizes whose trees take more than `room` nodes beyond the root
+    (`Scheduler.tree_room`: the budget a step's prompts leave the trees), the root alone
+    where none fits; `offer` itself where every size fits."""
+    k = bisect.bisect_right(offer.sizes, 1 + max(room, 0))
+    if k == len(offer.sizes):
+        return offer
+    costs = offer.costs[:k] if offer.costs else offer.costs
+    return Offer(
+        offer.key, offer.kind, offer.method, offer.sizes[:k], offer.levels[:k], offer.lag, offer.left, costs, offer.cuts
+    )
+
+
 def largest_fitting(sizes: Sequence[int], budget: int) -> int:
     """The largest of `sizes` (ascending) within `budget`, or 1 (the root alone)."""
     i = bisect.bisect_right(sizes, budget)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -21,7 +21,7 @@ from runtime.llm_engine import OTHER_THREAD, LLMEngine
 from runtime.loaded_engine import LoadedEngine
 from runtime.request import RequestEvent
 from runtime.sampling import SamplingParams
-from runtime.scheduler import QueueFullError
+from runtime.scheduler import QueueFullError, ScheduledWork
 from tests.device import TEST_DEVICE
 from training.corpus import heldout_prompts
 
@@ -243,3 +243,44 @@ def test_stepping_off_the_thread_that_built_the_engine_is_warned_about_once(
         worker.start()
         worker.join()
     assert caplog.text.count(OTHER_THREAD) == 1
+
+
+@pytest.mark.parametrize("speculation", ["fixed", "load-aware"])
+def test_trees_take_only_the_budget_that_waiting_prompts_leave(
+    engine: LoadedEngine, prompts: list[list[int]], speculation: str
+) -> None:
+    """A step serves running requests first, so a decoding request's tree beyond its root
+    may take only the token budget that the prompts waiting for it leave
+    (`Scheduler.tree_room`): a prompt that arrives while a request drafts is prefilled in
+    the same full chunks as beside an auto-regressive one, and where its last chunk leaves
+    room the tree is drafted beside it. Output stays auto-regression's."""
+    budget = 48
+    config = RuntimeConfig(max_batch_size=4, max_num_tokens=budget, max_draft_tokens=24, speculation=speculation)
+    llm = LLMEngine(engine, config)
+    first = llm.add_request(prompts[0][:20], SamplingParams(max_tokens=40, ignore_eos=True), "redrafter")
+    while first.in_prefill or not first.result.output_ids:
+        llm.step()
+    long_prompt = prompts[1][: 2 * (budget - 1) + 5]  # chunks of 47, 47 and 5 beside one decoding root
+    second = llm.add_request(long_prompt, SamplingParams(max_tokens=8, ignore_eos=True), "ar")
+    steps: list[tuple[int, int, int]] = []  # (prompt tokens the step owed, its prompt chunk, tree nodes beyond roots)
+    schedule = llm.scheduler.schedule
+
+    def recorded(sizes: dict[str, Sequence[int]]) -> list[ScheduledWork]:
+        owed = len(long_prompt) - second.num_computed
+        work = schedule(sizes)
+        chunk = sum(item.chunk for item in work)
+        trees = sum(item.budget - 1 for item in work if not item.prefill)
+        if chunk:
+            steps.append((owed, chunk, trees))
+        return work
+
+    llm.scheduler.schedule = recorded  # type: ignore[method-assign]
+    while llm.has_unfinished():
+        llm.step()
+    assert [chunk for _, chunk, _ in steps] == [budget - 1, budget - 1, 5], steps
+    assert [trees for owed, chunk, trees in steps if chunk < owed] == [0, 0], "a tree delayed a prompt"
+    if speculation == "fixed":
+        assert steps[-1][2] > 0, "the last chunk left room, and no tree was drafted in it"
+    ar = LLMEngine(engine, RuntimeConfig(max_batch_size=1))
+    assert first.result.output_ids == ar.generate([prompts[0][:20]], [first.params], "ar")[0].output_ids
+    assert second.result.output_ids == ar.generate([long_prompt], [second.params], "ar")[0].output_ids
