@@ -9,6 +9,10 @@ Order of service each step:
    or the next chunk of an unfinished prefill;
 2. waiting requests, oldest first, while a batch slot, budget and KV blocks remain.
 
+Trees come first but never delay a prompt: the engine offers each decoding request only
+the sizes that fit the budget the prompts waiting for it leave (`tree_room`), so a step
+holds as many prompt tokens as it would beside auto-regressive requests.
+
 KV pressure: a running request that cannot get blocks for its step takes them from the
 most recently admitted running request, which is *preempted*: its blocks are freed and it
 goes back to the head of the waiting queue, to be recomputed from its tokens when
@@ -110,10 +114,8 @@ class Scheduler:
         delaying a prompt (None: no prompt waits for the budget): the token budget less a root
         per decoding request, the running prefills' `prompts` tokens, and the prompts of the
         waiting requests a free batch slot could admit. Trees come before prompts in a step
-        (`schedule`), so a tree that took more would push a prompt's chunk to later steps:
-        ReDrafter at batch 32 (closed rounds of held-out prompts, T=0) took 66 steps holding
-        prompt chunks at 28.7 ms where auto-regression took 64 at 27.0, ~4% of its time, for
-        trees of requests that a whole step's prompts outweighed."""
+        (`schedule`), so a tree that took more would push a prompt's chunk to later steps
+        (`engine_core.PROMPTS_FIRST`)."""
         slots = self.max_batch_size - len(self.running)
         if slots > 0 and self.waiting:
             with self._lock:
