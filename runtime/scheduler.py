@@ -113,14 +113,21 @@ class Scheduler:
         """Nodes beyond their roots that `decoding` requests' trees may take this step without
         delaying a prompt (None: no prompt waits for the budget): the token budget less a root
         per decoding request, the running prefills' `prompts` tokens, and the prompts of the
-        waiting requests a free batch slot could admit. Trees come before prompts in a step
-        (`schedule`), so a tree that took more would push a prompt's chunk to later steps
-        (`engine_core.PROMPTS_FIRST`)."""
+        waiting requests that a free batch slot and the free KV blocks could admit. Trees come
+        before prompts in a step (`schedule`), so a tree that took more would push a prompt's
+        chunk to later steps (`engine_core.PROMPTS_FIRST`). A prompt that waits for blocks
+        waits whatever the trees take: counted, a queue held back by a full cache kept the
+        requests that would free it from drafting."""
         slots = self.max_batch_size - len(self.running)
         if slots > 0 and self.waiting:
+            free = self.blocks.num_free
             with self._lock:
-                for request in self.waiting:
-                    prompts += request.prefill_target - request.num_computed
+                for request in self.waiting:  # admitted as `schedule` admits them: in order, while blocks last
+                    owed = request.prefill_target - request.num_computed
+                    free -= self.blocks.blocks_for(request.num_computed + min(owed, self.max_num_tokens))
+                    if free < 0:
+                        break  # it waits for blocks, not for the budget: trees there hold up no prompt
+                    prompts += owed
                     slots -= 1
                     if not slots:
                         break

@@ -284,3 +284,38 @@ def test_trees_take_only_the_budget_that_waiting_prompts_leave(
     ar = LLMEngine(engine, RuntimeConfig(max_batch_size=1))
     assert first.result.output_ids == ar.generate([prompts[0][:20]], [first.params], "ar")[0].output_ids
     assert second.result.output_ids == ar.generate([long_prompt], [second.params], "ar")[0].output_ids
+
+
+def test_a_prompt_waiting_for_kv_blocks_holds_up_no_tree(engine: LoadedEngine, prompts: list[list[int]]) -> None:
+    """A waiting prompt whose first chunk the free KV blocks cannot hold is not admitted,
+    however much budget the step has (`Scheduler.schedule`), so trees beside it take
+    nothing it could use: the decoding request drafts while it waits (`Scheduler.tree_room`),
+    and both come out as auto-regression's."""
+    config = RuntimeConfig(max_batch_size=4, max_num_tokens=160, max_draft_tokens=24, speculation="fixed")
+    llm = LLMEngine(engine, config)
+    first = llm.add_request(prompts[0][:20], SamplingParams(max_tokens=40, ignore_eos=True), "redrafter")
+    while first.in_prefill or not first.result.output_ids:
+        llm.step()
+    long_prompt = (prompts[1] + prompts[2])[:200]  # a first chunk of 160 tokens: 10 blocks
+    held = "\0held by others"  # blocks other work holds: 6 stay free
+    assert llm.blocks.ensure(held, (llm.blocks.num_free - 6) * llm.blocks.block_size)
+    waiting = llm.add_request(long_prompt, SamplingParams(max_tokens=8, ignore_eos=True), "ar")
+    trees: list[int] = []  # tree nodes beyond the roots, a step
+    schedule = llm.scheduler.schedule
+
+    def recorded(sizes: dict[str, Sequence[int]]) -> list[ScheduledWork]:
+        work = schedule(sizes)
+        trees.append(sum(item.budget - 1 for item in work if not item.prefill))
+        return work
+
+    llm.scheduler.schedule = recorded  # type: ignore[method-assign]
+    for _ in range(5):
+        llm.step()
+        assert waiting in llm.scheduler.waiting, "the prompt must wait for blocks for this test to mean anything"
+    assert all(trees), f"a prompt waiting for KV blocks kept the request from drafting: {trees}"
+    llm.blocks.free(held)
+    while llm.has_unfinished():
+        llm.step()
+    ar = LLMEngine(engine, RuntimeConfig(max_batch_size=1))
+    assert first.result.output_ids == ar.generate([prompts[0][:20]], [first.params], "ar")[0].output_ids
+    assert waiting.result.output_ids == ar.generate([long_prompt], [waiting.params], "ar")[0].output_ids
