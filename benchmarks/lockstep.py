@@ -36,6 +36,12 @@ and milliseconds a step in each phase of `runtime.step_clock` (schedule, draft, 
 forward, verify, commit, emit), AR's beside them. Stepping in turn, each engine meets the
 caches the others left, so the milliseconds read higher than a run of its own: compare them
 across configurations of one run.
+
+First tokens: a round's requests all arrive at its start (a burst), and each configuration
+times a request's first token on its own step clock (the seconds of its own steps from the
+round's start through the step that gave it): the median request, and a round's last.
+ReDrafter at batch 32, T=0 (session 39): trees that came before prompts held the round's last
+first token back (`runtime.engine_core.PROMPTS_FIRST`).
 """
 
 from __future__ import annotations
@@ -160,6 +166,11 @@ class Row:
     kinds: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Step kind (`STEP_KINDS`, those it had) -> its steps, share of the step time, and
     milliseconds a step in all and in each phase (`StepPhases.summary`)."""
+    first_token_ms: float = 0.0
+    """Milliseconds of its own steps from a round's start (every request of the round
+    arrives then) to a request's first token, median over every request of every round."""
+    last_first_token_ms: float = 0.0
+    """The same for the last request of each round to get its first token, median over rounds."""
 
 
 @dataclass
@@ -274,10 +285,13 @@ def lockstep(
     rounds: int,
     kinds: dict[str, dict[str, StepPhases]] | None = None,
     whole: bool = False,
+    first_tokens: dict[str, list[list[float]]] | None = None,
 ) -> tuple[dict[str, list[float]], dict[str, list[int]], dict[str, list[list[int]]], dict[str, list[Request]]]:
     """Per configuration (AR's key "ar" included): seconds and tokens of each round, and the
-    outputs and requests of all rounds; into `kinds` (if given), its steps by kind. `whole`:
-    whole rounds in turn (`in_turn`)."""
+    outputs and requests of all rounds; into `kinds` (if given), its steps by kind; into
+    `first_tokens` (if given), each round's seconds of its own steps until each request's
+    first token (the requests of a round all arrive at its start: a burst). `whole`: whole
+    rounds in turn (`in_turn`)."""
     seconds = {k: [0.0] * rounds for k in engines}
     tokens = {k: [0] * rounds for k in engines}
     outputs: dict[str, list[list[int]]] = {k: [] for k in engines}
@@ -290,6 +304,7 @@ def lockstep(
             )
             for k in keys
         }
+        waiting = {k: list(requests[k]) for k in keys}  # no first token yet
         for k, llm in in_turn(engines, r, whole):
             before = counters(llm)
             with configs[k].patched():
@@ -298,6 +313,10 @@ def lockstep(
                 seconds[k][r] += time.perf_counter() - start
             if kinds is not None:
                 tally(kinds.setdefault(k, {}), llm, before)
+            if first_tokens is not None and waiting[k]:
+                firsts = first_tokens.setdefault(k, [[] for _ in range(rounds)])[r]
+                firsts += [seconds[k][r]] * sum(1 for q in waiting[k] if q.result.output_ids)
+                waiting[k] = [q for q in waiting[k] if not q.result.output_ids]
         for k in keys:
             tokens[k][r] = sum(len(q.result.output_ids) for q in requests[k])
             outputs[k] += [q.result.output_ids for q in requests[k]]
@@ -325,7 +344,10 @@ def measure(
     encoded = [engine.encode(t) for t in heldout_prompts(count)]
     engines = prepared(engine, configs, batch, encoded[0], temperature)
     kinds: dict[str, dict[str, StepPhases]] = {}
-    seconds, tokens, outputs, done = lockstep(engines, configs, encoded, max_tokens, temperature, rounds, kinds, whole)
+    firsts: dict[str, list[list[float]]] = {}
+    seconds, tokens, outputs, done = lockstep(
+        engines, configs, encoded, max_tokens, temperature, rounds, kinds, whole, firsts
+    )
     ar_rate = sum(tokens["ar"]) / sum(seconds["ar"])
     rows = []
     for name, config in configs.items():
@@ -347,6 +369,8 @@ def measure(
                 same_as_ar=outputs[name] == outputs["ar"] if temperature == 0 else None,
                 tokens_per_second=round(sum(tokens[name]) / sum(seconds[name]), 1),
                 kinds=by_kind(kinds.get(name, {})),
+                first_token_ms=round(statistics.median(t for run in firsts[name] for t in run) * 1e3, 2),
+                last_first_token_ms=round(statistics.median(max(run) for run in firsts[name]) * 1e3, 2),
             )
         )
     return rows, count
@@ -377,14 +401,19 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
         "second of a configuration's own step time over AR's. "
         f"Command: `{meta['command']}`",
         "",
-        "| configuration | ratio | median of rounds | least-most | stderr | tokens/step/request | greedy == AR |",
-        "|---|---|---|---|---|---|---|",
+        "First token: milliseconds of a configuration's own steps from a round's start, where all its "
+        "requests arrive, to a request's first token: the median request, and the median over rounds of "
+        "the round's last.",
+        "",
+        "| configuration | ratio | median of rounds | least-most | stderr | tokens/step/request | first token ms "
+        "(median / last) | greedy == AR |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         same = "-" if r.same_as_ar is None else ("yes" if r.same_as_ar else "**NO**")
         lines.append(
             f"| `{r.config}` | **{r.ratio:.3f}** | {r.median:.3f} | {r.least:.3f}-{r.most:.3f} | {r.stderr:.3f} "
-            f"| {r.tokens_per_step:.2f} | {same} |"
+            f"| {r.tokens_per_step:.2f} | {r.first_token_ms:.1f} / {r.last_first_token_ms:.1f} | {same} |"
         )
     lines += [
         "",

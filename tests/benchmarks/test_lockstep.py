@@ -5,8 +5,10 @@ is wrong."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -136,3 +138,22 @@ def test_whole_rounds_in_turn(engines: dict[str, Path], tmp_path: Path, monkeypa
     text = out.with_suffix(".md").read_text()
     assert text.startswith("# Speed against auto-regression, in whole rounds in turn")
     assert "run each round alone in turn" in text
+
+
+def test_first_tokens_are_timed_on_each_configurations_own_steps(
+    engines: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A round's requests all arrive at its start, and a request's first token is timed on its
+    configuration's own step clock. On a clock that reads one second a step, AR at batch 1
+    gives 3 prompts of 5 tokens their first tokens after 1, 6 and 11 of its steps (a prefill
+    step, then 4 decoding steps each): the median request 6 s, a round's last 11 s; a chain
+    that drafts gets its last one sooner."""
+    monkeypatch.setattr(lockstep, "time", SimpleNamespace(perf_counter=itertools.count().__next__))
+    out = tmp_path / "firsts"
+    main(["--engine", str(engines["redrafter"]), "--batch", "1", "--prompts", "3", "--max-tokens", "5", "--rounds",
+          "2", "redrafter:fixed[beam_width=1]", "--out", str(out)])  # fmt: skip
+    rows = {r["config"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
+    assert (rows["ar"]["first_token_ms"], rows["ar"]["last_first_token_ms"]) == (6000, 11000)
+    chain = rows["redrafter:fixed[beam_width=1]"]
+    assert chain["first_token_ms"] <= 6000 and chain["last_first_token_ms"] < 11000
+    assert "| 6000.0 / 11000.0 |" in out.with_suffix(".md").read_text()
