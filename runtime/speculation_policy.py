@@ -114,7 +114,7 @@ import itertools
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import cast
 
 import numpy as np
@@ -2107,10 +2107,7 @@ def within_room(offer: Offer, room: int) -> Offer:
     k = bisect.bisect_right(offer.sizes, 1 + max(room, 0))
     if k == len(offer.sizes):
         return offer
-    costs = offer.costs[:k] if offer.costs else offer.costs
-    return Offer(
-        offer.key, offer.kind, offer.method, offer.sizes[:k], offer.levels[:k], offer.lag, offer.left, costs, offer.cuts
-    )
+    return replace(offer, sizes=offer.sizes[:k], levels=offer.levels[:k], costs=offer.costs[:k])
 
 
 def largest_fitting(sizes: Sequence[int], budget: int) -> int:
