@@ -313,9 +313,10 @@ def lockstep(
                 seconds[k][r] += time.perf_counter() - start
             if kinds is not None:
                 tally(kinds.setdefault(k, {}), llm, before)
-            if first_tokens is not None and waiting[k]:
-                firsts = first_tokens.setdefault(k, [[] for _ in range(rounds)])[r]
-                firsts += [seconds[k][r]] * sum(1 for q in waiting[k] if q.result.output_ids)
+            if first_tokens is not None and any(q.result.output_ids for q in waiting[k]):
+                first_tokens.setdefault(k, [[] for _ in range(rounds)])[r] += [
+                    seconds[k][r] for q in waiting[k] if q.result.output_ids
+                ]
                 waiting[k] = [q for q in waiting[k] if not q.result.output_ids]
         for k in keys:
             tokens[k][r] = sum(len(q.result.output_ids) for q in requests[k])
