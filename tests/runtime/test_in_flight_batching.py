@@ -6,6 +6,7 @@ every token once and one final event."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -19,7 +20,7 @@ from runtime.engine_dir import BuildConfig
 from runtime.kv_budget import KVBudget
 from runtime.llm_engine import OTHER_THREAD, LLMEngine
 from runtime.loaded_engine import LoadedEngine
-from runtime.request import RequestEvent
+from runtime.request import Request, RequestEvent
 from runtime.sampling import SamplingParams
 from runtime.scheduler import QueueFullError, ScheduledWork
 from tests.device import TEST_DEVICE
@@ -245,6 +246,29 @@ def test_stepping_off_the_thread_that_built_the_engine_is_warned_about_once(
     assert caplog.text.count(OTHER_THREAD) == 1
 
 
+def decoding(llm: LLMEngine, prompt: list[int]) -> Request:
+    """A ReDrafter request of 40 tokens on `prompt`, stepped until it decodes."""
+    request = llm.add_request(prompt, SamplingParams(max_tokens=40, ignore_eos=True), "redrafter")
+    while request.in_prefill or not request.result.output_ids:
+        llm.step()
+    return request
+
+
+def scheduled(llm: LLMEngine) -> list[tuple[int, int]]:
+    """From now on, each step's (prompt tokens of its chunks, tree nodes beyond the roots), as
+    `Scheduler.schedule` gives them."""
+    steps: list[tuple[int, int]] = []
+    schedule = llm.scheduler.schedule
+
+    def recorded(sizes: dict[str, Sequence[int]]) -> list[ScheduledWork]:
+        work = schedule(sizes)
+        steps.append((sum(item.chunk for item in work), sum(item.budget - 1 for item in work if not item.prefill)))
+        return work
+
+    llm.scheduler.schedule = recorded  # type: ignore[method-assign]
+    return steps
+
+
 @pytest.mark.parametrize("speculation", ["fixed", "load-aware"])
 def test_trees_take_only_the_budget_that_waiting_prompts_leave(
     engine: LoadedEngine, prompts: list[list[int]], speculation: str
@@ -257,30 +281,20 @@ def test_trees_take_only_the_budget_that_waiting_prompts_leave(
     budget = 48
     config = RuntimeConfig(max_batch_size=4, max_num_tokens=budget, max_draft_tokens=24, speculation=speculation)
     llm = LLMEngine(engine, config)
-    first = llm.add_request(prompts[0][:20], SamplingParams(max_tokens=40, ignore_eos=True), "redrafter")
-    while first.in_prefill or not first.result.output_ids:
-        llm.step()
+    first = decoding(llm, prompts[0][:20])
     long_prompt = prompts[1][: 2 * (budget - 1) + 5]  # chunks of 47, 47 and 5 beside one decoding root
     second = llm.add_request(long_prompt, SamplingParams(max_tokens=8, ignore_eos=True), "ar")
-    steps: list[tuple[int, int, int]] = []  # (prompt tokens the step owed, its prompt chunk, tree nodes beyond roots)
-    schedule = llm.scheduler.schedule
-
-    def recorded(sizes: dict[str, Sequence[int]]) -> list[ScheduledWork]:
-        owed = len(long_prompt) - second.num_computed
-        work = schedule(sizes)
-        chunk = sum(item.chunk for item in work)
-        trees = sum(item.budget - 1 for item in work if not item.prefill)
-        if chunk:
-            steps.append((owed, chunk, trees))
-        return work
-
-    llm.scheduler.schedule = recorded  # type: ignore[method-assign]
+    steps = scheduled(llm)
     while llm.has_unfinished():
         llm.step()
-    assert [chunk for _, chunk, _ in steps] == [budget - 1, budget - 1, 5], steps
-    assert [trees for owed, chunk, trees in steps if chunk < owed] == [0, 0], "a tree delayed a prompt"
+    chunks = [(chunk, trees) for chunk, trees in steps if chunk]
+    assert [chunk for chunk, _ in chunks] == [budget - 1, budget - 1, 5], steps
+    done = itertools.accumulate((chunk for chunk, _ in chunks), initial=0)  # prompt tokens in before each chunk
+    # the trees of the steps whose prompt was owed more than their chunk
+    owed_more = [t for (chunk, t), before in zip(chunks, done, strict=False) if chunk < len(long_prompt) - before]
+    assert owed_more == [0, 0], "a tree delayed a prompt"
     if speculation == "fixed":
-        assert steps[-1][2] > 0, "the last chunk left room, and no tree was drafted in it"
+        assert chunks[-1][1] > 0, "the last chunk left room, and no tree was drafted in it"
     ar = LLMEngine(engine, RuntimeConfig(max_batch_size=1))
     assert first.result.output_ids == ar.generate([prompts[0][:20]], [first.params], "ar")[0].output_ids
     assert second.result.output_ids == ar.generate([long_prompt], [second.params], "ar")[0].output_ids
@@ -293,26 +307,16 @@ def test_a_prompt_waiting_for_kv_blocks_holds_up_no_tree(engine: LoadedEngine, p
     and both come out as auto-regression's."""
     config = RuntimeConfig(max_batch_size=4, max_num_tokens=160, max_draft_tokens=24, speculation="fixed")
     llm = LLMEngine(engine, config)
-    first = llm.add_request(prompts[0][:20], SamplingParams(max_tokens=40, ignore_eos=True), "redrafter")
-    while first.in_prefill or not first.result.output_ids:
-        llm.step()
+    first = decoding(llm, prompts[0][:20])
     long_prompt = (prompts[1] + prompts[2])[:200]  # a first chunk of 160 tokens: 10 blocks
     held = "\0held by others"  # blocks other work holds: 6 stay free
     assert llm.blocks.ensure(held, (llm.blocks.num_free - 6) * llm.blocks.block_size)
     waiting = llm.add_request(long_prompt, SamplingParams(max_tokens=8, ignore_eos=True), "ar")
-    trees: list[int] = []  # tree nodes beyond the roots, a step
-    schedule = llm.scheduler.schedule
-
-    def recorded(sizes: dict[str, Sequence[int]]) -> list[ScheduledWork]:
-        work = schedule(sizes)
-        trees.append(sum(item.budget - 1 for item in work if not item.prefill))
-        return work
-
-    llm.scheduler.schedule = recorded  # type: ignore[method-assign]
+    steps = scheduled(llm)
     for _ in range(5):
         llm.step()
         assert waiting in llm.scheduler.waiting, "the prompt must wait for blocks for this test to mean anything"
-    assert all(trees), f"a prompt waiting for KV blocks kept the request from drafting: {trees}"
+    assert all(trees for _, trees in steps), f"a prompt waiting for KV blocks kept the request from drafting: {steps}"
     llm.blocks.free(held)
     while llm.has_unfinished():
         llm.step()
