@@ -41,7 +41,7 @@ caller runs the model's forward.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar, cast
 
 import torch
@@ -145,6 +145,8 @@ class _Op(Generic[Out]):
 
     llama: _Llama
     op: ClassVar[str]
+    _arguments: list[Any] = field(default_factory=list, init=False, compare=False, repr=False)
+    """(cache K, cache V, `model_arguments` for that cache), once asked."""
 
     def products(self) -> list[Any]:
         """The op's weight arguments."""
@@ -177,12 +179,20 @@ class _Op(Generic[Out]):
 
     def model_arguments(self, cache: PagedKVCache) -> list[Any]:
         """The ops' arguments after the step's own: the model's weights, `cache`'s K/V and
-        the settings, in the schemas' order."""
+        the settings, in the schemas' order. Gathered once per cache (the model does not
+        change from step to step: `_Llama`): gathered at every call, through the modules'
+        attributes, they cost ~12 us, at batch 1 a call of the target's forward and one or
+        two of a draft LM's a step."""
+        memo = self._arguments
+        if memo and memo[0] is cache.k and memo[1] is cache.v:
+            return memo[2]
         llama, cfg, model = self.llama, self.llama.model.config, self.llama.model.model
-        return [
+        arguments = [
             model.embed_tokens.weight, llama.inv_freq, llama.rope_scale, llama.norms, *self.products(),
             cache.k, cache.v, model.norm.weight, cfg.num_attention_heads, cfg.rms_norm_eps,
         ]  # fmt: skip
+        memo[:] = [cache.k, cache.v, arguments]
+        return arguments
 
 
 def _view(
@@ -278,9 +288,11 @@ class Int8DraftLM(_Op[Tensor]):
         )
         return [row[:n] for row, n in zip(out.tolist(), levels, strict=True)]
 
-    def takes_chain_level(self) -> bool:
-        """Whether `chain_level` runs: the kernels built, the op not standing aside."""
-        return not self.stands_aside() and cpu_kernels.load_with_fake("draft_lm_chain_level", _fake_chain_level)
+    def takes_chain_level(self, inference: bool = False) -> bool:
+        """Whether `chain_level` runs: the kernels built, the op not standing aside (`inference`:
+        asked for a call under inference mode, where autograd is off whatever it is here)."""
+        aside = self.llama.model.batch_invariant if inference else self.stands_aside()
+        return not aside and cpu_kernels.load_with_fake("draft_lm_chain_level", _fake_chain_level)
 
     def chain_level(
         self, tokens: list[int] | Tensor, positions: list[int], slots: list[Tensor], cache: PagedKVCache

@@ -121,6 +121,8 @@ def level_uniforms(generators: list[torch.Generator], counts: list[int]) -> torc
             torch.cat([torch.rand(1, dtype=torch.float64, generator=g, device=device) for _ in range(n)])
             for g, n in zip(generators, counts, strict=True)
         ]
+    if len(set(counts)) == 1:  # (as long as each other: ~20 us less than padding at batch 1)
+        return torch.stack(rows)
     return pad_sequence(rows, batch_first=True)  # zeros after a row's counts
 
 

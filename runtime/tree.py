@@ -55,16 +55,23 @@ class DraftTree:
         """The deterministic tree of one child per level: node j is `tokens[j]`, child of
         node j - 1; `budgets`: each node labelled with the chain cut at its depth (j + 1 nodes)."""
         n = len(tokens)
-        mask = _CHAIN_MASKS.get(n)
-        if mask is None:
-            mask = _CHAIN_MASKS[n] = torch.ones(n, n, dtype=torch.bool).tril_()
-        return cls(tokens, list(range(-1, n - 1)), None, list(range(n)), mask, list(range(1, n + 1)) if budgets else [])
+        budget = list(range(1, n + 1)) if budgets else []
+        return cls(tokens, list(range(-1, n - 1)), None, list(range(n)), chain_mask(n), budget)
 
 
 _CHAIN_MASKS: dict[int, torch.Tensor] = {}
-"""Chain length -> its causal mask, shared by every chain of that length (masks are read, never
-written: `runtime/step_batch.py`, `runtime/logits_processing.py`). Made per chain, the mask was
-~half of building a ReDrafter chain in the engine (~40 us at batch 1, caches cold after the forward)."""
+
+
+def chain_mask(n: int) -> torch.Tensor:
+    """The ancestor-or-self mask of a chain of `n` nodes (causal: lower-triangular), shared by
+    every chain of that length (masks are read, never written: `runtime/step_batch.py`,
+    `runtime/logits_processing.py`). Made per chain, the mask was ~half of building a
+    ReDrafter chain in the engine (~40 us at batch 1, caches cold after the forward), and
+    ~25 us of a sampled draft-LM chain's (`ancestor_mask`)."""
+    mask = _CHAIN_MASKS.get(n)
+    if mask is None:
+        mask = _CHAIN_MASKS[n] = torch.ones(n, n, dtype=torch.bool).tril_()
+    return mask
 
 
 def ancestor_mask(parents: list[int]) -> torch.Tensor:

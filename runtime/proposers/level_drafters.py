@@ -310,15 +310,15 @@ class DraftLMLevels:
             ),
         )
 
-    @torch.inference_mode()  # as `chain_level` runs (the op stands aside under autograd)
     def chains(self) -> bool:
         """Whether chains are drafted a level per call (`chain_level`) instead of through
         `extend`'s trees: where a level is one cheap call, the draft LM's one-call C++
         forward on the CPU or the replay of a captured graph on a GPU (there a level of the
         tree code, its masks, segments, top-k and bookkeeping on the host, cost more than the
         level's forward)."""
-        if self.fused is not None:
-            return self.fused.takes_chain_level()
+        if self.fused is not None:  # as `chain_level` runs: under inference mode (here a
+            # decorator's context cost ~10 us a call, twice a step)
+            return self.fused.takes_chain_level(inference=True)
         return self.graphs is not None
 
     @torch.inference_mode()

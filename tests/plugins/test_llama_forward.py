@@ -238,6 +238,22 @@ def test_it_stands_aside_for_steps_it_does_not_take(op: str, monkeypatch: pytest
     assert run(fused, decode, cache) is None
 
 
+def test_the_ops_arguments_are_gathered_once_a_cache() -> None:
+    """`model_arguments` (the weights, a cache's K/V, the settings) is gathered once per cache
+    and given again while the step's cache is that one; another cache (another engine on
+    the same model, a test's copy) gets its own K/V, not the first one's."""
+    model = draft_lm()
+    fused = Int8DraftLM.of(model)
+    assert fused is not None
+    a, b = prefilled(model, [5]), prefilled(model, [5])
+    first = fused.model_arguments(a)
+    assert fused.model_arguments(a) is first and any(x is a.k for x in first)
+    other = fused.model_arguments(b)
+    assert any(x is b.k for x in other) and any(x is b.v for x in other)
+    assert not any(x is a.k or x is a.v for x in other)
+    assert fused.model_arguments(a) is not other
+
+
 def test_a_linear_of_the_wrong_width_is_refused_not_read_past() -> None:
     model = draft_lm()
     fused = Int8DraftLM.of(model)

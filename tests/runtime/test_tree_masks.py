@@ -1,6 +1,7 @@
 """Tree masks from bit sets (`runtime.tree.ancestor_mask`, `bit_rows`): every node sees
 exactly itself and the chain of parents up to the root, for trees of any size (bit sets
-wider than 64 bits included), and `bit_rows` unpacks bit j of each set into column j."""
+wider than 64 bits included), and `bit_rows` unpacks bit j of each set into column j. A
+chain's mask, shared by every chain of its length (`runtime.tree.chain_mask`), is the same."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import random
 
 import torch
 
+from runtime import tree
 from runtime.tree import DraftTree, ancestor_mask, bit_rows
 
 
@@ -39,3 +41,13 @@ def test_bit_rows_puts_bit_j_in_column_j() -> None:
         rows = bit_rows(sets, width)
         assert rows.shape == (len(sets), width) and rows.dtype == torch.bool
         assert rows.tolist() == [[bool(s >> j & 1) for j in range(width)] for s in sets]
+
+
+def test_a_chains_shared_mask_is_its_ancestor_mask() -> None:
+    """What `DraftTree.chain` and the draft LM's sampled chains (`rsd._sampled_chains`) carry
+    instead of building a mask per tree: for every length, the definition's mask of a chain,
+    one object a length (read, never written)."""
+    for n in range(1, 20):
+        parents = list(range(-1, n - 1))
+        assert torch.equal(tree.chain_mask(n), chain_mask(parents))
+        assert tree.chain_mask(n) is tree.chain_mask(n) is DraftTree.chain(list(range(n))).mask
