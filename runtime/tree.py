@@ -55,8 +55,8 @@ class DraftTree:
         """The deterministic tree of one child per level: node j is `tokens[j]`, child of
         node j - 1; `budgets`: each node labelled with the chain cut at its depth (j + 1 nodes)."""
         n = len(tokens)
-        budget = list(range(1, n + 1)) if budgets else []
-        return cls(tokens, list(range(-1, n - 1)), None, list(range(n)), chain_mask(n), budget)
+        node_budget = list(range(1, n + 1)) if budgets else []
+        return cls(tokens, list(range(-1, n - 1)), None, list(range(n)), chain_mask(n), node_budget)
 
 
 _CHAIN_MASKS: dict[int, torch.Tensor] = {}
