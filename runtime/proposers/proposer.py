@@ -150,4 +150,6 @@ def target_hidden(requests: list[Request]) -> torch.Tensor:
     states = [r.hidden for r in requests]
     if any(h is None for h in states):
         raise RuntimeError("a decoding request has no target hidden state (its prefill did not finish)")
+    if len(states) == 1:  # a view, not a copy (~14 -> ~4 us at batch 1): the drafter only reads it
+        return states[0][None]  # type: ignore[index]
     return torch.stack(states)  # type: ignore[arg-type]
