@@ -43,8 +43,9 @@ class DraftTree:
     def __post_init__(self) -> None:
         if not self.depths:
             self.depths = depths_of(self.parents)
-        if self.mask is None:
-            self.mask = ancestor_mask(self.parents)
+        if self.mask is None:  # a chain's is shared (`chain_mask`), any other tree's built
+            n = len(self.parents)
+            self.mask = chain_mask(n) if self.parents == list(range(-1, n - 1)) else ancestor_mask(self.parents)
 
     @classmethod
     def root(cls, token: int) -> DraftTree:
@@ -65,9 +66,9 @@ _CHAIN_MASKS: dict[int, torch.Tensor] = {}
 def chain_mask(n: int) -> torch.Tensor:
     """The ancestor-or-self mask of a chain of `n` nodes (causal: lower-triangular), shared by
     every chain of that length (masks are read, never written: `runtime/step_batch.py`,
-    `runtime/logits_processing.py`). Made per chain, the mask was ~half of building a
-    ReDrafter chain in the engine (~40 us at batch 1, caches cold after the forward), and
-    ~25 us of a sampled draft-LM chain's (`ancestor_mask`)."""
+    `runtime/logits_processing.py`); every chain `DraftTree` gets it. Made per chain, the
+    mask was ~half of building a ReDrafter chain in the engine (~40 us at batch 1, caches
+    cold after the forward), and ~25 us of a sampled draft-LM chain's (`ancestor_mask`)."""
     mask = _CHAIN_MASKS.get(n)
     if mask is None:
         mask = _CHAIN_MASKS[n] = torch.ones(n, n, dtype=torch.bool).tril_()

@@ -52,7 +52,7 @@ from runtime.proposers.proposer import CHAINS, KVMoves, Proposer, target_hidden
 from runtime.request import Request
 from runtime.sampling import SamplingParams, inverse_cdf_rows, target_probs, target_probs_rows
 from runtime.speculation_policy import DraftCall
-from runtime.tree import DraftTree, chain_mask, children_lists
+from runtime.tree import DraftTree, children_lists
 from runtime.verify import Acceptance, accept_batch
 
 RSD_METHODS = ("rsd-c", "rsd-s", "sd")
@@ -433,12 +433,7 @@ def _sampled_chains(
             drawn, tables = fused[0].tolist(), fused[1]
             return [
                 DraftTree(
-                    [root, *row[:n]],
-                    list(range(-1, n)),
-                    tables[i, : n + 1],
-                    depths=list(range(n + 1)),
-                    mask=chain_mask(n + 1),
-                    sampled=True,
+                    [root, *row[:n]], list(range(-1, n)), tables[i, : n + 1], depths=list(range(n + 1)), sampled=True
                 )
                 for i, (root, row, n) in enumerate(zip(roots, drawn, lengths, strict=True))
             ]

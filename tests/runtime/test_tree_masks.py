@@ -44,10 +44,13 @@ def test_bit_rows_puts_bit_j_in_column_j() -> None:
 
 
 def test_a_chains_shared_mask_is_its_ancestor_mask() -> None:
-    """What `DraftTree.chain` and the draft LM's sampled chains (`rsd._sampled_chains`) carry
-    instead of building a mask per tree: for every length, the definition's mask of a chain,
-    one object a length (read, never written)."""
+    """What every chain `DraftTree` carries instead of building a mask per tree
+    (`DraftTree.chain`, or built from a chain's parents, as the draft LM's sampled chains
+    are): for every length, the definition's mask of a chain, one object a length (read,
+    never written); a tree that is no chain still gets its own."""
     for n in range(1, 20):
         parents = list(range(-1, n - 1))
         assert torch.equal(tree.chain_mask(n), chain_mask(parents))
-        assert tree.chain_mask(n) is tree.chain_mask(n) is DraftTree.chain(list(range(n))).mask
+        assert tree.chain_mask(n) is DraftTree.chain(list(range(n))).mask is DraftTree(list(range(n)), parents).mask
+    branched = [-1, 0, 0, 1]
+    assert torch.equal(DraftTree([1, 2, 3, 4], branched).mask, chain_mask(branched))
