@@ -11,6 +11,10 @@ builds each node's row once, keeps its k best in one pass and sums its exps in a
 a vector of the CPU's width at a time: the same children (the smaller index first on
 ties, where torch's top-k leaves the order open), log-probabilities within fp32 rounding
 of torch's.
+
+`specpipe::token_info_chain` is width 1 whole (Lyanna's chains): every depth of a batch's
+chains in one call, each pick the best child of the last (`token_info_top_k` at k = 1, the
+same child; no exp pass), with `token_info_chain_reference` its plain-torch form.
 """
 
 from __future__ import annotations
@@ -79,3 +83,45 @@ def _fake(
 ) -> tuple[Tensor, Tensor]:
     m = owners.shape[0]
     return rows.new_empty(m, k, dtype=torch.float32), rows.new_empty(m, k, dtype=torch.long)
+
+
+def token_info_chain_reference(
+    logits: Tensor, roots: Tensor, hot_index: Tensor, hot_ids: Tensor, table: Tensor
+) -> Tensor:
+    """Plain torch (same arguments and result as `token_info_chain`): `logits` `[B, D, V]`
+    chain rows, `roots` `[B]`, `hot_index` `[V]` (a token's table row or -1; empty: no
+    table), `hot_ids` `[H]`, `table` `[H, H]` -> `[B, D]`: at each depth d the best child
+    (`token_info_top_k_reference` at k = 1) of the last pick under row d."""
+    owners = torch.arange(logits.shape[0], device=logits.device)
+    prev, picks = roots, []
+    for depth in range(logits.shape[1]):
+        hot_rows = hot_index[prev] if hot_index.numel() else torch.full_like(prev, -1)
+        prev = token_info_top_k_reference(logits[:, depth], owners, hot_rows, hot_ids, table, 1)[1][:, 0]
+        picks.append(prev)
+    return torch.stack(picks, dim=1) if picks else roots.new_empty(len(roots), 0)
+
+
+def _chain_fake(logits: Tensor, roots: Tensor, hot_index: Tensor, hot_ids: Tensor, table: Tensor) -> Tensor:
+    return roots.new_empty(logits.shape[0], logits.shape[1])
+
+
+def best_chains(logits: Tensor, roots: Tensor, hot_index: Tensor, hot_ids: Tensor, table: Tensor) -> Tensor:
+    """`token_info_chain` by the shortest route: the C++ op (`specpipe_cpu::token_info_chain`,
+    plugins/csrc/token_info_top_k_cpu.cpp) where it applies, else the reference. Lyanna's
+    chains took a `token_info_top_k` call, a hot-row gather and a read a depth: ~145 us for a
+    batch-1 chain of three after a 48 MB read, most of it the calls around ~10 us of work."""
+    if (
+        logits.shape[1]
+        and kernel_applies(logits[:, 0], table, 1)
+        and cpu_kernels.load_with_fake("token_info_chain", _chain_fake)
+    ):
+        return torch.ops.specpipe_cpu.token_info_chain(logits, roots, hot_index, hot_ids, table.contiguous())
+    return token_info_chain_reference(logits, roots, hot_index, hot_ids, table)
+
+
+@torch.library.custom_op("specpipe::token_info_chain", mutates_args=())
+def token_info_chain(logits: Tensor, roots: Tensor, hot_index: Tensor, hot_ids: Tensor, table: Tensor) -> Tensor:
+    return best_chains(logits, roots, hot_index, hot_ids, table)
+
+
+token_info_chain.register_fake(_chain_fake)

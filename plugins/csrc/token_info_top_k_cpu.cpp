@@ -86,12 +86,66 @@ std::tuple<at::Tensor, at::Tensor> token_info_top_k(const at::Tensor& rows, cons
   return {values, indices};
 }
 
+// specpipe_cpu::token_info_chain: Lyanna's width-1 trees (chains) whole: for each request b,
+// from its root, at every depth d the best child of the last pick under row logits[b, d] plus
+// the pick's hot-token table row (as token_info_top_k at k = 1, the same best child: the
+// smaller index on ties), [B, D] picks. Only the argmax is kept, so no exp pass; the depths
+// are sequential, so one call does what D calls of token_info_top_k and D reads of their
+// picks did.
+at::Tensor token_info_chain(const at::Tensor& logits, const at::Tensor& roots, const at::Tensor& hot_index,
+                            const at::Tensor& hot_ids, const at::Tensor& table) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 3 &&
+                  logits.stride(2) == 1,
+              "specpipe_cpu::token_info_chain takes fp32 CPU [B, D, V] logits with contiguous rows");
+  const int64_t B = logits.size(0), D = logits.size(1), V = logits.size(2), H = hot_ids.size(0);
+  TORCH_CHECK(roots.dim() == 1 && roots.size(0) == B && roots.scalar_type() == at::kLong, "one int64 root per row");
+  TORCH_CHECK(hot_index.numel() == 0 || (hot_index.numel() == V && hot_index.scalar_type() == at::kLong),
+              "hot_index must be empty (no table) or int64 [V]");
+  TORCH_CHECK(table.scalar_type() == at::kFloat && table.dim() == 2 && table.is_contiguous() && table.size(1) == H &&
+                  (hot_index.numel() == 0 || table.size(0) == H),
+              "the hot-token table must be a contiguous fp32 [H, H] tensor over hot_ids");
+  const auto root = roots.contiguous(), index = hot_index.contiguous(), ids = hot_ids.contiguous();
+  const int64_t *r = root.data_ptr<int64_t>(), *cols = ids.data_ptr<int64_t>();
+  const int64_t* hot = index.numel() ? index.data_ptr<int64_t>() : nullptr;
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(r[b] >= 0 && r[b] < V, "row ", b, ": root out of range");
+  for (int64_t j = 0; j < H; ++j) TORCH_CHECK(cols[j] >= 0 && cols[j] < V, "hot id out of range");
+  auto picks = at::empty({B, D}, roots.options());
+  int64_t* out = picks.data_ptr<int64_t>();
+  const float *base = logits.data_ptr<float>(), *tab = table.data_ptr<float>();
+  const int64_t sb = logits.stride(0), sd = logits.stride(1);
+  at::parallel_for(0, B, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> x(V);
+    for (int64_t b = begin; b < end; ++b) {
+      int64_t prev = r[b];
+      for (int64_t d = 0; d < D; ++d) {
+        const float* row = base + b * sb + d * sd;
+        const int64_t h = hot ? hot[prev] : -1;
+        TORCH_CHECK(h >= -1 && h < H, "hot_index out of range at token ", prev);
+        if (h >= 0) {  // the row with its table row added at the hot columns (token_info_top_k's copy)
+          std::memcpy(x.data(), row, V * sizeof(float));
+          const float* add = tab + h * H;
+          for (int64_t j = 0; j < H; ++j) x[cols[j]] += add[j];
+          row = x.data();
+        }
+        float best;
+        specpipe_lanes::top_k(row, V, 1, &best, &prev);
+        out[b * D + d] = prev;
+      }
+    }
+  });
+  return picks;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specpipe_cpu, m) {
   m.def(
       "token_info_top_k(Tensor rows, Tensor owners, Tensor hot_rows, Tensor hot_ids, Tensor table, int k) -> "
       "(Tensor, Tensor)");
+  m.def("token_info_chain(Tensor logits, Tensor roots, Tensor hot_index, Tensor hot_ids, Tensor table) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(specpipe_cpu, CPU, m) { m.impl("token_info_top_k", &token_info_top_k); }
+TORCH_LIBRARY_IMPL(specpipe_cpu, CPU, m) {
+  m.impl("token_info_top_k", &token_info_top_k);
+  m.impl("token_info_chain", &token_info_chain);
+}

@@ -49,7 +49,7 @@ import torch
 
 from model_defs.lyanna import HotTokenTable
 from plugins.lyanna_chain import Int8Chain
-from plugins.token_info_top_k import top_children
+from plugins.token_info_top_k import best_chains, top_children
 from runtime.block_manager import BlockManager
 from runtime.loaded_engine import LoadedEngine
 from runtime.proposers.proposer import CHAINS, KVMoves, Proposer, target_hidden
@@ -186,14 +186,18 @@ def token_info_chains(
     call for the batch and the host reads the chains once at the end, without the general
     path's frontier lists, joint scores, per-depth reads and prune: a batch-1 chain of three
     on the demo Lyanna engine 66 -> 45 us with caches hot, 144 -> 117 us after a flush
-    (2-core EPYC)."""
-    owners = torch.arange(len(roots), device=logits.device)
+    (2-core EPYC). With a hot-token table (or none) every depth is one C++ call
+    (`best_chains`, the same picks)."""
     prev = torch.tensor(roots, device=logits.device)
-    picked = []
-    for depth in range(logits.shape[1]):
-        prev = _best_children(logits[:, depth], owners, prev, bias, 1)[1][:, 0]
-        picked.append(prev)
-    drafts = torch.stack(picked, dim=1).tolist()
+    if isinstance(bias, HotTokenTable) or bias is None:  # every depth in one call (`best_chains`)
+        table = bias or HotTokenTable(prev[:0], prev[:0], logits.new_zeros(0, 0))
+        drafts = best_chains(logits, prev, table.hot_index, table.hot_ids, table.table).tolist()
+    else:
+        owners, picked = torch.arange(len(roots), device=logits.device), []
+        for depth in range(logits.shape[1]):
+            prev = _best_children(logits[:, depth], owners, prev, bias, 1)[1][:, 0]
+            picked.append(prev)
+        drafts = torch.stack(picked, dim=1).tolist()
     return [
         DraftTree.chain([root, *drafted[:budget]], budgets=True)
         for root, drafted, budget in zip(roots, drafts, budgets, strict=True)
