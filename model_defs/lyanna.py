@@ -71,10 +71,9 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -84,6 +83,9 @@ from torch import nn
 from model_defs.checkpoint import SINGLE_FILE, load_checkpoint_dir
 from model_defs.llama import Attend, DecoderLayer, Linear, LlamaConfig, RMSNorm
 from model_defs.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from plugins.lyanna_chain import Int8Chain
 
 MODEL_TYPE = "lyanna_drafter"
 ARCHITECTURE = "LyannaDrafter"
@@ -338,14 +340,19 @@ class LyannaDrafter(nn.Module):
         t1: torch.Tensor,
         embed: nn.Embedding | torch.Tensor,
         k: int,
-        fused: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        fused: Int8Chain | None = None,
     ) -> torch.Tensor:
         """h0 `[B, D]` (target final-norm state at the last accepted token), t1 `[B]` (bonus
         token) -> the chain's hidden states h_1..h_k `[B, k, D]`: k sequential layer steps
         over a per-call KV, RoPE positions 1..k. `fused(x_1, cos, sin)`: the k steps in one
-        call (`plugins.lyanna_chain.Int8Chain`, int8 layers on the CPU); None: these modules."""
+        call (`plugins.lyanna_chain.Int8Chain`, int8 layers on the CPU), the first input
+        too where it holds the `fuse` linear (`Int8Chain.draft`); None: these modules."""
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
+        if fused is not None and not torch.is_grad_enabled():
+            weight = embedding_weight(embed) if self.config.first_token_fusion else None
+            if fused.drafts_from(h0, weight) and h0.dtype == self.dtype:  # the first input in the op too
+                return fused.draft(h0, t1, weight, *self._chain_rope(k, self.dtype, h0.device))
         x = h0.to(self.dtype)
         if self.config.first_token_fusion:
             x = torch.cat([x, F.embedding(t1, embedding_weight(embed)).to(x.dtype)], dim=-1)

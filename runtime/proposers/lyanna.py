@@ -266,7 +266,7 @@ class LyannaProposer(Proposer):
     def __init__(self, engine: LoadedEngine, blocks: BlockManager) -> None:
         super().__init__(engine, blocks)
         drafter = engine.lyanna_drafter
-        self.fused = Int8Chain.of(drafter.layer, drafter.norm) if drafter is not None else None
+        self.fused = Int8Chain.of(drafter.layer, drafter.norm, drafter.fuse) if drafter is not None else None
         """The drafter's chain as one C++ call, where it applies (`plugins/lyanna_chain.py`)."""
 
     def setting_names(self, method: str) -> Collection[str]:

@@ -81,3 +81,27 @@ def test_wrong_variants_fail() -> None:
 def test_it_stands_aside_where_it_does_not_apply() -> None:
     for model, _ in (drafter(int8=False), drafter(bias=True)):  # fp32 linears; a biased q/k/v
         assert Int8Chain.of(model.layer, model.norm) is None
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_first_input_in_the_op_has_the_python_paths_bits(batch: int) -> None:
+    """Given the drafter's `fuse` linear, the op makes the first input too
+    (`specpipe_cpu::lyanna_draft`): the same bits as the chain op after the Python first
+    input (its gather, concatenation and int8 `Linear`), and the reference's states to int8
+    rounding; an op that read another token's embedding, or left the fuse bias out, would
+    differ (both checked)."""
+    model, embed = drafter()
+    chain_only = Int8Chain.of(model.layer, model.norm)
+    whole = Int8Chain.of(model.layer, model.norm, model.fuse)
+    assert chain_only is not None and whole is not None and whole.fuse is not None and chain_only.fuse is None
+    gen = torch.Generator().manual_seed(batch)
+    h0, t1 = torch.randn(batch, 32, generator=gen), torch.randint(0, 64, (batch,), generator=gen)
+    with torch.inference_mode():
+        want = model.draft_chain(h0, t1, embed, 4)
+        apart = model.draft_chain(h0, t1, embed, 4, chain_only)
+        got = model.draft_chain(h0, t1, embed, 4, whole)
+        assert torch.equal(got, apart) and (got - want).abs().max() < TOLERANCE
+        cos, sin = model._chain_rope(4, torch.float32, h0.device)
+        other_token = whole.draft(h0, (t1 + 1) % 64, embed.weight, cos, sin)  # another row of the embedding
+        no_bias = replace(whole, fuse_bias=torch.zeros_like(whole.fuse_bias)).draft(h0, t1, embed.weight, cos, sin)
+    assert (other_token - want).abs().max() > 0.1 and (no_bias - want).abs().max() > 0.1
