@@ -178,7 +178,11 @@ def token_info_trees(
 
 
 def token_info_chains(
-    roots: list[int], logits: torch.Tensor, bias: Bias | HotTokenTable | None, budgets: list[int]
+    roots: list[int],
+    logits: torch.Tensor,
+    bias: Bias | HotTokenTable | None,
+    budgets: list[int],
+    root_ids: torch.Tensor | None = None,
 ) -> list[DraftTree]:
     """`token_info_trees` at width 1, each chain cut to its request's budget: the best child
     of the last node a depth (its token-info bias steering it), as a chain labelled with its
@@ -187,8 +191,9 @@ def token_info_chains(
     path's frontier lists, joint scores, per-depth reads and prune: a batch-1 chain of three
     on the demo Lyanna engine 66 -> 45 us with caches hot, 144 -> 117 us after a flush
     (2-core EPYC). With a hot-token table (or none) every depth is one C++ call
-    (`best_chains`, the same picks)."""
-    prev = torch.tensor(roots, device=logits.device)
+    (`best_chains`, the same picks). `root_ids`: `roots` as a tensor on the logits' device,
+    where the caller has one (a tensor from a list costs ~20 us after a forward)."""
+    prev = torch.tensor(roots, device=logits.device) if root_ids is None else root_ids
     if isinstance(bias, HotTokenTable) or bias is None:  # every depth in one call (`best_chains`)
         table = bias or HotTokenTable(prev[:0], prev[:0], logits.new_zeros(0, 0))
         drafts = best_chains(logits, prev, table.hot_index, table.hot_ids, table.table).tolist()
@@ -351,7 +356,7 @@ class LyannaProposer(Proposer):
         head = self.engine.lyanna_head or model.lm_head  # an int8 copy, if the engine has one
         logits = drafter.head_logits(states, head)  # [B, depth, V]
         if chain or params.width == 1:
-            return token_info_chains(roots, logits, self._bias, budgets), logits
+            return token_info_chains(roots, logits, self._bias, budgets, tokens), logits
         return token_info_trees(roots, logits, self._bias, params.width, budgets), logits
 
     def _draft(

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from model_defs.llama import LlamaForCausalLM
+from model_defs.llama import Linear, LlamaForCausalLM
 from model_defs.lyanna import (
     DEFAULT_HOT_TOKENS,
     LyannaConfig,
@@ -19,6 +19,7 @@ from model_defs.lyanna import (
     expected_shapes,
     hot_table_bytes,
 )
+from plugins.cpu_linear import int8_available
 from tests.device import TEST_DEVICE
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,6 +57,25 @@ def test_chain_shapes_and_one_pass_head(target: LlamaForCausalLM) -> None:
         for i in range(1, 5):
             step = drafter.draft_chain(h0, t1, target.model.embed_tokens, i)[:, -1]
             torch.testing.assert_close(logits[:, i - 1], target.lm_head(step), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not int8_available(), reason="no int8 kernels here")
+def test_an_int8_heads_one_pass_is_its_linears_product() -> None:
+    """An int8 head (the engine's `lyanna_head`) takes its kernel straight in `head_logits`:
+    the same bits as the `Linear`'s own product of each state, and not an fp32 head's."""
+    gen = torch.Generator().manual_seed(3)
+    head = Linear(32, 50, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(50, 32, generator=gen))
+    fp32 = head(torch.ones(1, 32))
+    if not head.quantize_int8() or head.int8 is None or head.int8.kernel is None:
+        pytest.skip("no int8 kernel for this CPU")
+    hidden = torch.randn(3, 4, 32, generator=gen)
+    with torch.inference_mode():
+        logits = LyannaDrafter.head_logits(hidden, head)
+        assert logits.shape == (3, 4, 50)
+        assert torch.equal(logits, torch.stack([head(hidden[:, i]) for i in range(4)], dim=1))
+        assert not torch.equal(LyannaDrafter.head_logits(torch.ones(1, 32), head), fp32)
 
 
 def test_chain_ignores_tokens_after_step_one(target: LlamaForCausalLM) -> None:
