@@ -24,9 +24,10 @@ deduplicated) and verified in that step's forward; without fusion it is the next
 tree on its own (its verification spends a target forward).
 
 Load-aware speculation picks each request's size per step (`LyannaParams.sizes`): up to
-`depth` drafted nodes a chain (the tree at width 1: `LyannaParams.chains`), above that the
-regular draft pruned to fewer nodes by joint probability, the larger one cut (`prune`
-labels node budgets); each drafted from a drafter chain only as deep as its size needs.
+`depth` drafted nodes a chain (the tree at width 1: `LyannaParams.chains`), then the whole
+step; with `LyannaParams.prunes`, also the regular draft pruned to fewer nodes by joint
+probability in between, the larger one cut (`prune` labels node budgets); each drafted
+from a drafter chain only as deep as its size needs.
 The re-sampled subtree is fused only at the whole step's size.
 
 Why this stays exactly lossless: every node of the merged tree is a deterministic
@@ -91,6 +92,19 @@ class LyannaParams:
     tokens a step and ran 1.10x auto-regression, where the 4-node prune kept 2.02 and ran
     0.95x (its width-4 tree is built, then pruned), and load-aware Lyanna, offered only
     prunes, ran 0.96x."""
+    prunes: bool = False
+    """Load-aware speculation's sizes between the largest chain and the whole step (the
+    regular draft pruned to 4, 8 and `budget` nodes) are offered only where this is set, or
+    where no size is a chain (`chain_most` 0). Offered, they were drafted in up to half the
+    steps of a run (priced by a prune's tokens over the chain's estimate, which goes stale
+    while prunes are drafted: prunes do not measure chains) and never ran faster than the
+    4-node chain. Demo engine, 2-core EPYC, lockstep, load-aware offered the chains and
+    the whole step against the same with the prunes (session 41): batch 1, T=0 1.259x
+    against 1.091x AR (12 rounds; the fixed 4-node chain 1.327x), batch 8, T=0 0.960
+    against 0.949, batch 1, T=1 0.973 against 0.966, batch 8, T=1 0.980 against 0.984.
+    Offered the chains alone (`width=1`) it read 1.385x against the fixed chain's 1.400x
+    (16 rounds; the whole step's probes are most of the rest: 1.327x in that run), but on
+    a GPU, where a 17-node forward costs about a 4-node one, the whole tree is what pays."""
 
     def __post_init__(self) -> None:
         for name in ("depth", "width", "budget", "resample_budget"):
@@ -110,8 +124,11 @@ class LyannaParams:
         alone, the regular draft of 1, 2, 3, 4 and 8 nodes and of `budget`, and the whole
         step (with a fused re-sampled subtree). Up to `chain_most` drafted nodes a size is a
         chain, each a cut of the next; above, the regular draft pruned to its best nodes by
-        joint probability, each smaller prune the larger one cut (`prune`'s node budgets)."""
+        joint probability, each smaller prune the larger one cut (`prune`'s node budgets),
+        offered only with `prunes` (or without chains): else the chains, then the whole step."""
         drafted = {b for b in (1, 2, 3, 4, 8) if b < self.budget} | {self.budget}
+        if self.chain_most and not self.prunes:
+            drafted = {b for b in drafted if b <= self.chain_most}
         return sorted({1, self.max_nodes} | {1 + b for b in drafted})
 
     @property

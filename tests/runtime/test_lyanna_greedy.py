@@ -100,7 +100,7 @@ def test_small_sizes_are_chains_and_stay_exact(
 ) -> None:
     """`LyannaParams.chains`: load-aware speculation's sizes up to `depth` drafted nodes are
     chains (one node a depth, each a cut of the next, node budgets depth + 1), the sizes
-    above the width-w tree pruned, with no node budgets (what they measure is their own
+    above (`prunes`) the width-w tree pruned, with no node budgets (what they measure is their own
     size only). Every step of fixed speculation here is cut to a chain size or a pruned one
     in turn; greedy output stays the target's. Without `chains` the same sizes are prunes (siblings)."""
     sizes: list[int] = []
@@ -116,7 +116,7 @@ def test_small_sizes_are_chains_and_stay_exact(
         return out
 
     monkeypatch.setattr(LyannaProposer, "propose", forced)
-    results = llm_engine.generate(engine, prompts[:16], [PARAMS] * 16, "lyanna", FIXED, resample=False)
+    results = llm_engine.generate(engine, prompts[:16], [PARAMS] * 16, "lyanna", FIXED, resample=False, prunes=True)
     for i, r in enumerate(results):
         assert r.output_ids == reference[i], f"prompt {i} diverged"
     assert {s for s, _ in trees} == {2, 3, 4, 5, 9}

@@ -232,15 +232,20 @@ def test_the_smallest_sizes_are_chains() -> None:
     """`LyannaParams.chains`: sizes of up to `depth` drafted nodes, fewer than `budget`, are
     chains (`is_chain`), cuts of each other (`LyannaProposer.cuts`) and drafted apart
     (`cost_paths`); the regular draft itself, and everything at width 1 or without
-    `chains`, is as before."""
+    `chains`, is as before. The prunes between the chains and the whole step are offered
+    only with `prunes` (or without chains)."""
     from runtime.proposers.lyanna import LyannaProposer
 
-    params = LyannaParams()  # depth 3, width 4, budget 12, re-sampling on
+    params = LyannaParams(prunes=True)  # depth 3, width 4, budget 12, re-sampling on
     assert params.sizes == [1, 2, 3, 4, 5, 9, 13, 17] and params.chain_most == 3
     assert [s for s in params.sizes if params.is_chain(s)] == [2, 3, 4]
     proposer = LyannaProposer.__new__(LyannaProposer)  # cuts and paths read only the params
     assert proposer.cuts(params) == 4
     assert proposer.cost_paths(params) == ["", "chains", "chains", "chains", "", "", "", ""]
+    default = LyannaParams()  # no prunes offered: the chains, then the whole step
+    assert default.sizes == [1, 2, 3, 4, 17] and proposer.cuts(default) == 4
+    assert proposer.cost_paths(default) == ["", "chains", "chains", "chains", ""]
+    assert LyannaParams(resample=False).sizes == [1, 2, 3, 4, 13]
     small = LyannaParams(depth=3, budget=3, resample=False)  # its regular draft stays the prune
     assert small.sizes == [1, 2, 3, 4] and small.chain_most == 2 and not small.is_chain(4)
     for plain in (LyannaParams(width=1), LyannaParams(chains=False)):
