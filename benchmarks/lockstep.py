@@ -37,6 +37,10 @@ forward, verify, commit, emit), AR's beside them. Stepping in turn, each engine 
 caches the others left, so the milliseconds read higher than a run of its own: compare them
 across configurations of one run.
 
+Sizes chosen: each configuration's request-steps by the tree size its policy gave them in the
+timed rounds (`SpeculationPolicy.chosen`), so a load-aware configuration's choices sit beside
+its speed.
+
 First tokens: a round's requests all arrive at its start (a burst), and each configuration
 times a request's first token on its own step clock (the seconds of its own steps from the
 round's start through the step that gave it): the median request, and a round's last.
@@ -171,6 +175,9 @@ class Row:
     arrives then) to a request's first token, median over every request of every round."""
     last_first_token_ms: float = 0.0
     """The same for the last request of each round to get its first token, median over rounds."""
+    sizes: dict[int, int] = field(default_factory=dict)
+    """Tree size (root included; 1: no drafting) -> request-steps its policy gave that size
+    in the timed rounds (`SpeculationPolicy.chosen`): what load-aware speculation chose."""
 
 
 @dataclass
@@ -344,6 +351,7 @@ def measure(
     count = prompts or max(batch, 8)  # at batch 1, one prompt a round read 0.79-1.05 between rounds
     encoded = [engine.encode(t) for t in heldout_prompts(count)]
     engines = prepared(engine, configs, batch, encoded[0], temperature)
+    chosen_before = {name: dict(llm.policy.chosen) for name, llm in engines.items()}  # (the warm-up's)
     kinds: dict[str, dict[str, StepPhases]] = {}
     firsts: dict[str, list[list[float]]] = {}
     seconds, tokens, outputs, done = lockstep(
@@ -372,9 +380,19 @@ def measure(
                 kinds=by_kind(kinds.get(name, {})),
                 first_token_ms=round(statistics.median(t for run in firsts[name] for t in run) * 1e3, 2),
                 last_first_token_ms=round(statistics.median(max(run) for run in firsts[name]) * 1e3, 2),
+                sizes=sizes_chosen(chosen_before[name], engines[name].policy.chosen),
             )
         )
     return rows, count
+
+
+def sizes_chosen(before: dict[tuple[str, int], int], after: dict[tuple[str, int], int]) -> dict[int, int]:
+    """Request-steps by tree size between two readings of `SpeculationPolicy.chosen`."""
+    sizes: dict[int, int] = {}
+    for key, n in after.items():
+        if (more := n - before.get(key, 0)) > 0:
+            sizes[key[1]] = sizes.get(key[1], 0) + more
+    return dict(sorted(sizes.items()))
 
 
 def by_kind(kinds: dict[str, StepPhases]) -> dict[str, dict[str, Any]]:
@@ -425,6 +443,15 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
         f"each phase{CACHES[meta.get('turns', 'steps')]}.",
         "",
         *kinds_table(["configuration"], [([f"`{r.config}`"], r.kinds) for r in rows]),
+        "",
+        "## Sizes chosen",
+        "",
+        "Request-steps of each configuration by the tree size (root included; 1: no drafting) its policy gave "
+        "them in the timed rounds (-: only the root offered, as for AR).",
+        "",
+        "| configuration | size: request-steps |",
+        "|---|---|",
+        *(f"| `{r.config}` | {', '.join(f'{k}: {v}' for k, v in r.sizes.items()) or '-'} |" for r in rows),
     ]
     return "\n".join(lines) + "\n"
 

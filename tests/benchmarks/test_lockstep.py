@@ -63,8 +63,15 @@ def test_configurations_step_in_turn_against_ar(
             assert k["steps"] > 0 and sum(k["phases_ms"].values()) == pytest.approx(k["ms"], abs=1e-3)
             assert k["phases_ms"]["forward"] > 0
     assert rows["redrafter:fixed"]["kinds"]["drafting"]["phases_ms"]["draft"] > 0  # its drafter runs there
+    # the sizes chosen in the timed rounds: AR offers only the root (no choice to count); fixed
+    # one-beam chains their one (largest) size
+    assert rows["ar"]["sizes"] == {}
+    chains = rows["redrafter:fixed[beam_width=1]"]["sizes"]
+    assert len(chains) == 1 and int(next(iter(chains))) > 1
+    assert sum(rows["redrafter"]["sizes"].values()) > 0
     text = out.with_suffix(".md").read_text()
     assert "| `redrafter:fixed` |" in text and "| `redrafter:fixed` | drafting |" in text
+    assert "## Sizes chosen" in text and "| `ar` | - |" in text
 
 
 @pytest.mark.parametrize(
