@@ -102,9 +102,10 @@ class LyannaParams:
     the whole step against the same with the prunes (session 41): batch 1, T=0 1.259x
     against 1.091x AR (12 rounds; the fixed 4-node chain 1.327x), batch 8, T=0 0.960
     against 0.949, batch 1, T=1 0.973 against 0.966, batch 8, T=1 0.980 against 0.984.
-    Offered the chains alone (`width=1`) it read 1.385x against the fixed chain's 1.400x
-    (16 rounds; the whole step's probes are most of the rest: 1.327x in that run), but on
-    a GPU, where a 17-node forward costs about a 4-node one, the whole tree is what pays."""
+    Offered the chains alone (`width=1`), load-aware read 1.385x and 1.159x in two 16-round
+    runs where this default read 1.327x and 1.164x (the fixed chain 1.400x and 1.204x): the
+    whole step, chosen in ~0.5% of the request-steps, costs within the runs' spread here, and
+    on a GPU, where a 17-node forward costs about a 4-node one, it is the tree that pays."""
 
     def __post_init__(self) -> None:
         for name in ("depth", "width", "budget", "resample_budget"):
