@@ -213,7 +213,7 @@ def token_info_chains(
     where the caller has one (a tensor from a list costs ~20 us after a forward)."""
     prev = torch.tensor(roots, device=logits.device) if root_ids is None else root_ids
     if isinstance(bias, HotTokenTable) or bias is None:  # every depth in one call (`best_chains`)
-        table = bias or HotTokenTable(prev[:0], prev[:0], logits.new_zeros(0, 0))
+        table = bias if bias is not None else HotTokenTable(prev[:0], prev[:0], logits.new_zeros(0, 0))
         drafts = best_chains(logits, prev, table.hot_index, table.hot_ids, table.table).tolist()
     else:
         owners, picked = torch.arange(len(roots), device=logits.device), []
