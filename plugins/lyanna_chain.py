@@ -72,12 +72,11 @@ class Int8Chain:
             fuse is not None
             and fuse.int8 is not None
             and fuse.int8.kernel is not None
+            and (fuse.bias is None or fuse.bias.dtype == torch.float32)
             and cpu_kernels.load_with_fake("lyanna_draft", _draft_fake)
         ):
             first = fuse.int8.kernel
             bias = fuse.bias.detach() if fuse.bias is not None else torch.zeros(fuse.out_features)
-            if bias.dtype != torch.float32:
-                first = bias = None
         return cls(norms, linears, attn.num_heads, attn.num_kv_heads, float(norm.eps), first, bias)
 
     def drafts_from(self, h0: Tensor, embed: Tensor | None) -> bool:
