@@ -83,6 +83,7 @@ from torch import nn
 from model_defs.checkpoint import SINGLE_FILE, load_checkpoint_dir
 from model_defs.llama import Attend, DecoderLayer, Linear, LlamaConfig, RMSNorm, takes_cpu_copy
 from model_defs.rope import RotaryEmbedding
+from plugins.cpu_linear import int8_linear
 
 if TYPE_CHECKING:
     from plugins.lyanna_chain import Int8Chain
@@ -386,17 +387,16 @@ class LyannaDrafter(nn.Module):
     def head_logits(hidden: torch.Tensor, lm_head: nn.Linear | torch.Tensor) -> torch.Tensor:
         """The one-pass LM head (§4.2): hidden `[B, k, D]` -> logits `[B, k, V]` (fp32) with one
         matmul over all k states, instead of one `[B, D] x [D, V]` per drafted token. An int8
-        head (`LoadedEngine.lyanna_head`) takes its kernel straight, as `Linear.product` would
-        (the same bits; its checks and calls cost ~25 us of ~100 after a 48 MB read)."""
+        head (`LoadedEngine.lyanna_head`) goes to `int8_linear` straight, where `Linear.product`
+        sends it (the same bits; the module call and the product's other checks cost ~25 us
+        of ~100 after a 48 MB read)."""
         if (
             isinstance(lm_head, Linear)
-            and lm_head.bias is None
             and lm_head.int8 is not None
-            and (kernel := lm_head.int8.kernel) is not None
+            and lm_head.int8.kernel is not None
             and takes_cpu_copy(hidden)
         ):
-            rows = hidden.reshape(-1, hidden.shape[-1]).contiguous()
-            return torch.ops.specpipe_cpu.int8_linear(rows, *kernel).view(*hidden.shape[:-1], kernel.weight.shape[0])
+            return int8_linear(hidden, lm_head.int8, lm_head.bias)
         if isinstance(lm_head, nn.Linear):  # the target's head (its CPU-blocked weight, if packed)
             return lm_head(hidden.to(lm_head.weight.dtype)).float()
         return F.linear(hidden.to(lm_head.dtype), lm_head).float()
