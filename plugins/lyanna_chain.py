@@ -18,6 +18,7 @@ a linear without the kernel's int8 copy, biases, kernels off).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -79,6 +80,12 @@ class Int8Chain:
             bias = fuse.bias.detach() if fuse.bias is not None else torch.zeros(fuse.out_features)
         return cls(norms, linears, attn.num_heads, attn.num_kv_heads, float(norm.eps), first, bias)
 
+    @cached_property
+    def columns(self) -> tuple[list[Tensor], ...]:
+        """The linears' weights, blocked copies, scales and sums, four lists in the ops'
+        order (both ops take them so), gathered once."""
+        return tuple(list(field) for field in zip(*self.linears, strict=True))
+
     def drafts_from(self, h0: Tensor, embed: Tensor | None) -> bool:
         """Whether `draft` takes these: a fuse linear, fp32 CPU states and embeddings."""
         return (
@@ -94,17 +101,15 @@ class Int8Chain:
         `__call__` -> h_1..h_k `[B, k, D]`; x_1 = fuse([h0, E(t_1)]) with the bits of the
         Python path's `Linear` (its int8 product, then the bias)."""
         assert self.fuse is not None and self.fuse_bias is not None
-        weights, blocked, scales, sums = (list(field) for field in zip(*self.linears, strict=True))
         return torch.ops.specpipe_cpu.lyanna_draft(
             h0, tokens, h0.new_empty(0, 0) if embed is None else embed, *self.fuse, self.fuse_bias, cos, sin,
-            self.norms, weights, blocked, scales, sums, self.num_heads, self.num_kv_heads, self.eps,
+            self.norms, *self.columns, self.num_heads, self.num_kv_heads, self.eps,
         )  # fmt: skip
 
     def __call__(self, x1: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """x1 `[B, D]` (the fused first input), cos/sin `[k, head_dim]` (RoPE at positions
         1..k) -> h_1..h_k `[B, k, D]`."""
-        weights, blocked, scales, sums = (list(field) for field in zip(*self.linears, strict=True))
         return torch.ops.specpipe_cpu.lyanna_chain(
-            x1.contiguous(), cos, sin, self.norms, weights, blocked, scales, sums,
+            x1.contiguous(), cos, sin, self.norms, *self.columns,
             self.num_heads, self.num_kv_heads, self.eps,
         )  # fmt: skip
