@@ -55,6 +55,7 @@ import ast
 import importlib
 import statistics
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -351,7 +352,7 @@ def measure(
     count = prompts or max(batch, 8)  # at batch 1, one prompt a round read 0.79-1.05 between rounds
     encoded = [engine.encode(t) for t in heldout_prompts(count)]
     engines = prepared(engine, configs, batch, encoded[0], temperature)
-    chosen_before = {name: dict(llm.policy.chosen) for name, llm in engines.items()}  # (the warm-up's)
+    chosen_before = {name: llm.policy.chosen.copy() for name, llm in engines.items()}  # (the warm-up's)
     kinds: dict[str, dict[str, StepPhases]] = {}
     firsts: dict[str, list[list[float]]] = {}
     seconds, tokens, outputs, done = lockstep(
@@ -386,12 +387,11 @@ def measure(
     return rows, count
 
 
-def sizes_chosen(before: dict[tuple[str, int], int], after: dict[tuple[str, int], int]) -> dict[int, int]:
+def sizes_chosen(before: Counter[tuple[str, int]], after: Counter[tuple[str, int]]) -> dict[int, int]:
     """Request-steps by tree size between two readings of `SpeculationPolicy.chosen`."""
-    sizes: dict[int, int] = {}
-    for key, n in after.items():
-        if (more := n - before.get(key, 0)) > 0:
-            sizes[key[1]] = sizes.get(key[1], 0) + more
+    sizes: Counter[int] = Counter()
+    for (_, size), n in (after - before).items():
+        sizes[size] += n
     return dict(sorted(sizes.items()))
 
 
