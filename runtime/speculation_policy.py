@@ -1765,13 +1765,14 @@ class SpeculationPolicy:
                 # drafted again, not even a probe (whose expected loss the 2% credit never
                 # covered)
                 return
-        if not start_up and fit.live(shape) >= step_costs.PLAIN_SAMPLES:
-            # one call over `SPIKE` times its shape's price counts as that much, as a forward
-            # does (`ForwardCost.observe`): one rsd-c drafting call at T=1, batch 1 delayed by
-            # 80 ms (a pause of the process) priced its chains so high that the request stayed
-            # auto-regressive for the rest of the run (98% of ~1600 steps), its probes drafting
-            # the wider trees of the other cost path, whose calls never time chains again
-            seconds = min(seconds, step_costs.SPIKE * fit.recent(*x))
+        if not start_up and (bound := fit.bound(shape, x)) is not None:
+            # one call over its shape's price counts as `SPIKE` times that much
+            # (`LinearCost.bound`), as a forward does (`ForwardCost.observe`): one rsd-c
+            # drafting call at T=1, batch 1 delayed by 80 ms (a pause of the process) priced its
+            # chains so high that the request stayed auto-regressive for the rest of the run
+            # (98% of ~1600 steps), its probes drafting the wider trees of the other cost
+            # path, whose calls never time chains again
+            seconds = min(seconds, bound)
         fit.add(x, seconds, shape, start_up)
 
     def observe(self, stats: StepStats) -> None:

@@ -38,7 +38,11 @@ PLAIN_SAMPLES = 3
 """Timings of a request count's auto-regressive step (forward residual and host overhead)
 below which a batch that drafts spends its exploration credit on plain steps
 (`_plain_probe`); also the timings a price (a drafting call's shape's too) rests on before
-`SPIKE` caps new ones against it."""
+`SPIKE` caps new ones against it (a drafting call's shape with fewer: `LinearCost.bound`)."""
+SPIKE_OVER_START_UP = 3.0
+"""Most a drafting call's first live timing of a shape may exceed the start-up stand-ins it
+replaces (`LinearCost.bound`): live calls meet longer contexts and colder caches than
+start-up ones (ReDrafter's beam searches for 32 requests: 7.5 ms live, 4.1 at start-up)."""
 
 
 class TokenCost:
@@ -263,6 +267,25 @@ class LinearCost:
     def live(self, shape: tuple[float, ...]) -> int:
         """Live samples kept of `shape` (`add`'s key; none while it holds start-up stand-ins)."""
         return 0 if shape in self._start_up else len(self._shapes.get(shape, ()))
+
+    def bound(self, shape: tuple[float, ...], x: tuple[float, ...]) -> float | None:
+        """The most a new live sample of `shape` (features `x`) counts as, a single slow call
+        being a pause of the process, not a price (None: no bound, a shape never timed):
+        `SPIKE` times the fit's price once the shape rests on `PLAIN_SAMPLES` live samples,
+        `SPIKE` times the slowest of its fewer ones, `SPIKE_OVER_START_UP` times the mean of
+        the start-up stand-ins a first live one replaces. Unbounded before `PLAIN_SAMPLES`,
+        one 30 ms pause in ReDrafter's second live call of its 6-node chain (~0.45 ms) kept
+        the chain priced at ~6 ms: load-aware drafted the wider beams (another fit, whose
+        calls never time a chain) or nothing for the rest of the run, at ~0.6 of the chains'
+        speed (batch 1, T=0: 1 lockstep run in ~20 here, and each time a pause was injected)."""
+        kept = self._shapes.get(shape)
+        if not kept:
+            return None
+        if shape in self._start_up:
+            return SPIKE_OVER_START_UP * sum(s for _, s in kept) / len(kept)
+        if len(kept) >= PLAIN_SAMPLES:
+            return SPIKE * self.recent(*x)
+        return SPIKE * max(s for _, s in kept)
 
     def add(
         self, x: tuple[float, ...], seconds: float, shape: tuple[float, ...] | None = None, start_up: bool = False

@@ -2182,9 +2182,10 @@ def test_one_slow_drafting_call_counts_as_spike_times_its_price(monkeypatch: pyt
     one ~2 ms call moves the price a little, not ~5x. Such a pause in one rsd-c call at T=1,
     batch 1 kept a demo-engine request auto-regressive for ~1600 steps: its probes drafted
     the wider trees of the other cost path, which never time chains again (`/tmp` run, 98%
-    of the steps plain; with the cap 0-8%). Start-up stand-ins are not a price to cap
-    against (live calls legitimately cost more). Test of the test: without the cap the one
-    call prices the shape at ~10 ms."""
+    of the steps plain; with the cap 0-8%). Start-up stand-ins are a looser price to cap
+    against (live calls legitimately cost more): `SPIKE_OVER_START_UP` times theirs. Test of
+    the test: without the caps the one call prices the shape at ~10 ms, and replacing the
+    stand-ins at 80 ms."""
 
     def price(spike: float, start_up: bool = False) -> float:
         monkeypatch.setattr(step_costs, "SPIKE", spike)
@@ -2198,7 +2199,82 @@ def test_one_slow_drafting_call_counts_as_spike_times_its_price(monkeypatch: pyt
 
     assert price(1.5) == pytest.approx((8 * 0.002 + 1.5 * 0.002) / 9)
     assert price(float("inf")) == pytest.approx((8 * 0.002 + 0.080) / 9)
-    assert price(1.5, start_up=True) == pytest.approx(0.080)  # live replaces the stand-ins, uncapped
+    assert price(1.5, start_up=True) == pytest.approx(step_costs.SPIKE_OVER_START_UP * 0.002)  # replaces them
+    monkeypatch.setattr(step_costs, "SPIKE_OVER_START_UP", float("inf"))
+    assert price(1.5, start_up=True) == pytest.approx(0.080)
+
+
+CHAINS_FIT = "redrafter/chains"
+RD_FITS = [CHAINS_FIT] * 6 + ["redrafter"] * 2
+"""ReDrafter's drafting-cost fits per size (`Proposer.cost_paths`): one beam's chains, then wider beams."""
+
+
+def run_two_paths(stall: int, factor: float, steps: int = 400, seed: int = 0) -> tuple[float, list[int]]:
+    """Batch 1, ReDrafter's offer with its two drafting-cost fits: tokens per second and the
+    size chosen at each step. Chains of 2-6 nodes cost 0.08 + 0.07 ms a level, the 11- and
+    21-node beams 1 + 0.05 ms a node and keep one draft more 60% of the time; drafts are
+    kept with probability 0.8. The chains' `stall`-th live call (0: none) takes `factor`
+    times its cost: the process paused."""
+    world = World(a=1.0, b=0.03, c=0.0, d=0.0, alpha=0.8, h=0.3, k=0.1)
+
+    def chain_ms(levels: int) -> float:
+        return 0.08 + 0.07 * levels
+
+    def beams_ms(drafted: int) -> float:
+        return 1.0 + 0.05 * drafted
+
+    p = forward_calibrated(world)
+    p.add_draft_samples(CHAINS_FIT, [(lv, lv, 0, lv, chain_ms(lv) / 1000) for lv in range(1, 6)])
+    p.add_draft_samples("redrafter", [(5, n - 1, 0, 5, beams_ms(n - 1) / 1000) for n in (11, 21)])
+    rng = np.random.default_rng(seed)
+    tokens = seconds = 0.0
+    chosen: list[int] = []
+    chain_calls = 0
+    for _ in range(steps):
+        size = p.choose([Offer("r", KIND, "redrafter", RD_SIZES, RD_LEVELS, cuts=6, costs=RD_FITS)])["r"]
+        chosen.append(size)
+        stats = StepStats(size, world.forward(size), overhead_seconds=world.host(size > 1))
+        seconds += stats.forward_seconds + world.host(size > 1)
+        if size > 1:
+            level = RD_LEVELS[RD_SIZES.index(size)]
+            kept = int(min(rng.geometric(1 - world.alpha) - 1, 5))
+            if size <= 6:
+                chain_calls += 1
+                ms = chain_ms(level) * (factor if chain_calls == stall else 1.0)
+                tree = dataclasses.replace(rd_chain("r", size, min(kept, size - 1)), cuts=6)
+                stats.drafting[CHAINS_FIT] = (level, size - 1, 0, level, ms / 1000)
+            else:
+                ms = beams_ms(size - 1)
+                kept = min(kept + int(rng.random() < 0.6), 5)
+                tree = Outcome("r", KIND, size, RD_SIZES, kept, [], list(range(kept + 1)), size, cuts=6)
+                stats.drafting["redrafter"] = (level, size - 1, 0, level, ms / 1000)
+            stats.outcomes.append(tree)
+            seconds += ms / 1000
+            tokens += tree.accepted
+        tokens += 1
+        p.observe(stats)
+    return tokens / seconds, chosen
+
+
+@pytest.mark.parametrize("stall", [1, 2, 3])
+def test_a_pause_in_an_early_chain_call_does_not_lock_the_chains_out(
+    monkeypatch: pytest.MonkeyPatch, stall: int
+) -> None:
+    """`LinearCost.bound`: ReDrafter at batch 1, T=0 (demo engine, held-out prompts), one
+    lockstep run in ~20 drafted 11- and 21-node beams or nothing in every step, at 0.63 of
+    its 6-node chains; one 30 ms pause injected into the chain's second live call did it
+    each time. The pause (~60x the call) came before the shape rested on `PLAIN_SAMPLES`
+    live calls, so nothing capped it; the chain's price stood ~6 ms high, and the beams'
+    fit, which never times a chain, won every solve after. Here the pause comes in one of
+    the chain's first three live calls: the run keeps drafting chains at near the speed of
+    a run without it; unbounded (the wrong variant), the beams take the run at ~0.65 of it."""
+    calm, _ = run_two_paths(0, 1.0)
+    rate, chosen = run_two_paths(stall, 60.0)
+    assert rate > 0.88 * calm and sum(s > 6 for s in chosen) < 20, (rate / calm, sum(s > 6 for s in chosen))
+    monkeypatch.setattr(step_costs, "SPIKE_OVER_START_UP", float("inf"))
+    monkeypatch.setattr(step_costs, "SPIKE", float("inf"))
+    locked, beams = run_two_paths(stall, 60.0)
+    assert locked < 0.75 * calm and sum(s > 6 for s in beams) > 300, (locked / calm, sum(s > 6 for s in beams))
 
 
 def test_a_request_whose_own_trees_are_within_chance_gets_its_kinds_row() -> None:
