@@ -17,15 +17,18 @@ DEMO_PROMPTS := --prompt "def fibonacci(n):" \
 	--prompt "$$(printf 'class Stack:\n    def __init__(self):')" \
 	--prompt "$$(printf 'import os\n\n\ndef list_python_files(path):')"
 
-.PHONY: help setup cpu-kernels mpi perf-analyzer-install perf-tools genai-perf perf-analyzer engine demo serve test test-slow lint format model drafter drafter-soft draft-lm lyanna bench-redrafter bench-redrafter-kd bench-redrafter-grid bench-lyanna-throughput bench-batch bench-batch-methods bench-triton-overhead bench-rsd bench-ngram profile policy-trace bench-no-draft bench-churn bench-goals bench-lockstep bench-floor bench-compiled-forward bench-lyanna bench-drafter-tp loadtest loadtest-openai soak bench-table2 export-trtllm clean
+.PHONY: help setup cpu-kernels compiled-policy mpi perf-analyzer-install perf-tools genai-perf perf-analyzer engine demo serve test test-slow lint format model drafter drafter-soft draft-lm lyanna bench-redrafter bench-redrafter-kd bench-redrafter-grid bench-lyanna-throughput bench-batch bench-batch-methods bench-triton-overhead bench-rsd bench-ngram profile policy-trace bench-no-draft bench-churn bench-goals bench-lockstep bench-floor bench-compiled-forward bench-lyanna bench-drafter-tp loadtest loadtest-openai soak bench-table2 export-trtllm clean
 
 help:  ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 25
 
-setup: $(STAMP) mpi cpu-kernels  ## create .venv and install pinned requirements (once), OpenMPI, the C++ CPU kernels
+setup: $(STAMP) mpi cpu-kernels compiled-policy  ## create .venv and install pinned requirements (once), OpenMPI, the C++ CPU kernels, the compiled policy
 
 cpu-kernels: $(STAMP)  ## build the C++ CPU kernels for this CPU (~10 s once, cached in ~/.cache/specpipe)
 	$(BIN)/python -m plugins.cpu_kernels
+
+compiled-policy: $(STAMP)  ## compile the load-aware policy with mypyc (~15 s once per source, cached in ~/.cache/specpipe; SPECPIPE_COMPILED_POLICY=0 runs it as Python)
+	$(BIN)/python -m runtime.native_policy
 
 # Tensor-parallel engines run under `mpirun`; mpi4py (requirements.txt) loads the MPI library at run time.
 mpi:  ## install OpenMPI (mpirun) if missing: apt-get as root, else print the command

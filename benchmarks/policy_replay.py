@@ -22,7 +22,9 @@ shows both: the time, alone and cooled as in the engine, and the same fingerprin
 the change is exact (a choice that differs from the recording is expected of a change that
 decides differently: the recorded steps then no longer follow from its choices). A
 recording holds the policy's own classes: record again after changing their fields (a
-field added since is filled with its default). Writes `<out>.json` and `<out>.md`.
+field added since is filled with its default), and replay it in the form it was recorded
+with (`runtime.native_policy`: compiled, or Python with `SPECPIPE_COMPILED_POLICY=0`; the
+two forms leave the same fingerprint). Writes `<out>.json` and `<out>.md`.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from tqdm import tqdm
 from benchmarks.lockstep import Config, lockstep, parse_config, prepared
 from benchmarks.report import by_count, command, machine, write_report
 from benchmarks.timing import add_decoding_arguments
+from runtime import native_policy
 from runtime.loaded_engine import LoadedEngine
 from runtime.speculation_policy import SpeculationPolicy
 from training.corpus import heldout_prompts
@@ -107,7 +110,14 @@ def record(
     finally:
         for name, call in originals.items():
             setattr(SpeculationPolicy, name, call)
-    return {"policy": start, "calls": calls, "config": config.name, "batch": batch, "temperature": temperature}
+    return {
+        "policy": start,
+        "calls": calls,
+        "config": config.name,
+        "batch": batch,
+        "temperature": temperature,
+        "compiled": native_policy.active(),
+    }
 
 
 QUEUES = ("_unlearned", "_plain_unlearned")
@@ -138,6 +148,9 @@ def _canonical(value: Any) -> str:
         return type(value).__name__ + _canonical(fields)
     if hasattr(value, "__dict__"):
         return type(value).__name__ + _canonical(vars(value))
+    if (names := getattr(type(value), "__mypyc_attrs__", None)) is not None:  # compiled (`runtime.native_policy`)
+        fields = {name: getattr(value, name) for name in names if hasattr(value, name)}
+        return type(value).__name__ + _canonical(fields)
     return repr(value)
 
 
@@ -149,6 +162,22 @@ def _fresh(policy: SpeculationPolicy) -> SpeculationPolicy:
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
             setattr(out, f.name, default)
     return out
+
+
+def load(path: Path) -> dict[str, Any]:
+    """A recording, in the form of the policy it was recorded with (`runtime.native_policy`:
+    compiled classes and Python ones do not unpickle as each other); SystemExit naming the
+    fix where this process runs the other form."""
+    compiled = native_policy.active()
+    recording: dict[str, Any] = pickle.loads(path.read_bytes())
+    if recording.get("compiled", False) != compiled:
+        forms = ("Python", "compiled") if compiled else ("compiled", "Python")
+        value = "1" if not compiled else "0"
+        raise SystemExit(
+            f"{path}: recorded with the {forms[0]} policy, and this process runs the {forms[1]} one; "
+            f"replay it with {native_policy.ENV}={value}"
+        )
+    return recording
 
 
 def replay(recording: dict[str, Any], name: str, reps: int = 3, cold: bool = True) -> Row:
@@ -255,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"no such recording: {', '.join(missing)} (write one with `record`)")
     rows = []
     for path in tqdm(args.recordings, desc="replaying"):
-        rows.append(replay(pickle.loads(path.read_bytes()), path.stem, args.reps, cold=not args.warm))
+        rows.append(replay(load(path), path.stem, args.reps, cold=not args.warm))
     meta = {"reps": args.reps, "cold": not args.warm, "command": command("benchmarks.policy_replay", argv),
             "machine": machine()}  # fmt: skip
     write_report(args.out, meta, [dataclasses.asdict(r) for r in rows], markdown(rows, meta))

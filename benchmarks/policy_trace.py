@@ -32,7 +32,7 @@ from benchmarks.timing import add_decoding_arguments, round_params, warm_up
 from runtime.config import RuntimeConfig
 from runtime.llm_engine import LLMEngine
 from runtime.loaded_engine import LoadedEngine
-from runtime.speculation_policy import StepStats
+from runtime.speculation_policy import SpeculationPolicy, StepStats
 from training.corpus import heldout_prompts
 
 PRICED = [(1, 1, 0, 1), (3, 3, 0, 3), (5, 5, 0, 5), (3, 12, 0, 3)]
@@ -45,14 +45,16 @@ TABLE_TOKENS = [1, 2, 4, 8, 16, 32]
 def trace(llm: LLMEngine, prompts: list[list[int]], method: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     """The steps the policy observed over `args.rounds` rounds, one row each."""
     policy, steps = llm.policy, []
-    observe = policy.observe
+    observe = SpeculationPolicy.observe
 
-    def recorded(stats: StepStats) -> None:
+    def recorded(self: SpeculationPolicy, stats: StepStats) -> None:
+        if self is not policy:
+            return observe(self, stats)
         probes, plain = policy.probes, policy.plain_probes
         # what the choice promised: its step's seconds, and its standing decision's trees' tokens
         settled, predicted = policy._settled, policy._expected
         expecting = settled.expecting if settled is not None else None
-        observe(stats)
+        observe(policy, stats)
         priced = stats.priced_seconds
         steps.append({
             "requests": stats.num_requests,
@@ -70,7 +72,9 @@ def trace(llm: LLMEngine, prompts: list[list[int]], method: str, args: argparse.
             "trees_made": float(sum(1 + o.accepted for o in stats.outcomes)) if expecting else None,
         })  # fmt: skip
 
-    policy.observe = recorded  # type: ignore[method-assign]  # instance attribute: this engine only
+    # on the class, for this engine's policy only: a compiled policy's instances take no
+    # attributes of their own (`runtime.native_policy`), and the engine calls it through the class
+    SpeculationPolicy.observe = recorded  # type: ignore[method-assign]
     try:
         for r in tqdm(range(args.rounds), desc="policy trace", unit="round"):
             start = len(steps)
@@ -78,7 +82,7 @@ def trace(llm: LLMEngine, prompts: list[list[int]], method: str, args: argparse.
             for step in steps[start:]:
                 step["round"] = r
     finally:
-        del policy.observe
+        SpeculationPolicy.observe = observe  # type: ignore[method-assign]
     return steps
 
 

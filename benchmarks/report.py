@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from runtime import native_policy
+
 
 @dataclass
 class Cell:
@@ -48,6 +50,7 @@ def machine() -> dict[str, object]:
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "python": platform.python_version(),
+        "policy": "compiled" if native_policy.active() else "python",  # (`runtime/native_policy.py`)
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()

@@ -129,7 +129,7 @@ weighed per step instead, a batch-1 warm-up's few trees counted as much as 32 re
 first trees, and ReDrafter at batch 32 priced its 6-node trees at 4.4-4.5 tokens for
 steps after a first step's 32 trees made 3.2 (drafting ~20% slower than auto-regression
 then)."""
-KIND_HALF_LIFE = 32
+KIND_HALF_LIFE = 32.0
 """Steps without trees (`SpeculationPolicy.idle`) after which the trees behind a kind's
 estimate count half against the trees of its next measurement (`Estimate.weight`, never
 below `KIND_LEAST_TREES`; the update weighs a step's n trees n / (n + what the old ones
@@ -259,7 +259,7 @@ probe, cheaper, came ~15 steps sooner and switched it back on)."""
 PROBE_EVERY = 32
 """Fewest steps between probes of one kind of request (while its largest size is measured
 no more often than this)."""
-CATCH_UP_HORIZON = 16
+CATCH_UP_HORIZON = 16.0
 """Steps a choice to draft is expected to last before any run of drafting was seen: a
 request that must catch up first (a draft LM behind by the tokens decoded without it) is
 charged its catch-up spread over them per step of a steady choice (the whole of it for a
@@ -523,7 +523,7 @@ class StepStats:
         the host overhead, not its own choice (None: the overhead was not measured)."""
         if self.overhead_seconds is None:
             return None
-        return self.forward_seconds + self.overhead_seconds + sum(call[-1] for call in self.drafting.values())
+        return self.forward_seconds + self.overhead_seconds + sum((call[-1] for call in self.drafting.values()), 0.0)
 
 
 @dataclass(slots=True)
@@ -1137,7 +1137,7 @@ class SpeculationPolicy:
                     shared[key] = row
             groups.setdefault((o.method, row), []).append(o)
         batch = [
-            _Group(m, row, len(members), sum(self._catch_up(o, row) for o in members))
+            _Group(m, row, len(members), sum((self._catch_up(o, row) for o in members), 0.0))
             for (m, row), members in groups.items()
         ]
         best = self._best(batch, others)
@@ -1177,7 +1177,7 @@ class SpeculationPolicy:
             return best
         requests = sum(g.count for g in batch)
         lo = others + requests
-        hi = others + sum(g.count * g.row[-1][2] for g in batch)
+        hi = others + sum((g.count * g.row[-1][2] for g in batch), 0.0)
         fslope = self.forward_cost.slope(lo, hi)
         per_fit: Counter[str] = Counter()  # requests that may pay each drafting-cost fit
         for g in batch:
@@ -1791,7 +1791,7 @@ class SpeculationPolicy:
                 self._settled, self._unsettled = None, "tree"
                 settled.expecting = None
             else:
-                settled.yielded(sum(1.0 + o.accepted for o in stats.outcomes))
+                settled.yielded(sum((1.0 + o.accepted for o in stats.outcomes), 0.0))
         trees = stats.num_tokens > stats.num_requests
         self.idle += not stats.outcomes
         self._settle_probe(stats, trees)
@@ -1989,7 +1989,7 @@ class SpeculationPolicy:
             loss = seconds - tokens / max(rate, 1e-12)
             self.credit -= max(loss, 0.0) - charged
             # whether drafting paid in it: less its drafter's catch-up (a one-off any run of drafting pays)
-            caught_up = sum(self._draft_slopes(fit, 1)[2] * call[2] for fit, call in stats.drafting.items())
+            caught_up = sum((self._draft_slopes(fit, 1)[2] * call[2] for fit, call in stats.drafting.items()), 0.0)
             paid = loss - caught_up <= 0
             if drafting:
                 self.futile = 0 if paid else min(self.futile + 1, PROBE_BACKOFF)

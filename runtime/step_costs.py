@@ -282,7 +282,7 @@ class LinearCost:
         if not kept:
             return None
         if shape in self._start_up:
-            return SPIKE_OVER_START_UP * sum(s for _, s in kept) / len(kept)
+            return SPIKE_OVER_START_UP * sum((s for _, s in kept), 0.0) / len(kept)
         if len(kept) >= PLAIN_SAMPLES:
             return SPIKE * self.recent(*x)
         return SPIKE * max(s for _, s in kept)
@@ -420,7 +420,7 @@ def _substitute(factor: _Elimination, b: list[float]) -> list[float]:
             rhs[r] -= f * rhs[col]
     x = [0.0] * n
     for r in reversed(range(n)):
-        x[r] = (rhs[r] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+        x[r] = (rhs[r] - sum((m[r][c] * x[c] for c in range(r + 1, n)), 0.0)) / m[r][r]
     return x
 
 

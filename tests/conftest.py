@@ -35,6 +35,20 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.backends.cudnn.allow_tf32 = False
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Where the load-aware policy runs compiled (`runtime/native_policy.py`, built by `make
+    setup`), tests that replace one of its functions or methods are skipped: the compiled
+    code calls its own. `tests/runtime/test_native_policy.py` runs them on the Python form."""
+    from runtime import native_policy
+
+    if not native_policy.active():
+        return
+    skip = pytest.mark.skip(reason="replaces a policy function; the policy runs compiled (SPECPIPE_COMPILED_POLICY=0)")
+    for item in items:
+        if item.get_closest_marker("python_policy"):
+            item.add_marker(skip)
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     if ON_CPU:
         return f"test device: cpu (TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '')})"

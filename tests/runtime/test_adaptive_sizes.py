@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -20,6 +21,22 @@ from tests import toy_sampling
 from tests.stats import chi_square, passes_chi_square
 
 SETTINGS = {"beam_width": 3, "beam_length": 3, "branching": (2, 2, 1)}
+
+
+def spy_on(
+    monkeypatch: pytest.MonkeyPatch, policy: SpeculationPolicy, name: str, before: Callable[..., object]
+) -> None:
+    """`before(*args)` ahead of each call of `policy`'s method `name` (this policy's only): on
+    the class, where the engine's calls go, since a compiled policy's instances take no
+    attributes of their own (`runtime.native_policy`)."""
+    method = getattr(SpeculationPolicy, name)
+
+    def spied(self: SpeculationPolicy, *args: object) -> object:
+        if self is policy:
+            before(*args)
+        return method(self, *args)
+
+    monkeypatch.setattr(SpeculationPolicy, name, spied)
 
 
 @pytest.fixture
@@ -128,7 +145,7 @@ def test_a_draft_lm_times_its_levels_and_a_catch_up_at_start_up(max_batch_size: 
         assert levels_seen == set(range(1, spec.length + 1))
 
 
-def test_redrafter_prices_its_chains_apart_from_its_wider_beams() -> None:
+def test_redrafter_prices_its_chains_apart_from_its_wider_beams(monkeypatch: pytest.MonkeyPatch) -> None:
     """ReDrafter's one-beam chains (the C++ search straight) and its wider beams (packed
     trees) are two drafting paths (`ReDrafterProposer.cost_paths`), each seeded at start-up
     with searches of its own shape and each priced by its own fit: fitted together, the
@@ -147,14 +164,12 @@ def test_redrafter_prices_its_chains_apart_from_its_wider_beams() -> None:
     assert all(nodes > rl for (_, nodes, _, rl), _ in beams.samples) and len(beams.samples) == 6
     fixed = llm_engine.LLMEngine(llm.engine, RuntimeConfig(speculation="fixed"))  # its largest tree, every step
     live: dict[str, set[bool]] = {}  # (a fixed policy learns no prices: the timings it is handed are read)
-    observe = fixed.policy.observe
 
     def spy(stats: StepStats) -> None:
         for fit, (_, nodes, _, rl, _) in stats.drafting.items():
             live.setdefault(fit, set()).add(nodes > rl)
-        observe(stats)
 
-    fixed.policy.observe = spy  # type: ignore[method-assign]
+    spy_on(monkeypatch, fixed.policy, "observe", spy)
     request = ([[1, 3, 2]], [SamplingParams(max_tokens=8, ignore_eos=True)], "redrafter")
     fixed.generate(*request, beam_width=1)
     fixed.generate(*request, beam_width=4)
@@ -204,8 +219,7 @@ def test_verifying_drafts_is_charged_to_drafting(monkeypatch: pytest.MonkeyPatch
 
     llm = llm_engine.LLMEngine(toy_sampling.toy_engine("draft-lm", SETTINGS), RuntimeConfig(speculation="fixed"))
     seen: list[tuple[int, int, int, int, float]] = []
-    observe = llm.policy.observe
-    monkeypatch.setattr(llm.policy, "observe", lambda stats: (seen.extend(stats.drafting.values()), observe(stats)))
+    spy_on(monkeypatch, llm.policy, "observe", lambda stats: seen.extend(stats.drafting.values()))
     prompt, params = [[1, 3, 2]], [SamplingParams(max_tokens=6, ignore_eos=True)]
     llm.generate(prompt, params, "sd")  # warm-up: a shape's first forward pays one-off set-up (seen at 10 ms)
     seen[:] = []
@@ -226,8 +240,7 @@ def test_the_host_overhead_a_step_reports_leaves_out_calibration(monkeypatch: py
     policy priced an auto-regressive step at ~5 s."""
     llm = llm_engine.LLMEngine(toy_sampling.toy_engine("draft-lm", SETTINGS), RuntimeConfig(max_num_tokens=512))
     reported: list[float | None] = []
-    observe = llm.policy.observe
-    monkeypatch.setattr(llm.policy, "observe", lambda stats: (reported.append(stats.overhead_seconds), observe(stats)))
+    spy_on(monkeypatch, llm.policy, "observe", lambda stats: reported.append(stats.overhead_seconds))
     llm.generate([[1, 3, 2]], [SamplingParams(max_tokens=12, ignore_eos=True)], "sd")
     assert None in reported[:2]  # the step that calibrated (after the prompt's)
     measured = [r for r in reported if r is not None]
@@ -243,9 +256,8 @@ def test_the_host_overhead_a_step_reports_leaves_out_the_policys_choice(monkeypa
     llm = llm_engine.LLMEngine(toy_sampling.toy_engine("draft-lm", SETTINGS), RuntimeConfig(max_num_tokens=512))
     llm.prepare()
     reported: list[float | None] = []
-    observe, choose = llm.policy.observe, llm.policy.choose
-    monkeypatch.setattr(llm.policy, "observe", lambda stats: (reported.append(stats.overhead_seconds), observe(stats)))
-    monkeypatch.setattr(llm.policy, "choose", lambda *a: (time.sleep(0.030), choose(*a))[1])
+    spy_on(monkeypatch, llm.policy, "observe", lambda stats: reported.append(stats.overhead_seconds))
+    spy_on(monkeypatch, llm.policy, "choose", lambda *a: time.sleep(0.030))
     llm.generate([[1, 3, 2]], [SamplingParams(max_tokens=12, ignore_eos=True)], "sd")
     measured = [r for r in reported if r is not None]
     assert len(measured) >= 3 and max(measured) < 0.020, measured

@@ -409,6 +409,7 @@ def test_a_fresh_request_is_priced_by_its_kinds_long_run_not_by_the_request_befo
     assert poor > 0.88 and poor_before > 0.9, (poor, poor_before)
 
 
+@pytest.mark.python_policy
 def test_probes_while_drafting_back_off_where_they_do_not_pay(monkeypatch: pytest.MonkeyPatch) -> None:
     """`PROBE_BACKOFF`: a batch-1 request drafts its chain (5 nodes) and probes the 17-node
     tree, which never pays. Each probe in a row that did not pay halves what exploration
@@ -518,6 +519,7 @@ def test_a_negative_residual_is_not_multiplied_by_the_batch() -> None:
     assert p.forward_cost(32, 32) > p.forward_cost(8, 8) > 0
 
 
+@pytest.mark.python_policy
 @pytest.mark.parametrize("batch", [1, 4])
 def test_the_quiet_steps_short_paths_decide_and_learn_as_the_full_ones(
     batch: int, monkeypatch: pytest.MonkeyPatch
@@ -553,6 +555,7 @@ def test_the_quiet_steps_short_paths_decide_and_learn_as_the_full_ones(
     assert fingerprint(fast) == fingerprint(full)
 
 
+@pytest.mark.python_policy
 def test_auto_regressive_steps_learn_later_as_they_would_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """An engine serving auto-regressive requests only chooses nothing, and its steps'
     timings wait to be learned (`_observe_plain`, at most `PLAIN_UNLEARNED_MOST`); when a
@@ -599,6 +602,7 @@ def test_auto_regressive_steps_learn_later_as_they_would_at_once(monkeypatch: py
     assert fingerprint(fast) == fingerprint(full)
 
 
+@pytest.mark.python_policy
 def test_a_settled_decision_is_reused_and_changes_no_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     """While drafting does not pay, the all-auto-regressive decision stands for a few steps
     instead of being solved again every step (its cost is what a step without drafting pays
@@ -788,6 +792,7 @@ def test_a_decision_made_again_stands_longer_while_its_trees_bear_it_out(monkeyp
     assert off <= every_off + speculation_policy.DRAFTING_STANDS < blind_off - 10, (off, every_off, blind_off)
 
 
+@pytest.mark.python_policy
 def test_a_decision_on_sizes_barely_measured_stands_fewer_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """`UNMEASURED_STANDS`: a decision that drafts a size measured by fewer than
     `STAND_TREES` trees rests on optimism; its trees are not checked against it before
@@ -1058,6 +1063,7 @@ def test_a_catch_up_is_spread_over_no_more_steps_than_are_left(monkeypatch: pyte
     assert choice(3) > 1  # the whole catch-up for one step's tokens
 
 
+@pytest.mark.python_policy
 def test_a_plain_decision_reads_its_probes_loss_as_its_catch_up_grows(monkeypatch: pytest.MonkeyPatch) -> None:
     """`_Settled.probe_growth`: 8 requests behind their drafter (a draft LM) where drafting
     does not pay decode auto-regressively; the probe that would come next grows dearer by one
@@ -1079,6 +1085,7 @@ def test_a_plain_decision_reads_its_probes_loss_as_its_catch_up_grows(monkeypatc
     assert probes == stale_probes > 5 and solves < 0.85 * stale_solves, (solves, stale_solves, probes)
 
 
+@pytest.mark.python_policy
 def test_calibration_sees_through_set_up_and_a_burst(monkeypatch: pytest.MonkeyPatch) -> None:
     """Engine-start timings: each size's first forward pays set-up (50 ms), and a burst of
     load doubles every forward's time for 40 ms from the second 1-token forward on. The
@@ -1233,6 +1240,7 @@ def run_chain(p: SpeculationPolicy, world: World, steps: int, rng: np.random.Gen
     return chosen
 
 
+@pytest.mark.python_policy
 def test_a_size_drafted_rarely_is_priced_by_its_gain_over_the_next_smaller(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two unlucky chains of 5 nodes (one draft kept), then 40 chains of 3 nodes, all kept;
     acceptance is high and 5-node chains are the best size (~7% over 4 nodes, ~20% over
@@ -1739,6 +1747,7 @@ def test_a_plain_price_set_by_a_slow_burst_is_timed_again(monkeypatch: pytest.Mo
     assert rate >= 0.95 * best and stuck < 0.85 * best, (rate, stuck, best)
 
 
+@pytest.mark.python_policy
 def test_a_plain_probe_takes_every_timing_its_count_lacks_in_one_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """`_plain_run`: a plain probe's run waits `AFTER_PREFILL` plain steps after the last tree
     step (the CPU runs them slow) before one is timed, and a count's plain price rests on
@@ -1768,6 +1777,7 @@ def test_a_plain_probe_takes_every_timing_its_count_lacks_in_one_run(monkeypatch
     assert first_probe() == (after + 1, 1)
 
 
+@pytest.mark.python_policy
 def test_a_count_below_one_timed_lately_is_priced_between_them_not_probed(monkeypatch: pytest.MonkeyPatch) -> None:
     """A closed batch shrinks through every count below its own as its requests finish.
     Each count's plain step timed by a plain probe of its own (`AFTER_PREFILL` + 1 plain
@@ -1834,6 +1844,7 @@ def test_a_size_never_measured_is_priced_one_token_above_the_next_smaller() -> N
     assert widths[3] == pytest.approx(min(widths[2] + 1.0, L + 1))
 
 
+@pytest.mark.python_policy
 def test_optimism_gets_a_size_tried_by_one_request_not_by_the_whole_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     """`EXPLORERS`: a size no tree measured (priced one token above the next smaller) or
     measured by one lucky tree is drafted by one request of a batch, whose tree measures
@@ -1862,6 +1873,7 @@ def test_optimism_gets_a_size_tried_by_one_request_not_by_the_whole_batch(monkey
     assert choose(costly_tokens, lucky=True) == [9] * 8  # one tree's mean taken at its word
 
 
+@pytest.mark.python_policy
 def test_a_probe_is_charged_what_it_cost_slow_steps_after_it_included() -> None:
     """`_settle_probe`: where the plain steps after a tree step run slow (a CPU after heavy
     GEMMs: 4 steps at 1.5x here), a probe costs far more than its own step, which is all
@@ -1878,6 +1890,7 @@ def test_a_probe_is_charged_what_it_cost_slow_steps_after_it_included() -> None:
     assert unsettled < 0.95 * ar and q.probes > 2 * p.probes, (unsettled / ar, q.probes, p.probes)
 
 
+@pytest.mark.python_policy
 def test_a_probe_is_charged_the_full_solves_it_causes(monkeypatch: pytest.MonkeyPatch) -> None:
     """`StepStats.choose_seconds`: a probe ends the standing decision, so its step and the
     next solve in full (here 3 ms each on a ~10 ms step of 8 requests, where drafting never
@@ -2152,6 +2165,7 @@ def test_calibration_after_auto_regressive_steps_starts_the_forward_prices_afres
     assert p.forward_cost(32, 32) == pytest.approx(world.forward(32, 32), rel=0.05)
 
 
+@pytest.mark.python_policy
 def test_calibration_times_both_sides_of_each_cost_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """`calibrate` times the forward on both sides of each cost step the runner names
     (`ModelRunner.cost_steps`: the CPU's 6-row passes, a GPU's graph buckets), so that the
@@ -2298,6 +2312,7 @@ def test_a_request_whose_own_trees_are_within_chance_gets_its_kinds_row() -> Non
         assert p.taus(far, kinds, optimistic) != p.taus(fresh, kinds, optimistic)
 
 
+@pytest.mark.python_policy
 def test_each_full_solve_is_counted_by_what_ended_the_decision_before_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """`SpeculationPolicy.solves` counts every full solve once, under the reason no decision
     stood (`SOLVE_CAUSES`): a stand that ran out, a probe's tree, a request with trees of its
@@ -2339,6 +2354,7 @@ def test_each_full_solve_is_counted_by_what_ended_the_decision_before_it(monkeyp
     assert p.solves - before == Counter(replaced=1) and p.solves.total() == solves
 
 
+@pytest.mark.python_policy  # (its tuples of budgets: the compiled `Outcome` takes the list it is declared with)
 def test_a_chain_is_learned_as_the_general_walk_of_its_budgets_learns_it() -> None:
     """`_learn_trees` reads a chain (node budgets 1..n, its first nodes accepted: most
     trees) without sorting and bisecting its budgets. Fed the same trees with the budgets as

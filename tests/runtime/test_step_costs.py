@@ -75,6 +75,7 @@ def test_draft_cost_fit_equals_a_refit_from_its_samples() -> None:
                 assert np.allclose(cost.slopes(), free[1:], atol=1e-6)
 
 
+@pytest.mark.python_policy
 def test_a_price_by_the_last_fit_is_that_fits_price_and_refits_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     """`LinearCost.recent`: the price by the last fit made, however many samples came since
     (a bound on one more sample needs no refit of the 5 x 5 system every step); a fit is
