@@ -118,7 +118,7 @@ LYANNA_QUANT := --drafter-head int4 --drafter-layers int4
 $(LYANNA_ENGINE)/config.json: $(STAMP) $(BUILDER) $(MODEL)/model.safetensors $(LYANNA)/config.json $(LYANNA)/model.safetensors Makefile
 	$(BIN)/python -m build.engine --checkpoint $(MODEL) --lyanna $(LYANNA) --output $(LYANNA_ENGINE) --max-batch-size 32 $(LYANNA_QUANT) --force
 
-engine: $(ENGINE)/config.json $(SPEC_ENGINE)/config.json $(DRAFT_ENGINE)/config.json $(LYANNA_ENGINE)/config.json  ## build $(ENGINE) (target only) and one engine per drafter: $(SPEC_ENGINE) (ReDrafter RNN), $(DRAFT_ENGINE) (draft LM), $(LYANNA_ENGINE) (Lyanna)
+engine: $(ENGINE)/config.json $(SPEC_ENGINE)/config.json $(DRAFT_ENGINE)/config.json $(LYANNA_ENGINE)/config.json compiled-policy  ## build $(ENGINE) (target only) and one engine per drafter: $(SPEC_ENGINE) (ReDrafter RNN), $(DRAFT_ENGINE) (draft LM), $(LYANNA_ENGINE) (Lyanna); compile the policy (what runs them)
 
 demo: engine  ## set up, build the demo engines, generate in-process (ReDrafter vs AR, RSD-S), then serve with Triton and stream
 	@echo "== ReDrafter (speculative, lossless) =="
