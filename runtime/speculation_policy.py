@@ -105,6 +105,11 @@ made for, each at the size of the first such), since a busy server's batch chang
 steps.
 
 Whatever the sizes, acceptance is lossless; the policy only moves speed.
+
+This module and `step_costs.py` run compiled with mypyc where built (`native_policy.py`):
+there the declared types are checked at run time, so a float stays a float (a float sum
+starts at 0.0; a float constant is written 16.0), and a test that replaces one of its
+functions runs on the Python form (`python_policy`).
 """
 
 from __future__ import annotations

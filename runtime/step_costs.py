@@ -8,7 +8,8 @@ part learned from the engine's own timings:
 - each drafting path's calls (`LinearCost`: intercept + per level + per drafted node + per
   token caught up + per request-level, least squares over recent calls of every shape).
 
-Nothing here decides anything: the policy reads these prices."""
+Nothing here decides anything: the policy reads these prices. Compiled with the policy where
+built (`native_policy.py`: declared types hold at run time there; a float sum starts at 0.0)."""
 
 from __future__ import annotations
 
