@@ -29,6 +29,7 @@ from bisect import bisect_right
 
 import torch
 
+from runtime import speculation_policy
 from runtime.attention_batch import Segment
 from runtime.block_manager import BlockManager
 from runtime.config import RuntimeConfig
@@ -125,6 +126,8 @@ class EngineCore:
         self._calibrated = False
         self._choose_seconds = 0.0
         """Seconds of the last step's `SpeculationPolicy.choose` (left out of its host overhead)."""
+        self.policy_errors = 0
+        """Calls of the policy that raised (`_policy_failed`): each cost its step's speculation, no request."""
         self._options: dict[tuple[str, object, bool], Options] = {}
         """(method, draft params, sampled) -> what it offers (`_offered`)."""
 
@@ -241,7 +244,10 @@ class EngineCore:
             spent = stats.forward_seconds + drafted_seconds + self._choose_seconds
             stats.overhead_seconds = max(sum(clock.step.values()) - spent, 0.0)
             stats.choose_seconds = self._choose_seconds
-        self.policy.observe(stats)
+        try:
+            self.policy.observe(stats)
+        except Exception:
+            self._policy_failed("observe")
         if not drafting and not stats.prefill:
             clock.count_plain(steady=self.policy.since_heavy > AFTER_PREFILL)
         return finished
@@ -265,7 +271,11 @@ class EngineCore:
         if not self._calibrated and self.policy.adaptive and any(len(o.sizes) > 1 for o in offers):
             self._calibrate()
         start = time.perf_counter()
-        chosen = self.policy.choose(offers, len(running) - len(offers))
+        try:
+            chosen = self.policy.choose(offers, len(running) - len(offers))
+        except Exception:
+            self._policy_failed("choose")
+            chosen = {o.key: 1 for o in offers}
         self._choose_seconds = time.perf_counter() - start
         # sizes ascend: the offered ones up to the chosen, as a slice (~1 us a request as a comprehension)
         return self.scheduler.schedule({o.key: o.sizes[: bisect_right(o.sizes, chosen[o.key])] for o in offers})
@@ -426,10 +436,31 @@ class EngineCore:
         finally:
             self.clock.nested("emit", start)
 
+    def _policy_failed(self, call: str) -> None:
+        """A fault in the load-aware policy (its `call` raised) costs speed, never a request:
+        a failed `choose` leaves every request of its step at size 1 (auto-regression, the
+        same tokens), a failed `observe` or `forget` only what it would have learned. The
+        first is logged with its traceback and the fix, the rest counted (`policy_errors`,
+        `LLMEngine.stats()`). Before, it failed every request in flight, and repeated,
+        killed the engine. Call from an `except` block."""
+        self.policy_errors += 1
+        if self.policy_errors == 1:
+            compiled = "compiled" if not speculation_policy.__file__.endswith(".py") else "Python"
+            log.exception(
+                "the speculation policy's %s failed (it runs %s); this step decodes auto-regressively, its "
+                "tokens unchanged, and later failures are only counted (policy_errors). Report it; "
+                "SPECPIPE_COMPILED_POLICY=0 runs the policy as Python, --speculation fixed without choices",
+                call,
+                compiled,
+            )
+
     def _finish(self, request: Request, reason: str, error: str | None = None) -> Request:
         """Take the request out, free its blocks, send its final event."""
         self.scheduler.remove(request)
-        self.policy.forget(request.request_id)
+        try:
+            self.policy.forget(request.request_id)
+        except Exception:
+            self._policy_failed("forget")
         with self._lock:
             self._requests.pop(request.request_id, None)
         if request.result.finish_reason != reason:  # "length"/"stop" went out with the last tokens

@@ -66,6 +66,9 @@ class EngineStats:
     """Request-steps drafted larger than chosen, to re-measure acceptance."""
     plain_probes: int = 0
     """Steps kept auto-regressive where the batch would draft, to time its plain step."""
+    policy_errors: int = 0
+    """Calls of the load-aware policy that raised: each such step ran auto-regressively
+    (`EngineCore._policy_failed`)."""
 
 
 class LLMEngine(EngineCore):
@@ -146,6 +149,7 @@ class LLMEngine(EngineCore):
             estimated_tokens_per_step=self.policy.estimates(),
             probes=self.policy.probes,
             plain_probes=self.policy.plain_probes,
+            policy_errors=self.policy_errors,
         )
 
     def close(self) -> None:

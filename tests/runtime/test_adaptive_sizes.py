@@ -261,3 +261,42 @@ def test_the_host_overhead_a_step_reports_leaves_out_the_policys_choice(monkeypa
     llm.generate([[1, 3, 2]], [SamplingParams(max_tokens=12, ignore_eos=True)], "sd")
     measured = [r for r in reported if r is not None]
     assert len(measured) >= 3 and max(measured) < 0.020, measured
+
+
+@pytest.mark.parametrize("call", ["choose", "observe", "forget"])
+def test_a_fault_in_the_policy_costs_speed_not_requests(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, call: str
+) -> None:
+    """`EngineCore._policy_failed`: the policy only moves speed, so one of its calls that
+    raises (a bug, or a declared type the compiled form checks: `runtime.native_policy`)
+    leaves that step auto-regressive (`choose`) or unlearned (`observe`, `forget`). Every
+    request still ends with the target's own greedy tokens, the engine stays alive, the
+    first fault is logged and all are counted. Test of the test: the same fault escaping
+    the engine's step (as before) fails every request in flight, and out of `forget` (which
+    failing them calls again) escapes the engine itself."""
+    engine = toy_sampling.toy_engine("draft-lm", SETTINGS)
+    prompts = [[1 + i % 3, 3, 2, i % 4] for i in range(6)]
+    params = [SamplingParams(max_tokens=10, ignore_eos=True)] * len(prompts)
+    config = RuntimeConfig(max_num_tokens=512)
+    ar = llm_engine.generate(engine, prompts, params, "ar", config)
+    llm = llm_engine.LLMEngine(engine, config)
+
+    def fault(*args: object) -> None:
+        raise TypeError("int object expected; got float")
+
+    spy_on(monkeypatch, llm.policy, call, fault)
+    with caplog.at_level("ERROR", logger="runtime.engine_core"):
+        spec = llm.generate(prompts, params, "sd")
+    assert [r.output_ids for r in spec] == [r.output_ids for r in ar]
+    assert all(r.finish_reason == "length" for r in spec)
+    stats = llm.stats()
+    assert stats.dead is None and stats.policy_errors >= len(prompts if call == "forget" else [0, 1])
+    assert sum(f"policy's {call} failed" in r.getMessage() for r in caplog.records) == 1
+    if call == "choose":
+        assert set(s for (_, s) in stats.tree_sizes) <= {1}
+    monkeypatch.setattr(llm, "_policy_failed", lambda name: (_ for _ in ()).throw(RuntimeError(name)))
+    if call == "forget":
+        with pytest.raises(RuntimeError, match="forget"):
+            llm.generate(prompts[:2], params[:2], "sd")
+    else:
+        assert all(r.finish_reason == "error" for r in llm.generate(prompts[:2], params[:2], "sd"))
