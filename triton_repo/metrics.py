@@ -64,6 +64,11 @@ class ServingMetrics:
             "1 while the engine steps normally; 0 once it is dead or a step stalled (the launcher stops the server)",
         )
         self.engine_up.set(1)
+        self.policy_errors = metric(
+            "specpipe_speculation_policy_errors",
+            family.GAUGE,
+            "Calls of the load-aware policy that raised; each such step decoded auto-regressively (no request failed)",
+        )
         self._values: dict[int, float] = {id(self.engine_up): 1}
         """The value each gauge was last set to (`_set`), by `id` of the gauge."""
         self._sizes = new_family(
@@ -104,6 +109,7 @@ class ServingMetrics:
         self._set(self.running, stats.running)
         self._set(self.kv_used, stats.kv_blocks_used)
         self._set(self.kv_free, stats.kv_blocks_free)
+        self._set(self.policy_errors, stats.policy_errors)
         for (method, size), steps in stats.tree_sizes.items():
             self._set(self._gauge(self._sizes, method=method, size=str(size)), steps)
         for kind, sizes in stats.estimated_tokens_per_step.items():

@@ -343,6 +343,7 @@ def test_metrics_show_the_traffic(server: TritonServer) -> None:
     assert 0 < m["specpipe_accepted_tokens_total"] <= m["specpipe_draft_tokens_total"]
     assert m["specpipe_queue_depth"] == 0 and m["specpipe_running_requests"] == 0
     assert m['specpipe_kv_blocks{state="used"}'] == 0 and m['specpipe_kv_blocks{state="free"}'] > 0
+    assert m["specpipe_speculation_policy_errors"] == 0
 
 
 def test_stop_words_cut_the_text_and_end_the_request(server: TritonServer, engine: LoadedEngine) -> None:
