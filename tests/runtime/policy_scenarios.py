@@ -22,7 +22,7 @@ def _scenarios() -> dict[str, Callable[[SpeculationPolicy], tuple[float, list]]]
         "batch 8, jitter": lambda p: t.run(p, t.CPU_BATCH, batch=8, steps=150, jitter=0.3, slow_after_trees=1.5),
         "batch 32, costly": lambda p: t.run(p, t.COSTLY, batch=32, steps=60),
         "batch 4, new requests": lambda p: t.run(p, t.LIGHT, batch=4, steps=200, lag=t.Lag(renew_every=40)),
-        "batch 1, stands of 4": _patched("DRAFTING_STANDS", 4, lambda p: t.run(p, shift, batch=1, steps=200)),
+        "batch 1, shift, stands of 4": _patched("DRAFTING_STANDS", 4, lambda p: t.run(p, shift, batch=1, steps=300)),
     }
 
 

@@ -50,6 +50,8 @@ def test_the_compiled_policy_decides_and_learns_as_the_python_one(built: Path) -
     assert runs[True].keys() == runs[False].keys()
     for name in runs[False]:
         assert runs[True][name] == runs[False][name], name
+    # the patched constant reached the compiled code: that run differs from the one without it
+    assert runs[True]["batch 1, shift, stands of 4"]["sizes"] != runs[True]["batch 1, shift"]["sizes"]
 
 
 def test_the_policys_own_tests_pass_on_the_other_form(built: Path) -> None:
