@@ -29,7 +29,7 @@ from bisect import bisect_right
 
 import torch
 
-from runtime import speculation_policy
+from runtime import native_policy
 from runtime.attention_batch import Segment
 from runtime.block_manager import BlockManager
 from runtime.config import RuntimeConfig
@@ -445,13 +445,13 @@ class EngineCore:
         killed the engine. Call from an `except` block."""
         self.policy_errors += 1
         if self.policy_errors == 1:
-            compiled = "compiled" if not speculation_policy.__file__.endswith(".py") else "Python"
             log.exception(
                 "the speculation policy's %s failed (it runs %s); this step decodes auto-regressively, its "
                 "tokens unchanged, and later failures are only counted (policy_errors). Report it; "
-                "SPECPIPE_COMPILED_POLICY=0 runs the policy as Python, --speculation fixed without choices",
+                "%s=0 runs the policy as Python, --speculation fixed without choices",
                 call,
-                compiled,
+                "compiled" if native_policy.active() else "as Python",
+                native_policy.ENV,
             )
 
     def _finish(self, request: Request, reason: str, error: str | None = None) -> Request:

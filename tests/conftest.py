@@ -43,7 +43,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     if not native_policy.active():
         return
-    skip = pytest.mark.skip(reason="replaces a policy function; the policy runs compiled (SPECPIPE_COMPILED_POLICY=0)")
+    skip = pytest.mark.skip(reason=f"replaces a policy function; the policy runs compiled ({native_policy.ENV}=0)")
     for item in items:
         if item.get_closest_marker("python_policy"):
             item.add_marker(skip)
