@@ -8,8 +8,9 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks.lockstep import parse_config
 from benchmarks.policy_replay import fingerprint
-from runtime import native_policy, speculation_policy
+from runtime import native_policy
 from runtime.speculation_policy import SpeculationPolicy
 from tests.runtime import test_speculation_policy as t
 
@@ -22,22 +23,22 @@ def _scenarios() -> dict[str, Callable[[SpeculationPolicy], tuple[float, list]]]
         "batch 8, jitter": lambda p: t.run(p, t.CPU_BATCH, batch=8, steps=150, jitter=0.3, slow_after_trees=1.5),
         "batch 32, costly": lambda p: t.run(p, t.COSTLY, batch=32, steps=60),
         "batch 4, new requests": lambda p: t.run(p, t.LIGHT, batch=4, steps=200, lag=t.Lag(renew_every=40)),
-        "batch 1, shift, stands of 4": _patched("DRAFTING_STANDS", 4, lambda p: t.run(p, shift, batch=1, steps=300)),
+        "batch 1, shift, stands of 4": _patched(STANDS_OF_4, lambda p: t.run(p, shift, batch=1, steps=300)),
     }
 
 
+STANDS_OF_4 = "redrafter@runtime.speculation_policy.DRAFTING_STANDS=4"
+"""A configuration with a policy constant patched, as `benchmarks.lockstep` takes one."""
+
+
 def _patched(
-    name: str, value: object, scenario: Callable[[SpeculationPolicy], tuple[float, list]]
+    config: str, scenario: Callable[[SpeculationPolicy], tuple[float, list]]
 ) -> Callable[[SpeculationPolicy], tuple[float, list]]:
-    """`scenario` with the policy's module constant `name` at `value` (as `benchmarks.lockstep` patches one)."""
+    """`scenario` under `config`'s patches, set and restored by `benchmarks.lockstep` itself."""
 
     def run(p: SpeculationPolicy) -> tuple[float, list]:
-        old = getattr(speculation_policy, name)
-        setattr(speculation_policy, name, value)
-        try:
+        with parse_config(config).patched():
             return scenario(p)
-        finally:
-            setattr(speculation_policy, name, old)
 
     return run
 

@@ -33,10 +33,10 @@ def built() -> Path:
 
 
 def test_the_compiled_policy_decides_and_learns_as_the_python_one(built: Path) -> None:
-    """Five synthetic runs (`policy_scenarios.py`: batch 1 steady and after acceptance
+    """Six synthetic runs (`policy_scenarios.py`: batch 1 steady and after acceptance
     collapses, batch 8 with jitter and slow plain steps after trees, batch 32 where drafting
-    does not pay, batch 4 with requests replaced; one with a module constant changed, as
-    `benchmarks.lockstep` changes them): every step's sizes, the tokens per second, the
+    does not pay, batch 4 with requests replaced, and the collapse again with a module
+    constant patched by `benchmarks.lockstep`'s own patching): every step's sizes, the tokens per second, the
     solves by cause and a fingerprint of the whole state equal the Python form's. Test of
     the test: the compiled run is compiled (and mypyc checks the declared types the Python
     does not: an int constant that was a float, a float sum started at int 0, each failed
