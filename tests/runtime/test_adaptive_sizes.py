@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
 
 import pytest
 
@@ -18,25 +17,10 @@ from runtime.proposers.rsd import CONTEXTS
 from runtime.sampling import SamplingParams
 from runtime.speculation_policy import Offer, SpeculationPolicy, StepStats
 from tests import toy_sampling
+from tests.policy_spy import spy_on
 from tests.stats import chi_square, passes_chi_square
 
 SETTINGS = {"beam_width": 3, "beam_length": 3, "branching": (2, 2, 1)}
-
-
-def spy_on(
-    monkeypatch: pytest.MonkeyPatch, policy: SpeculationPolicy, name: str, before: Callable[..., object]
-) -> None:
-    """`before(*args)` ahead of each call of `policy`'s method `name` (this policy's only): on
-    the class, where the engine's calls go, since a compiled policy's instances take no
-    attributes of their own (`runtime.native_policy`)."""
-    method = getattr(SpeculationPolicy, name)
-
-    def spied(self: SpeculationPolicy, *args: object) -> object:
-        if self is policy:
-            before(*args)
-        return method(self, *args)
-
-    monkeypatch.setattr(SpeculationPolicy, name, spied)
 
 
 @pytest.fixture

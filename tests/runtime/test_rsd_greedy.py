@@ -17,8 +17,9 @@ from runtime.config import RuntimeConfig
 from runtime.engine_dir import BuildConfig
 from runtime.loaded_engine import LoadedEngine
 from runtime.sampling import SamplingParams
-from runtime.speculation_policy import SpeculationPolicy, StepStats, draft_fit
+from runtime.speculation_policy import draft_fit
 from tests.device import TEST_DEVICE
+from tests.policy_spy import spy_on
 from training.corpus import heldout_prompts
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
@@ -94,15 +95,7 @@ def test_greedy_requests_batched_with_sampled_ones_equal_target(
     params = [PARAMS if i % 2 == 0 else SamplingParams(max_tokens=32, temperature=1.0, seed=i) for i in range(n)]
     llm = llm_engine.LLMEngine(engines["draft-lm"], FIXED)
     calls: Counter[str] = Counter()  # drafting calls handed to the policy, by fit (a fixed one learns no prices)
-    observe = SpeculationPolicy.observe
-
-    def spy(self: SpeculationPolicy, stats: StepStats) -> None:
-        if self is llm.policy:
-            calls.update(stats.drafting.keys())
-        observe(self, stats)
-
-    # on the class: a compiled policy's instances take no attributes of their own (`runtime.native_policy`)
-    monkeypatch.setattr(SpeculationPolicy, "observe", spy)
+    spy_on(monkeypatch, llm.policy, "observe", lambda stats: calls.update(stats.drafting.keys()))
     results = llm.generate(prompts[:n], params, method, **settings)
     for i in range(0, n, 2):
         assert results[i].output_ids == reference[i], f"greedy prompt {i} diverged beside sampled ones ({method})"
