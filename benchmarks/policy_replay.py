@@ -170,12 +170,11 @@ def load(path: Path) -> dict[str, Any]:
     fix where this process runs the other form."""
     compiled = native_policy.active()
     recording: dict[str, Any] = pickle.loads(path.read_bytes())
-    if recording.get("compiled", False) != compiled:
-        forms = ("Python", "compiled") if compiled else ("compiled", "Python")
-        value = "1" if not compiled else "0"
+    if (recorded := bool(recording.get("compiled", False))) != compiled:
+        form = {True: "compiled", False: "Python"}
         raise SystemExit(
-            f"{path}: recorded with the {forms[0]} policy, and this process runs the {forms[1]} one; "
-            f"replay it with {native_policy.ENV}={value}"
+            f"{path}: recorded with the {form[recorded]} policy, and this process runs the {form[compiled]} one; "
+            f"replay it with {native_policy.ENV}={int(recorded)}"
         )
     return recording
 
