@@ -52,7 +52,9 @@ with bounded exploration so it never settles on a stale estimate for good.
   for level cost charged every later level ~3x its price), charged in full to a probe
   and, for a steady choice, spread over the steps a method's runs of drafting have
   lasted (`SpeculationPolicy.horizons`; once caught up, a request stays caught up while
-  it drafts), never over more steps than the request has left (`CATCH_UP_WITHIN_LEFT`).
+  it drafts), never over more steps than the request has left (`CATCH_UP_WITHIN_LEFT`);
+  a choice to draft starts the requests that must catch up a few a step, each step's
+  catch-up within about two plain steps (`CATCH_UP_STAGE`).
 
 Choice (`choose`): a few Dinkelbach iterations (maximising a ratio: at the current rate
 lambda each request independently picks argmax_s tau_r(s) - lambda * marginal_cost_r(s)),
@@ -277,6 +279,17 @@ batch drafted a step or two, paid its prompts' catch-up (~4% of a 64-token round
 back to auto-regression; runs that short make the next catch-up dear enough to stay."""
 HORIZON_EMA = 0.2
 """Weight of a finished run of drafting in its method's mean run length."""
+CATCH_UP_STAGE = 2.0
+"""Most catch-up a choice to draft starts in one step, in plain steps of the batch
+(`_stage`): requests that must catch up before they draft (a draft LM's, after a prompt or
+a run without drafting) start a few a step, the least behind first, like chunks of a
+prefill. Started all at once, a choice to draft at batch 32 whose estimates came from
+batch 1 (sd at T=0, its chains priced at 4.1 tokens a step where they made ~3) read ~3500
+prompt tokens in one step (~55 ms, a plain step ~5 ms, every request's next token held
+that long) and went back to auto-regression after it: one such round in six cost sd,
+rsd-c and rsd-s ~2% of their speed at batch 32. In stages, the first one's trees end a
+choice that does not pay before the rest of the batch has paid its catch-up, and one that
+pays has started every request a few steps later."""
 CATCH_UP_WITHIN_LEFT = True
 """A request's catch-up is spread over no more steps than it has left (`_catch_up`): its
 `Offer.left` tokens at the most a step of it yields. Spread over its method's mean run of
@@ -396,6 +409,7 @@ SOLVE_CAUSES = {
     "replaced": "a request with trees of its own took another's place",
     "probe": "a probe came due",
     "fresh": "a fresh request took another's place, its kind's long-run estimate unlike the recent one",
+    "staged": "the solve before held requests back from drafting, their catch-up beyond a step's (`CATCH_UP_STAGE`)",
 }
 """What ended a decision before a full solve (`SpeculationPolicy.solves`)."""
 TreeSums = dict[tuple[Hashable, int], list[float]]
@@ -1162,8 +1176,27 @@ class SpeculationPolicy:
         self._settled, expired, self._expired = None, self._expired, None
         self._unsettled = "unsettled"
         if probe is None and not plain:
-            self._settle(members, batch, others, best, offers, chosen, expired, candidate)
+            if self._stage(offers, chosen, batch, others):  # the rest start in the next steps: solved again
+                self._drafted, self._probed_plain, self._unsettled = True, None, "staged"
+            else:
+                self._settle(members, batch, others, best, offers, chosen, expired, candidate)
         return chosen, probed, plain
+
+    def _stage(self, offers: list[Offer], chosen: dict[str, int], batch: list[_Group], others: int) -> bool:
+        """Hold back (size 1 in `chosen`) the requests a choice to draft starts beyond this
+        step's share of catch-up (`CATCH_UP_STAGE` plain steps of the batch, at the
+        drafters' per-token slopes), the least behind first, the first always; whether
+        any was held back. Requests already caught up draft as chosen."""
+        starting = sorted((o for o in offers if o.lag and chosen[o.key] > 1), key=lambda o: o.lag)
+        if len(starting) < 2:
+            return False
+        budget = CATCH_UP_STAGE * self._evaluate(batch, [1] * len(batch), others).seconds
+        spent, held = 0.0, False
+        for k, o in enumerate(starting):
+            spent += self._token_read(o, chosen[o.key]) * o.lag
+            if k and spent > budget:
+                chosen[o.key], held = 1, True
+        return held
 
     def _best(self, batch: list[_Group], others: int) -> _Choice:
         """The best of every uniform choice and a few Dinkelbach rounds (none for one group:

@@ -143,9 +143,11 @@ def run(
     slow_after_trees: float = 1.0,
     solve_ms: float = 0.0,
     jitter: float = 0.0,
+    caught: list[int] | None = None,
 ) -> tuple[float, list]:
     """Tokens per second over `steps` steps (a list of worlds: one per step), and the sizes
-    chosen per step. `host` False: the engine as it was, not reporting its host work.
+    chosen per step (`caught`: each step's tokens caught up, appended). `host` False: the
+    engine as it was, not reporting its host work.
     `slow_after_trees`: how much slower plain steps run (forward and host work) until
     `SLOW_STEPS` + 1 of them followed the last step with trees (a CPU after heavy GEMMs).
     `solve_ms`: what a full solve of the policy costs (a step whose decision stood: nothing).
@@ -181,6 +183,8 @@ def run(
                 behind[key] += 1
         stats.num_tokens, stats.num_requests = sum(1 + WIDTHS[s] * L for s in chosen.values()), batch
         plain_run = 0 if drafted else plain_run + 1
+        if caught is not None:
+            caught.append(caught_up)
         slow = slow_after_trees if 0 < plain_run <= SLOW_STEPS else 1.0
         if jitter:
             slow *= 1.0 + jitter * noise.random()
@@ -1293,7 +1297,9 @@ def test_a_steady_choice_to_draft_pays_for_its_catch_up_over_a_horizon(monkeypat
     is still dearer than what drafting gains, so the batch stays auto-regressive (one
     request may probe). Charged nothing, as before, the whole batch drafted and paid every
     catch-up at once (the demo engine, sd at batch 16: 0.88x auto-regression, 0.96x with
-    the charge); with nothing to catch up it drafts."""
+    the charge); with nothing to catch up it drafts. (Started at once: `CATCH_UP_STAGE`
+    is tested on its own below.)"""
+    monkeypatch.setattr(speculation_policy, "CATCH_UP_STAGE", float("inf"))
     world = World(a=8.0, b=0.15, c=3.0, d=0.05, alpha=0.6, e=0.3)
     assert fixed(world, 16, 5, 300) > 1.1 * fixed(world, 16, 1, 300)
     p = calibrated(world)
@@ -1313,6 +1319,44 @@ def test_a_steady_choice_to_draft_pays_for_its_catch_up_over_a_horizon(monkeypat
     assert drafting(PROMPT) <= 1
     monkeypatch.setattr(speculation_policy, "CATCH_UP_HORIZON", float("inf"))
     assert drafting(PROMPT) == 16
+
+
+def _catching_up(world: World, start: int, seed: int = 0) -> tuple[float, list[int], list[int]]:
+    """Batch 16, each request `start` tokens behind its drafter, after 60 steps at batch 1
+    (the estimates a warm-up leaves): its rate over auto-regression's, how many requests
+    draft in each step, and the tokens caught up in each."""
+    p = calibrated(world)
+    p.add_draft_samples("redrafter", [(L, L, PROMPT, L, world.draft(L) + CATCH_UP_MS * PROMPT / 1000)])
+    run(p, world, batch=1, steps=60, seed=seed)
+    caught: list[int] = []
+    rate, history = run(p, world, batch=16, steps=300, seed=seed, lag=Lag(start=start), caught=caught)
+    return rate / fixed(world, 16, 1, 300), [sum(size > 1 for size in h) for h in history], caught
+
+
+def test_a_choice_to_draft_starts_its_catch_ups_a_few_a_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`CATCH_UP_STAGE`: 16 requests 60 tokens behind (6 ms each, a plain step ~15 ms) where
+    drafting pays start drafting a few a step, the least behind first: no step reads more
+    than its share of catch-up, and every request drafts within a few steps, as fast as
+    starting them at once. Started at once, the first step reads all 16 catch-ups (~100
+    ms). Where 5-node trees do not pay at batch 16 (each request's rows cost `g` more, which
+    the estimates from batch 1 cannot see), the first stage's steps end the choice before the
+    rest of the batch pays its catch-up: ~2% faster than starting all 16 (the demo draft LM
+    at batch 32: a round's worst step 77-81 ms at once, 35-42 ms in stages, prefill steps
+    ~30)."""
+    pays = World(a=8.0, b=0.15, c=3.0, d=0.05, alpha=0.7, e=0.3)
+    assert fixed(pays, 16, 5, 300) > 1.25 * fixed(pays, 16, 1, 300)
+    hidden = dataclasses.replace(pays, g=4.0)
+    assert fixed(hidden, 16, 5, 300) < 0.5 * fixed(hidden, 16, 1, 300)
+    staged, drafting, caught = _catching_up(pays, 60)
+    first = next(i for i, n in enumerate(drafting) if n)
+    assert 1 < drafting[first] <= 6 and drafting[first + 6] == 16, drafting[: first + 8]
+    assert max(caught) <= 6 * 62, caught[: first + 8]  # (a request waiting falls a token further behind a step)
+    lost = np.mean([_catching_up(hidden, 60, seed)[0] for seed in range(4)])
+    monkeypatch.setattr(speculation_policy, "CATCH_UP_STAGE", float("inf"))
+    at_once, drafting, caught = _catching_up(pays, 60)
+    assert drafting[next(i for i, n in enumerate(drafting) if n)] == 16 and max(caught) > 16 * 60
+    assert staged > 0.99 * at_once
+    assert lost > np.mean([_catching_up(hidden, 60, seed)[0] for seed in range(4)]) + 0.01
 
 
 def test_the_catch_up_horizon_is_how_long_runs_of_drafting_last() -> None:
