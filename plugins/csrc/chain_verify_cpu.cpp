@@ -13,9 +13,12 @@
 //       then q = softmax(logits[c] / T)
 //     else q = norm([q - p_c]^+) and stop                       (RSD eq. 4: c had no sibling)
 //   bonus = inverse CDF of q at the bonus uniform               (`specpipe::draw_row`)
-// The laws are the same ATen ops on the same rows as the Python walk's, so the same bits; what
-// it saves is the walk's Python (~0.25 ms a step for one chain of five drafts) and the laws
-// of nodes past the first rejection, which the walk's table computed anyway.
+// The laws are the Python walk's, bit for bit: its softmax and sums are the same ATen calls on
+// the same rows, its elementwise steps (the residual's difference, clamp and division: IEEE
+// operations) plain loops. What it saves is the walk's Python (~0.25 ms a step for one chain
+// of five drafts), the laws of nodes past the first rejection, which the walk's table
+// computed anyway, and ATen calls: ~7 us each with the caches a forward leaves, the eight of
+// a rejection's residual and a division by T = 1 took half of a call.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
@@ -31,19 +34,34 @@
 
 namespace {
 
-// `runtime.verify.residual`: norm([q - p]^+), or q where nothing is left (q == p).
-at::Tensor residual(const at::Tensor& q, const at::Tensor& p) {
-  const at::Tensor positive = (q - p).clamp_min(0.0);
-  const at::Tensor mass = positive.sum(-1, true);
-  return at::where(mass > 0, positive / mass.clamp_min(std::numeric_limits<float>::min()), q);
-}
-
 // `runtime.verify.host_acceptance`: min(1, q(x) / p(x)) as fp32, the quotient taken in fp64
 // and rounded once (the correctly rounded fp32 quotient).
 double acceptance(float qx, float px) {
   const double quotient = static_cast<double>(qx) / std::max(static_cast<double>(px),
                                                               static_cast<double>(std::numeric_limits<float>::min()));
   return std::min(1.0, static_cast<double>(static_cast<float>(quotient)));
+}
+
+// softmax(row / T) as `runtime.sampling.target_probs` computes it (`at::softmax` of the row
+// divided by T: `at::_softmax`, which it calls, and no division at T = 1, where x / 1 is x).
+at::Tensor target_law(const float* row, int64_t V, double temperature) {
+  const at::Tensor logits = at::from_blob(const_cast<float*>(row), {V}, at::TensorOptions().dtype(at::kFloat));
+  return at::_softmax(temperature == 1.0 ? logits : logits.div(temperature), -1, false);
+}
+
+// `runtime.verify.residual` into `law`: norm([q - p]^+), or q where nothing is left (q == p);
+// p the draft law `p` (nullptr: a point mass at x). The elementwise steps are IEEE operations
+// (the same bits by hand as ATen's); the sum stays ATen's, whose order sets its bits. Written
+// as ~7 ATen calls, each ~7 us with the caches a forward leaves, it was half of the call.
+void residual(const float* q, const float* p, int64_t x, int64_t V, std::vector<float>& law) {
+  for (int64_t i = 0; i < V; ++i) law[i] = std::max(q[i] - (p != nullptr ? p[i] : (i == x ? 1.0f : 0.0f)), 0.0f);
+  const float mass = at::from_blob(law.data(), {V}, at::TensorOptions().dtype(at::kFloat)).sum(-1, true).item<float>();
+  if (!(mass > 0.0f)) {
+    std::copy(q, q + V, law.begin());
+    return;
+  }
+  const float norm = std::max(mass, std::numeric_limits<float>::min());
+  for (int64_t i = 0; i < V; ++i) law[i] /= norm;
 }
 
 std::tuple<at::Tensor, at::Tensor> verify_sampled_chains(at::TensorList logits, at::TensorList laws,
@@ -61,11 +79,12 @@ std::tuple<at::Tensor, at::Tensor> verify_sampled_chains(at::TensorList logits, 
   const double* bonus_u = bonus_uniforms.data_ptr<double>();
   for (int64_t b = 0; b < B; ++b) {  // every chain's arguments checked before any walk
     const at::Tensor& rows = logits[b];
-    TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == at::kFloat && rows.device().is_cpu(),
-                "chain ", b, ": logits must be fp32 CPU [N, V]");
+    TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == at::kFloat && rows.device().is_cpu() && rows.is_contiguous(),
+                "chain ", b, ": logits must be dense fp32 CPU [N, V]");
     const int64_t N = rows.size(0), V = rows.size(1);
-    TORCH_CHECK(laws[b].numel() == 0 || (laws[b].sizes() == rows.sizes() && laws[b].scalar_type() == at::kFloat),
-                "chain ", b, ": draft laws must be fp32 [N, V] like its logits (or empty: point masses)");
+    TORCH_CHECK(laws[b].numel() == 0 || (laws[b].sizes() == rows.sizes() && laws[b].scalar_type() == at::kFloat &&
+                                         laws[b].is_contiguous()),
+                "chain ", b, ": draft laws must be dense fp32 [N, V] like its logits (or empty: point masses)");
     TORCH_CHECK(tokens[b].dim() == 1 && tokens[b].size(0) == N && tokens[b].scalar_type() == at::kLong &&
                     tokens[b].is_contiguous(),
                 "chain ", b, ": tokens must be dense int64 [N]");
@@ -83,34 +102,31 @@ std::tuple<at::Tensor, at::Tensor> verify_sampled_chains(at::TensorList logits, 
   at::parallel_for(0, B, 2, [&](int64_t begin, int64_t end) {
     at::ThreadLocalStateGuard caller(state);  // the caller's inference mode on every thread
     std::vector<double> cdf;
+    std::vector<float> law;
     for (int64_t b = begin; b < end; ++b) {
-      const at::Tensor& rows = logits[b];
-      const int64_t N = rows.size(0), V = rows.size(1);
-      const bool drawn = laws[b].numel() > 0;  // else point masses
+      const int64_t N = logits[b].size(0), V = logits[b].size(1);
+      const float* rows = logits[b].data_ptr<float>();
+      const float* p = laws[b].numel() > 0 ? laws[b].data_ptr<float>() : nullptr;  // else point masses
       const int64_t* tok = tokens[b].data_ptr<int64_t>();
       const float* u = uniforms[b].data_ptr<float>();
-      at::Tensor q = at::softmax(rows[0].div(temperatures[b]), -1);
+      at::Tensor q = target_law(rows, V, temperatures[b]);
+      const float* draw = nullptr;  // the law the bonus is drawn from
       int64_t c = 1;
       for (; c < N; ++c) {
         const int64_t x = tok[c];
-        const at::Tensor p = drawn ? laws[b][c] : at::Tensor();
-        const float px = drawn ? p.data_ptr<float>()[x] : 1.0f;
-        if (static_cast<double>(u[c - 1]) < acceptance(q.data_ptr<float>()[x], px)) {
-          q = at::softmax(rows[c].div(temperatures[b]), -1);
+        const float* p_c = p != nullptr ? p + c * V : nullptr;
+        if (static_cast<double>(u[c - 1]) < acceptance(q.data_ptr<float>()[x], p_c != nullptr ? p_c[x] : 1.0f)) {
+          q = target_law(rows + c * V, V, temperatures[b]);
           continue;
         }
-        at::Tensor point;
-        if (!drawn) {
-          point = at::zeros({V}, q.options());
-          point.data_ptr<float>()[x] = 1.0f;
-        }
-        q = residual(q, drawn ? p : point);
+        law.resize(V);
+        residual(q.data_ptr<float>(), p_c, x, V, law);
+        draw = law.data();
         break;
       }
       accepted.data_ptr<int64_t>()[b] = c - 1;
-      const at::Tensor law = q.contiguous();
       cdf.resize(V);
-      bonus.data_ptr<int64_t>()[b] = specpipe::draw_row(law.data_ptr<float>(), bonus_u[b], V, cdf);
+      bonus.data_ptr<int64_t>()[b] = specpipe::draw_row(draw != nullptr ? draw : q.data_ptr<float>(), bonus_u[b], V, cdf);
     }
   });
   return {accepted, bonus};
