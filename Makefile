@@ -256,7 +256,7 @@ bench-churn: engine  ## load-aware vs AR in lockstep while requests of 16-96 tok
 	$(BIN)/python -m benchmarks.churn
 
 REPEATS ?= 1
-bench-goals: engine  ## issue 16's CPU goals in one run: every goal cell (ReDrafter, draft LM, Lyanna; batch 1/8/32, T=0/1) in lockstep against AR and fixed speculation, judged (~6 min a pass on 2 cores; REPEATS=3: judged by the medians of 3 passes) -> benchmarks/results/goals.{json,md}
+bench-goals: engine  ## issue 16's CPU goals in one run: every goal cell (ReDrafter, draft LM, Lyanna; batch 1/8/32, T=0/1) in lockstep against AR and fixed speculation, judged (~7 min a pass on 2 cores; REPEATS=3: judged by the medians of 3 passes) -> benchmarks/results/goals.{json,md}
 	$(BIN)/python -m benchmarks.goals --repeats $(REPEATS)
 
 bench-lockstep: engine  ## load-aware ReDrafter against AR in lockstep (engines step in turn), T=1, batch 1/2/8 -> benchmarks/results/lockstep_redrafter_b*_t1.{json,md}

@@ -21,7 +21,7 @@ The goals (issue 16, CPU, demo engines, default settings):
 A ratio to AR moves with AR's own speed (the hour's machine: AR's tokens/s are in the
 table), and single cells by ~1-2% between runs; the share of the best is the steadier
 figure (both sides in one run). `--repeats N` runs every cell N times, a whole pass of the
-cells apart (~6 min a pass), and judges each configuration by its medians over the passes,
+cells apart (~7 min a pass), and judges each configuration by its medians over the passes,
 each pass's figures beside them: on a shared 2-core VM one configuration read 1.70x AR in
 one hour and 2.05x in another (ReDrafter at batch 1, T=0, session 31), and a batch-32
 cell's four rounds (~10 s) moved by 5% between runs minutes apart. At T=0 every
