@@ -287,9 +287,10 @@ prefill. Started all at once, a choice to draft at batch 32 whose estimates came
 batch 1 (sd at T=0, its chains priced at 4.1 tokens a step where they made ~3) read ~3500
 prompt tokens in one step (its drafting 54-62 ms, the step 77-81 ms where a plain step
 takes ~5, every request's next token held that long) and went back to auto-regression
-after it: one such round in six cost sd, rsd-c and rsd-s ~2% of their speed at batch 32. In stages, the first one's trees end a
-choice that does not pay before the rest of the batch has paid its catch-up, and one that
-pays has started every request a few steps later."""
+after it: one such round in six cost sd, rsd-c and rsd-s ~2% of their speed at batch 32.
+In stages, the first one's trees end a choice that does not pay before the rest of the
+batch has paid its catch-up, and one that pays has started every request a few steps
+later."""
 CATCH_UP_WITHIN_LEFT = True
 """A request's catch-up is spread over no more steps than it has left (`_catch_up`): its
 `Offer.left` tokens at the most a step of it yields. Spread over its method's mean run of
