@@ -82,8 +82,9 @@ def _cells() -> list[Cell]:
             goal = {(0.0, 1): 2.0, (0.0, 32): 1.0, (1.0, 8): 0.97}.get((t, b))
             goals = {"redrafter": goal} if goal else {}
             cells.append(Cell(f"redrafter-b{b}-t{t:g}", "redrafter", b, t, ("redrafter",), REDRAFTER_FIXED, goals))
-        for b in (1, 8, 32):  # (batch 32: within 3% of the best alone, no ratio to AR asked)
-            goals = dict.fromkeys(DRAFT_LM, 1.5 if b == 1 else 1.0) if b < 32 else {}
+        for b in (1, 8, 32):
+            goal = {1: 1.5, 8: 1.0}.get(b)  # (batch 32: within 3% of the best alone, no ratio to AR asked)
+            goals = dict.fromkeys(DRAFT_LM, goal) if goal else {}
             cells.append(Cell(f"sd-b{b}-t{t:g}", "draft-lm", b, t, DRAFT_LM, ("sd:fixed",), goals))
         for b in (1, 8, 32):
             cells.append(Cell(f"lyanna-b{b}-t{t:g}", "lyanna", b, t, ("lyanna",), LYANNA_FIXED))
