@@ -42,7 +42,8 @@ def test_the_kernel_is_the_product_to_rounding(m: int, i: int, o: int) -> None:
 def test_a_row_does_not_depend_on_the_others() -> None:
     """Every output is summed in input order whatever the row's tile: rows alone, in a full
     tile, in a remainder, or in a call of 2-6 rows (one tile whose weights are streamed with
-    non-temporal prefetches) are bitwise the same."""
+    non-temporal prefetches; past one tile, the first tile prefetches temporally) are
+    bitwise the same."""
     w = block16(weight(100, 384))
     x = torch.randn(23, 384)  # tiles of 6: three whole ones and a remainder of 5
     together = torch.ops.specpipe_cpu.fp32_linear(x, w, 100)
