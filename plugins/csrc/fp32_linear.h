@@ -65,7 +65,7 @@ constexpr int kRows = 6;                     // rows per register tile
 // sums in flight; AVX2's 16 registers hold one block (12 accumulators).
 constexpr int kBlocks = kWide == 16 ? 4 : 1;
 
-constexpr int64_t kAhead = 32;  // lines ahead of the one read that a streamed tile prefetches
+constexpr int64_t kAhead = 32;  // lines ahead of the one read that a prefetching tile prefetches
 
 enum Prefetch { kNone, kStream, kKeep };  // the weight lines ahead: not, non-temporally, temporally
 
