@@ -34,8 +34,8 @@
 // lines from cache), and the others none. Measured in lockstep against the same engine
 // without it (session 44, 2-thread AMD EPYC, demo engines): auto-regression at batch 8
 // +3.0% tokens/s (its forward 1.63 -> 1.53 ms), load-aware ReDrafter at batch 4 +3.0%,
-// auto-regression at batch 32 +0.3% (forward 3.82 -> 3.77 ms). A prefetch is a hint: the
-// arithmetic, and so the result, is the same.
+// auto-regression at batch 32 within noise (1.000 against 1.003 without; forward 3.82 ->
+// 3.77 ms). A prefetch is a hint: the arithmetic, and so the result, is the same.
 #pragma once
 
 #include <ATen/Parallel.h>
