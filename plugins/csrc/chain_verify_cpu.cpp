@@ -42,13 +42,6 @@ double acceptance(float qx, float px) {
   return std::min(1.0, static_cast<double>(static_cast<float>(quotient)));
 }
 
-// softmax(row / T) as `runtime.sampling.target_probs` computes it (`at::softmax` of the row
-// divided by T: `at::_softmax`, which it calls, and no division at T = 1, where x / 1 is x).
-at::Tensor target_law(const float* row, int64_t V, double temperature) {
-  const at::Tensor logits = at::from_blob(const_cast<float*>(row), {V}, at::TensorOptions().dtype(at::kFloat));
-  return at::_softmax(temperature == 1.0 ? logits : logits.div(temperature), -1, false);
-}
-
 // `runtime.verify.residual` into `law`: norm([q - p]^+), or q where nothing is left (q == p);
 // p the draft law `p` (nullptr: a point mass at x). The elementwise steps are IEEE operations
 // (the same bits by hand as ATen's); the sum stays ATen's, whose order sets its bits. Written
@@ -103,20 +96,22 @@ std::tuple<at::Tensor, at::Tensor> verify_sampled_chains(at::TensorList logits, 
     at::ThreadLocalStateGuard caller(state);  // the caller's inference mode on every thread
     std::vector<double> cdf;
     std::vector<float> law;
+    at::Tensor q, scaled;  // the target law at the node reached (`specpipe::temperature_law`), row / T
     for (int64_t b = begin; b < end; ++b) {
       const int64_t N = logits[b].size(0), V = logits[b].size(1);
       const float* rows = logits[b].data_ptr<float>();
       const float* p = laws[b].numel() > 0 ? laws[b].data_ptr<float>() : nullptr;  // else point masses
       const int64_t* tok = tokens[b].data_ptr<int64_t>();
       const float* u = uniforms[b].data_ptr<float>();
-      at::Tensor q = target_law(rows, V, temperatures[b]);
+      if (!q.defined() || q.numel() != V) q = at::empty({V}, logits[b].options());
+      specpipe::temperature_law(q, rows, V, temperatures[b], scaled);
       const float* draw = nullptr;  // the law the bonus is drawn from
       int64_t c = 1;
       for (; c < N; ++c) {
         const int64_t x = tok[c];
         const float* p_c = p != nullptr ? p + c * V : nullptr;
         if (static_cast<double>(u[c - 1]) < acceptance(q.data_ptr<float>()[x], p_c != nullptr ? p_c[x] : 1.0f)) {
-          q = target_law(rows + c * V, V, temperatures[b]);
+          specpipe::temperature_law(q, rows + c * V, V, temperatures[b], scaled);
           continue;
         }
         law.resize(V);

@@ -427,15 +427,11 @@ std::tuple<at::Tensor, at::Tensor> draft_lm_sampled_chain(
       at::Tensor scaled;
       for (int64_t i = begin; i < end; ++i) {
         const int64_t b = active[i];
-        // [V]: the law written in place (the same ATen kernels, no copy); rows by pointer, not
-        // by `select` (an ATen call each, ~2-7 us with the caches a forward leaves)
-        at::Tensor q = at::from_blob(laws.data_ptr<float>() + (b * (most + 1) + j + 1) * V, {V}, logits.options());
-        at::Tensor row = at::from_blob(logits.data_ptr<float>() + i * V, {V}, logits.options());
-        if (temperatures[b] != 1.0) {  // (x / 1 is x: no division at T = 1)
-          if (!scaled.defined()) scaled = at::empty({V}, logits.options());
-          row = at::div_out(scaled, row, temperatures[b]);
-        }
-        at::_softmax_out(q, row, 0, false);
+        // [V]: the law written in place (no copy); rows by pointer, not by `select` (an ATen
+        // call each, ~2-7 us with the caches a forward leaves)
+        const at::Tensor q =
+            at::from_blob(laws.data_ptr<float>() + (b * (most + 1) + j + 1) * V, {V}, logits.options());
+        specpipe::temperature_law(q, logits.data_ptr<float>() + i * V, V, temperatures[b], scaled);
         out[b * most + j] = specpipe::draw_row(q.data_ptr<float>(), u[b * uniforms.size(1) + j], V, cdf);
       }
     });
